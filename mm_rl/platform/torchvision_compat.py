@@ -30,10 +30,9 @@ _library: Any = None
 
 def _has_nms(torch: ModuleType) -> bool:
     try:
-        torch.ops.torchvision.nms
+        return torch.ops.torchvision.nms is not None
     except (AttributeError, RuntimeError):
         return False
-    return True
 
 
 def declare_missing_ops(package_dir: Path) -> bool:
