@@ -1,0 +1,299 @@
+"""Parallel layout planning and a per-device memory estimate.
+
+The planner picks TP/PP for a cluster, splits ViT blocks and LLM layers over pipeline stages by compute cost
+(ViT first, every stage with at least one LLM layer), and estimates per-device memory of the training phase.
+
+Cost model (forward FLOPs ~ 2 x parameters x tokens): a ViT block sees ``merge^2`` patches per image token, an
+LLM layer sees the whole sequence, and the output layer (vocab x hidden) costs as much as a few LLM layers; so
+32 ViT blocks of Qwen2.5-VL-7B weigh about as much as 2-3 LLM layers, not 32.
+
+Memory model per device (bytes): trainable parameters cost param + fp32 grad + (fp32 master + Adam m, v) / DP
+with the distributed optimizer (2 + 4 + 12 / DP in bf16; 4 + 4 + 8 / DP in fp32), frozen ones only their
+weights, the colocated reference model its weights; activations per layer and micro-batch follow
+s*b*h*(10 + 24/t + 5*a*s/(h*t)) (the attention-score term vanishes with flash attention), with 1F1B keeping
+PP - stage micro-batches in flight; the last stage adds fp32 logits and their gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+from mm_rl.config.schema import JobConfig, ModelConfig
+
+GIB = 1024**3
+DEFAULT_DEVICE_MEMORY_GB = {"npu": 64.0, "cuda": 80.0, "cpu": 24.0}
+
+
+@dataclass(frozen=True)
+class LayerCounts:
+    """Parameters of one block of each kind, and the model's fixed pieces."""
+
+    vit_layer: int
+    llm_layer: int
+    projector: int
+    embedding: int
+    output_layer: int
+    patch_embed: int
+
+
+def layer_counts(model: ModelConfig) -> LayerCounts:
+    text, vit = model.text_decoder, model.image_encoder.vision_encoder
+    proj = model.image_encoder.vision_projector
+    head_dim = text.kv_channels or text.hidden_size // text.num_attention_heads
+    groups = text.num_query_groups if text.group_query_attention else text.num_attention_heads
+    h, f = text.hidden_size, text.ffn_hidden_size
+    llm = h * (text.num_attention_heads + 2 * groups) * head_dim + text.num_attention_heads * head_dim * h
+    llm += (3 if text.swiglu else 2) * h * f
+    hv, fv = vit.hidden_size, vit.ffn_hidden_size
+    vit_layer = 4 * hv * hv + (3 if vit.swiglu else 2) * hv * fv
+    merged = proj.ffn_hidden_size
+    return LayerCounts(
+        vit_layer=vit_layer,
+        llm_layer=llm,
+        projector=merged * merged + merged * proj.hidden_size,
+        embedding=text.vocab_size * h,
+        output_layer=text.vocab_size * h,
+        patch_embed=vit.in_channels * vit.temporal_patch_size * vit.patch_size**2 * hv,
+    )
+
+
+def image_tokens(cfg: JobConfig) -> int:
+    """LLM tokens of a typical image: one at min_pixels (small geometry figures are scaled up to it)."""
+    vit = cfg.backend_config.model.image_encoder.vision_encoder
+    pixels = cfg.backend_config.data.dataset_param.preprocess_parameters.min_pixels
+    return max(1, pixels // (vit.patch_size * vit.spatial_merge_size) ** 2)
+
+
+def split_layers(model: ModelConfig, pp: int, seq_length: int, image_tokens: int) -> tuple[list[int], list[int]]:
+    """(vit_pp_layers, llm_pp_layers): contiguous stages minimising the most expensive stage's cost."""
+    counts = layer_counts(model)
+    n_vit = model.image_encoder.vision_encoder.num_layers
+    n_llm = model.text_decoder.num_layers
+    merge2 = model.image_encoder.vision_encoder.spatial_merge_size ** 2
+    vit_cost = counts.vit_layer * image_tokens * merge2
+    llm_cost = counts.llm_layer * seq_length
+    costs = [float(vit_cost)] * n_vit + [float(llm_cost)] * n_llm
+    costs[-1] += counts.output_layer * seq_length
+    cuts = _min_max_partition(costs, pp, first_allowed=n_vit + 1)
+    bounds = [0, *cuts, len(costs)]
+    vit_split = [max(0, min(b, n_vit) - min(a, n_vit)) for a, b in zip(bounds, bounds[1:], strict=False)]
+    llm_split = [(b - a) - v for (a, b), v in zip(zip(bounds, bounds[1:], strict=False), vit_split, strict=True)]
+    return vit_split, llm_split
+
+
+def _min_max_partition(costs: list[float], parts: int, first_allowed: int) -> list[int]:
+    """Cut points splitting ``costs`` into ``parts`` contiguous runs, each holding at least one LLM layer.
+
+    The first cut may not come before ``first_allowed`` (the ViT blocks plus one LLM layer); every run after
+    it holds at least one item. Classic dynamic programme over prefix sums: O(parts x n^2), n <= a few hundred.
+    """
+    n = len(costs)
+    if parts <= 1:
+        return []
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = math.inf
+    # best[k][j]: minimal max-cost splitting the first j items into k runs (the first run ends >= first_allowed).
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    back = [[0] * (n + 1) for _ in range(parts + 1)]
+    for j in range(first_allowed, n + 1):
+        best[1][j] = prefix[j]
+    for k in range(2, parts + 1):
+        for j in range(first_allowed + k - 1, n + 1):
+            for i in range(first_allowed + k - 2, j):
+                cost = max(best[k - 1][i], prefix[j] - prefix[i])
+                if cost < best[k][j]:
+                    best[k][j], back[k][j] = cost, i
+    cuts, j = [], n
+    for k in range(parts, 1, -1):
+        j = back[k][j]
+        cuts.append(j)
+    return cuts[::-1]
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Estimated memory of one device of a pipeline stage, in GiB."""
+
+    stage: int
+    weights: float
+    grads: float
+    optimizer: float
+    reference: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.reference + self.activations
+
+
+def estimate_memory(cfg: JobConfig) -> list[StageMemory]:
+    b = cfg.backend_config
+    model, t, actor = b.model, b.training, b.actor_config
+    tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
+    dp = max(1, cfg.env.NNODES * cfg.env.NPROC_PER_NODE // (tp * pp * cp))
+    counts = layer_counts(model)
+    low_precision = t.bf16 and cfg.env.DEVICE != "cpu"
+    weight_bytes = 2 if low_precision else 4
+    opt_bytes = (12 if low_precision else 8) / (dp if t.use_distributed_optimizer else 1)
+    micro_batches = max(1, b.megatron_training.global_batch_size // (actor.micro_batch_size * dp))
+    vit_layers = model.image_encoder.vision_encoder.pipeline_num_layers
+    llm_layers = model.text_decoder.pipeline_num_layers
+    out = []
+    for s in range(pp):
+        frozen, trainable = _stage_params(cfg, counts, s, vit_layers, llm_layers)
+        total_params = (frozen + trainable) / tp
+        in_flight = min(pp - s, micro_batches)
+        act = in_flight * _stage_activations(cfg, s, vit_layers, llm_layers, tp, cp)
+        if s == pp - 1:
+            act += 2 * 4 * (t.seq_length // cp) * actor.micro_batch_size * model.text_decoder.vocab_size / tp
+        out.append(StageMemory(
+            stage=s,
+            weights=total_params * weight_bytes / GIB,
+            grads=trainable / tp * 4 / GIB,
+            optimizer=trainable / tp * opt_bytes / GIB,
+            reference=total_params * weight_bytes / GIB if b.rl_config.colocate_ref else 0.0,
+            activations=act / GIB,
+        ))
+    return out
+
+
+def _stage_params(cfg: JobConfig, counts: LayerCounts, s: int, vit_layers: list[int],
+                  llm_layers: list[int]) -> tuple[float, float]:
+    """(frozen, trainable) parameter counts of stage ``s``."""
+    actor, model = cfg.backend_config.actor_config, cfg.backend_config.model
+    vit = vit_layers[s] * counts.vit_layer + (counts.patch_embed if s == 0 else 0)
+    last_vit_stage = max((i for i, n in enumerate(vit_layers) if n > 0), default=0)
+    projector = counts.projector if s == last_vit_stage else 0
+    llm = llm_layers[s] * counts.llm_layer
+    if s == 0:
+        llm += counts.embedding
+    if s == len(llm_layers) - 1 and (model.text_decoder.untie_embeddings_and_output_weights or s > 0):
+        llm += counts.output_layer
+    frozen = (0 if actor.unfreeze_vision_encoder else vit) + (projector if actor.freeze_vision_projector else 0)
+    trainable = (vit if actor.unfreeze_vision_encoder else 0) + (0 if actor.freeze_vision_projector else projector)
+    return float(frozen), float(trainable + llm)
+
+
+def _stage_activations(cfg: JobConfig, s: int, vit_layers: list[int], llm_layers: list[int], tp: int,
+                       cp: int) -> float:
+    """Bytes of activations one micro-batch leaves on stage ``s`` until its backward."""
+    b = cfg.backend_config
+    text, vit = b.model.text_decoder, b.model.image_encoder.vision_encoder
+    mbs = b.actor_config.micro_batch_size
+    flash = b.training.use_flash_attn
+
+    def per_layer(tokens: float, hidden: int, heads: int) -> float:
+        score = 0.0 if flash else 5 * heads * tokens / (hidden * tp)
+        return tokens * mbs * hidden * (10 + 24 / tp + score)
+
+    seq = b.training.seq_length / cp
+    vit_tokens = image_tokens(cfg) * vit.spatial_merge_size**2
+    # A frozen ViT runs without autograd: it keeps no activations for backward.
+    trains_vit = b.actor_config.unfreeze_vision_encoder
+    vit_act = per_layer(vit_tokens, vit.hidden_size, vit.num_attention_heads) if trains_vit else 0.0
+    return llm_layers[s] * per_layer(seq, text.hidden_size, text.num_attention_heads) + vit_layers[s] * vit_act
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    tp: int
+    pp: int
+    dp: int
+    vit_pp_layers: list[int]
+    llm_pp_layers: list[int]
+    memory: list[StageMemory]
+    device_memory_gb: float
+
+    @property
+    def fits(self) -> bool:
+        return max(m.total for m in self.memory) <= self.device_memory_gb
+
+    def describe(self) -> str:
+        lines = [f"parallel layout: world {self.tp * self.pp * self.dp} = TP {self.tp} x PP {self.pp} x DP {self.dp}"
+                 f"; vit_pp_layers {self.vit_pp_layers}; llm_pp_layers {self.llm_pp_layers}",
+                 "estimated memory per device, GiB (training phase):",
+                 "  stage  weights  grads  optimizer  reference  activations   total"]
+        for m in self.memory:
+            lines.append(f"  {m.stage:>5}  {m.weights:7.2f}  {m.grads:5.2f}  {m.optimizer:9.2f}  "
+                         f"{m.reference:9.2f}  {m.activations:11.2f}  {m.total:6.2f}")
+        peak = max(m.total for m in self.memory)
+        if not self.fits:
+            lines.append(f"WARNING: the estimate ({peak:.1f} GiB) exceeds the device memory "
+                         f"({self.device_memory_gb:.0f} GiB): raise TP/PP, enable use-distributed-optimizer, "
+                         "lower seq-length or micro_batch_size")
+        return "\n".join(lines)
+
+
+def device_memory_gb(cfg: JobConfig) -> float:
+    return cfg.env.DEVICE_MEMORY_GB or DEFAULT_DEVICE_MEMORY_GB[cfg.env.DEVICE]
+
+
+def current_plan(cfg: JobConfig) -> ParallelPlan:
+    t = cfg.backend_config.training
+    tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
+    dp = max(1, cfg.env.NNODES * cfg.env.NPROC_PER_NODE // (tp * pp * t.context_parallel_size))
+    m = cfg.backend_config.model
+    return ParallelPlan(tp, pp, dp, list(m.image_encoder.vision_encoder.pipeline_num_layers),
+                        list(m.text_decoder.pipeline_num_layers), estimate_memory(cfg), device_memory_gb(cfg))
+
+
+def tp_candidates(cfg: JobConfig) -> list[int]:
+    """TP sizes within one node that divide every sharded dimension."""
+    m = cfg.backend_config.model
+    text, vit = m.text_decoder, m.image_encoder.vision_encoder
+    groups = text.num_query_groups if text.group_query_attention else text.num_attention_heads
+    dims = (text.num_attention_heads, groups, text.ffn_hidden_size, vit.num_attention_heads, vit.ffn_hidden_size,
+            text.vocab_size)
+    return [tp for tp in range(1, cfg.env.NPROC_PER_NODE + 1)
+            if cfg.env.NPROC_PER_NODE % tp == 0 and all(d % tp == 0 for d in dims)]
+
+
+def with_layout(cfg: JobConfig, tp: int, pp: int, vit_layers: list[int], llm_layers: list[int]) -> JobConfig:
+    """A copy of ``cfg`` with another parallel layout (both the source keys and their resolved echoes)."""
+    out = copy.deepcopy(cfg)
+    b = out.backend_config
+    b.actor_config.tensor_model_parallel_size = b.training.tensor_model_parallel_size = tp
+    b.actor_config.pipeline_model_parallel_size = b.training.pipeline_model_parallel_size = pp
+    b.model.image_encoder.vision_encoder.pipeline_num_layers = list(vit_layers)
+    b.model.text_decoder.pipeline_num_layers = list(llm_layers)
+    for stage in (b.convert_ckpt_hf2mg.cfg, b.convert_ckpt_mg2hf.cfg):
+        stage.parallel_config.tp_size = tp
+        stage.parallel_config.vit_pp_layers = list(vit_layers)
+        stage.parallel_config.llm_pp_layers = list(llm_layers)
+    return out
+
+
+def plan_parallel(cfg: JobConfig) -> ParallelPlan:
+    """The smallest model-parallel layout (TP inside a node first) whose memory estimate fits the device.
+
+    If none fits, the layout with the lowest peak estimate, whose ``describe()`` carries the warning.
+    """
+    world = cfg.env.NNODES * cfg.env.NPROC_PER_NODE
+    cp = cfg.backend_config.training.context_parallel_size
+    seq = cfg.backend_config.training.seq_length // cp
+    model = cfg.backend_config.model
+    options = sorted(((tp, pp) for tp in tp_candidates(cfg) for pp in range(1, world // tp + 1)
+                      if (world // tp) % (pp * cp) == 0 and pp <= model.text_decoder.num_layers),
+                     key=lambda o: (o[0] * o[1], o[1]))
+    plans = []
+    for tp, pp in options:
+        vit_layers, llm_layers = split_layers(model, pp, seq, image_tokens(cfg))
+        plan = current_plan(with_layout(cfg, tp, pp, vit_layers, llm_layers))
+        if plan.fits:
+            return plan
+        plans.append(plan)
+    return min(plans, key=lambda p: max(m.total for m in p.memory))
+
+
+def batch_sizes(dp: int, micro_batch_size: int, n_samples: int, target_gbs: int,
+                target_prompts: int) -> tuple[int, int]:
+    """(global_batch_size, rollout_batch_size) near the targets: GBS a multiple of MBS x DP, and the
+    rollout's samples (prompts x n) a whole number of GBS-sized optimizer steps."""
+    unit = micro_batch_size * dp
+    gbs = max(1, math.ceil(target_gbs / unit)) * unit
+    step = math.lcm(gbs, n_samples) // n_samples
+    return gbs, max(1, math.ceil(target_prompts / step)) * step

@@ -1,0 +1,68 @@
+"""Model presets for `ascendfactory-cli config`: a model.json template plus run settings that suit it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+MODEL_DIR = CONFIG_DIR / "models"
+BACKENDS = ("mm_rl",)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """``model``: model.json content; ``run``: yaml values (nested dict) that fit the model; targets for the
+    planner's batch sizes."""
+
+    name: str
+    model: dict[str, Any]
+    run: dict[str, Any] = field(default_factory=dict)
+    target_gbs: int = 64
+    target_prompts: int = 32
+    embedded: bool = False  # the model (and data) are built by mm_rl itself
+
+
+# Settings of a real Qwen2.5-VL run on geo3k (seq budget 1024 prompt + 1024 response; images upscaled to 512^2).
+_REAL_RUN: dict[str, Any] = {
+    "backend_config": {
+        "training": {"seq-length": 2048, "use-distributed-optimizer": True},
+        "actor_config": {"lr": 1e-6, "min_lr": 1e-7},
+        "rl_config": {"n_samples_per_prompt": 8},
+        "generate_config": {"sampling_config": {"max_tokens": 1024}},
+    }
+}
+
+# The embedded default: small images and short answers so that a GRPO run on 2 CPU cores takes minutes.
+_TINY_RUN: dict[str, Any] = {
+    "af_output_dir": "./output/${exp_name}",
+    "backend_config": {
+        "training": {"seq-length": 320, "seed": 1234},
+        "actor_config": {"lr": 5e-4, "min_lr": 5e-5, "micro_batch_size": 8},
+        "megatron_training": {"tokenizer_name_or_path": "${af_output_dir}/tiny_hf", "train_iters": 30,
+                              "save_interval": 10},
+        "data": {"dataset_param": {
+            "basic_parameters": {"dataset_dir": "${af_output_dir}/geo3k_synthetic"},
+            "preprocess_parameters": {"max_prompt_length": 256, "min_pixels": 56 * 56, "max_pixels": 224 * 224},
+        }},
+        "rl_config": {"n_samples_per_prompt": 8},
+        "generate_config": {"sampling_config": {"max_tokens": 64}, "gpu_memory_utilization": 0.3},
+    }
+}
+
+
+def model_names() -> list[str]:
+    return sorted(p.stem for p in MODEL_DIR.glob("*.json"))
+
+
+def load_preset(name: str) -> Preset:
+    """The preset called ``name``; KeyError listing the known ones otherwise."""
+    path = MODEL_DIR / f"{name}.json"
+    if not path.is_file():
+        raise KeyError(f"unknown model '{name}'; known models: {', '.join(model_names())}")
+    model = json.loads(path.read_text())
+    if name == "tiny":
+        return Preset(name, model, _TINY_RUN, target_gbs=32, target_prompts=8, embedded=True)
+    return Preset(name, model, _REAL_RUN)

@@ -1,0 +1,120 @@
+"""`ascendfactory-cli config` / `check`: what config writes passes check, plans fit, errors are clear."""
+
+import pytest
+
+from cli.main import main
+from mm_rl.config.create import ClusterSpec, create_job
+from mm_rl.config.loader import ConfigError, load_job, load_section
+from mm_rl.config.plan import batch_sizes, split_layers
+from mm_rl.config.presets import load_preset
+from mm_rl.config.schema import ModelConfig
+
+REAL = ["qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b"]
+
+
+def preset_model(name):
+    return load_section(ModelConfig, load_preset(name).model)
+
+
+@pytest.fixture()
+def paths(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "data").mkdir()
+    return ["--model_path", str(tmp_path / "hf"), "--dataset_dir", str(tmp_path / "data")]
+
+
+@pytest.mark.parametrize("model", REAL)
+@pytest.mark.parametrize("nodes", [1, 2, 4])
+def test_config_output_passes_check(model, nodes, tmp_path, paths, capsys):
+    out = tmp_path / "job.yaml"
+    argv = ["config", "--backend", "mm_rl", "--af_model_name", model, "--exp_name", "e", "--output_file_path",
+            str(out), "--nnodes", str(nodes), "--nproc_per_node", "8", "--device", "npu", *paths,
+            f"--af_output_dir={tmp_path / 'out'}"]
+    assert main(argv) == 0
+    assert main(["check", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "ok\nparallel layout: world" in printed
+    cfg = load_job(out)
+    b = cfg.backend_config
+    world = nodes * 8
+    t = b.training
+    assert world % (t.tensor_model_parallel_size * t.pipeline_model_parallel_size) == 0
+    dp = world // (t.tensor_model_parallel_size * t.pipeline_model_parallel_size)
+    assert b.megatron_training.global_batch_size % (b.actor_config.micro_batch_size * dp) == 0
+    assert "${backend_config.actor_config.tensor_model_parallel_size}" in out.read_text()
+
+
+def test_config_overrides_and_single_source(tmp_path, paths):
+    out = tmp_path / "job.yaml"
+    assert main(["config", "--af_model_name", "qwen2_5_vl_7b", "--output_file_path", str(out), "--nproc_per_node",
+                 "8", *paths, "--backend_config.actor_config.tensor_model_parallel_size=4",
+                 "--backend_config.actor_config.lr=2.5e-5"]) == 0
+    cfg = load_job(out)
+    assert cfg.backend_config.training.tensor_model_parallel_size == 4
+    assert cfg.backend_config.convert_ckpt_mg2hf.cfg.parallel_config.tp_size == 4
+    assert cfg.backend_config.training.lr == 2.5e-5
+
+
+def test_unknown_model_and_backend_list_the_known(capsys):
+    assert main(["config", "--af_model_name", "qwen3_vl"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown model" in err and "qwen2_5_vl_7b" in err and "tiny" in err
+    assert main(["config", "--af_model_name", "tiny", "--backend", "verl"]) == 1
+    assert "unknown backend" in capsys.readouterr().err
+
+
+def test_config_rejects_a_bad_override_without_writing(tmp_path, capsys):
+    out = tmp_path / "job.yaml"
+    assert main(["config", "--af_model_name", "qwen2_5_vl_7b", "--output_file_path", str(out),
+                 "--backend_config.actor_config.tensor_model_parallel_size=3"]) == 1
+    assert "TP must divide" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_check_reports_problems(tmp_path, capsys):
+    path = tmp_path / "job.yaml"
+    path.write_text("backend_config:\n  actor_config:\n    min_lr: 1.0\n")
+    assert main(["check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "backend_config.actor_config.min_lr = 1.0: must not exceed lr" in err
+    assert "Traceback" not in err
+
+
+def test_vit_first_and_cost_balanced_split():
+    model = preset_model("qwen2_5_vl_7b")
+    vit, llm = split_layers(model, 4, seq_length=2048, image_tokens=334)
+    assert vit == [32, 0, 0, 0]
+    assert sum(llm) == 28 and min(llm) >= 1
+    # 32 ViT blocks cost about 2-3 LLM layers, so stage 0 gets fewer LLM layers, but not a single one.
+    assert 1 < llm[0] < max(llm[1:])
+    vit, llm = split_layers(preset_model("qwen2_5_vl_72b"), 8, seq_length=2048, image_tokens=334)
+    assert vit[0] == 32 and sum(llm) == 80 and min(llm) >= 1
+
+
+def test_planner_picks_a_layout_that_fits_or_warns():
+    _, job, plan = create_job("qwen2_5_vl_72b", "x", ClusterSpec(4, 8, "npu"))
+    assert plan.fits and plan.tp * plan.pp > 1
+    _, _, plan = create_job("qwen2_5_vl_72b", "x", ClusterSpec(1, 8, "npu", device_memory_gb=16))
+    assert not plan.fits and "WARNING" in plan.describe()
+    _, _, plan = create_job("qwen2_5_vl_3b", "x", ClusterSpec(1, 8, "npu"))
+    assert (plan.tp, plan.pp) == (1, 1)
+
+
+def test_bigger_device_memory_needs_less_model_parallelism():
+    small = create_job("qwen2_5_vl_32b", "x", ClusterSpec(2, 8, "npu", device_memory_gb=32))[2]
+    large = create_job("qwen2_5_vl_32b", "x", ClusterSpec(2, 8, "npu", device_memory_gb=96))[2]
+    assert small.tp * small.pp > large.tp * large.pp
+
+
+def test_batch_sizes():
+    assert batch_sizes(dp=4, micro_batch_size=2, n_samples=8, target_gbs=60, target_prompts=30) == (64, 32)
+    gbs, prompts = batch_sizes(dp=3, micro_batch_size=1, n_samples=5, target_gbs=16, target_prompts=8)
+    assert gbs % 3 == 0 and (prompts * 5) % gbs == 0
+
+
+def test_bad_cli_value_is_an_error_not_a_traceback(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["config", "--af_model_name", "tiny", "--nnodes", "two"])
+    assert "invalid int value" in capsys.readouterr().err
+    with pytest.raises(ConfigError):
+        create_job("tiny", "x", ClusterSpec(), overrides=["--env.NNODES"])
