@@ -1,0 +1,384 @@
+"""A tiny Qwen2.5-VL checkpoint, built offline and deterministically, for tests and CPU runs.
+
+``build_tiny_checkpoint(out_dir, seed)`` writes a complete HuggingFace checkpoint directory (config, safetensors
+weights, byte-level BPE tokenizer, chat template, image processor, generation config) that transformers'
+``AutoProcessor`` / ``Qwen2_5_VLForConditionalGeneration`` and vLLM load like a published Qwen2.5-VL. Nothing is
+downloaded: the tokenizer is trained here on a small embedded geometry corpus and the weights are random.
+
+Why these sizes (the real architecture, shrunk so every code path still runs):
+- Text: head_dim = 128 / 4 = 32, and mrope_section [4, 6, 6] sums to head_dim / 2 as mRoPE requires (temporal,
+  height and width sections of the rotary frequencies).
+- 4 query heads in 2 KV groups (GQA): TP=2 gives each rank one whole group, as the interleaved qkv layout needs;
+  4 layers split over PP=2 or PP=4.
+- ViT: 2 blocks with block 1 full attention, so both window attention (window 112 = 8 patches of 14) and the
+  full-attention path, the 2D vision rotary and the 2x2 patch merger all run.
+- Vocabulary 1024 (1000 learned BPE ids + 11 fixed tokens, padded to a multiple of 128 like Qwen's 151936): the
+  vocab-parallel log-prob and the output layer are cheap on CPU, and 1024 splits evenly for TP=2/4.
+
+Weights are drawn per tensor from a generator seeded by (seed, tensor name), so the same seed gives the same
+bytes and changing one size leaves the other tensors' values alone. The build writes into a temporary directory
+beside ``out_dir`` and renames it when complete; a marker file records the build arguments so a matching
+checkpoint is reused instead of rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# Fixed token ids (the learned BPE vocabulary is ids 0..999).
+NUM_LEARNED_TOKENS = 1000
+ENDOFTEXT_TOKEN_ID = 1000
+IM_START_TOKEN_ID = 1001
+IM_END_TOKEN_ID = 1002
+VISION_START_TOKEN_ID = 1003
+VISION_END_TOKEN_ID = 1004
+VISION_PAD_TOKEN_ID = 1005
+IMAGE_TOKEN_ID = 1006
+VIDEO_TOKEN_ID = 1007
+THINK_START_TOKEN_ID = 1008
+THINK_END_TOKEN_ID = 1009
+BOXED_TOKEN_ID = 1010
+EOS_TOKEN_ID = IM_END_TOKEN_ID
+PAD_TOKEN_ID = ENDOFTEXT_TOKEN_ID
+VOCAB_SIZE = 1024
+
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+ADDED_TOKENS: tuple[str, ...] = ("<think>", "</think>", "\\boxed{")
+
+VISION_CONFIG: dict[str, Any] = {
+    "depth": 2,
+    "hidden_size": 64,
+    "num_heads": 4,
+    "intermediate_size": 128,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "window_size": 112,
+    "fullatt_block_indexes": [1],
+    "out_hidden_size": 128,
+    "in_channels": 3,
+    "hidden_act": "silu",
+    "tokens_per_second": 2,
+}
+TEXT_CONFIG: dict[str, Any] = {
+    "hidden_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 256,
+    "rope_theta": 1e6,
+    "mrope_section": [4, 6, 6],
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "vocab_size": VOCAB_SIZE,
+    "hidden_act": "silu",
+}
+IMAGE_PROCESSOR_CONFIG: dict[str, Any] = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2_5_VLProcessor",
+    "do_resize": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "min_pixels": 3136,
+    "max_pixels": 50176,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+}
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
+# Qwen2.5-VL chat format. Content is a string or a list of parts ({"type": "image"} / {"type": "text", ...}).
+CHAT_TEMPLATE = (
+    "{%- set image_count = namespace(value=0) -%}"
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'video' or 'video' in part -%}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif 'text' in part -%}"
+    "{{- part['text'] -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+
+# Qwen2's pre-tokenizer split; transformers' Qwen2Tokenizer re-creates this pipeline on load, so train with it.
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_MARKER = "tiny_build.json"
+_BUILDER_VERSION = 1
+_REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "preprocessor_config.json",
+    "chat_template.jinja",
+)
+
+_WORDS = """
+triangle triangles angle angles side sides length lengths circle circles radius radii diameter area areas perimeter
+find measure measures degree degrees value values segment segments line lines point points center chord chords
+tangent secant arc arcs sector square squares rectangle parallelogram rhombus trapezoid kite polygon hexagon pentagon
+octagon quadrilateral vertex vertices altitude median bisector perpendicular parallel congruent similar right acute
+obtuse isosceles equilateral scalene hypotenuse leg legs base bases height width diagonal diagonals inscribed
+circumscribed midpoint ratio proportion sine cosine theorem pythagorean round nearest tenth hundredth whole number
+answer think solve given figure shown each the of a an and is are in if to what which that with by from for on at
+as or not be it its this these those use express simplest radical form units centimeters meters inches feet yards
+total sum difference product quotient equal equals exterior interior opposite adjacent supplementary complementary
+vertical corresponding alternate circumference volume surface prism cylinder cone sphere cube regular shaded region
+therefore so we have then since because let assume substitute compute calculate step first second third final
+reasoning process internal monologue provide put enclosed within tags must half twice times plus minus divided
+multiply subtract add known unknown variable solution check correct option choice triangle's circle's
+""".split()
+_LATEX = r"""
+\frac{1}{2} \frac{a}{b} \sqrt{3} \sqrt{2} \sqrt{x} \pi \angle \triangle \cdot \times ^{\circ} x^2 + y^2 = z^2
+\sin \cos \tan \overline{AB} \parallel \perp \cong \sim \approx \leq \geq \left( \right) \text{cm} \text{in}
+""".split()
+_TEMPLATES = (
+    "Find the measure of angle {a}{b}{c}. Round to the nearest tenth.",
+    "In triangle {a}{b}{c}, side {a}{b} = {n} and {b}{c} = {m}. Find the length of {a}{c}.",
+    "The radius of circle {a} is {n} centimeters. What is the area of the circle?",
+    "Find the perimeter of the square with side length {n} inches.",
+    "If m \\angle {a}{b}{c} = {n}^{{\\circ}}, find x so that the lines are parallel.",
+    "Chord {a}{b} is a diameter, so the arc {a}{c}{b} measures 180 degrees.",
+    "Let x = {n}. Then \\frac{{x}}{{{m}}} = \\sqrt{{{n}}} and the answer is {m}.",
+    "<think> The hypotenuse is \\sqrt{{{n}^2 + {m}^2}}. </think> The answer is \\boxed{{{n}}}.",
+    "Use the Pythagorean theorem: a^2 + b^2 = c^2, so c = {n}.",
+    "Express the answer in simplest radical form: {n} \\sqrt{{{m}}}.",
+)
+
+
+def _corpus() -> list[str]:
+    """Deterministic geometry-flavoured text for training the tokenizer (no randomness, no files)."""
+    lines = [" ".join(_WORDS), " ".join(w.capitalize() for w in _WORDS), " ".join(_LATEX)]
+    letters = itertools.cycle("ABCDEFGHJKLMNPQRSTUVWXYZ")
+    for index, (template, n, m) in enumerate(itertools.product(_TEMPLATES, (3, 12, 45), (7, 60))):
+        a, b, c = next(letters), next(letters), next(letters)
+        lines.append(template.format(a=a, b=b, c=c, n=n + index, m=m))
+    return lines
+
+
+def _train_tokenizer() -> Any:
+    """Byte-level BPE with exactly NUM_LEARNED_TOKENS learned ids, then the fixed special and added tokens."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=NUM_LEARNED_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer)
+    if tokenizer.get_vocab_size() != NUM_LEARNED_TOKENS:
+        raise RuntimeError(f"tokenizer learned {tokenizer.get_vocab_size()} ids, expected {NUM_LEARNED_TOKENS}")
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    expected = dict(zip(SPECIAL_TOKENS + ADDED_TOKENS, range(ENDOFTEXT_TOKEN_ID, BOXED_TOKEN_ID + 1), strict=True))
+    actual = {token: tokenizer.token_to_id(token) for token in expected}
+    if actual != expected:
+        raise RuntimeError(f"fixed token ids came out as {actual}")
+    return tokenizer
+
+
+def _model_config(tie_word_embeddings: bool, overrides: dict[str, Any]) -> Any:
+    """Qwen2_5_VLConfig; flat overrides change text fields, ``vision_config={...}`` changes vision fields."""
+    from transformers import Qwen2_5_VLConfig
+
+    overrides = dict(overrides)
+    vision = {**VISION_CONFIG, **overrides.pop("vision_config", {})}
+    text = {**TEXT_CONFIG, **overrides}
+    unknown = sorted((set(text) - set(TEXT_CONFIG)) | (set(vision) - set(VISION_CONFIG)))
+    if unknown:
+        raise TypeError(
+            f"unknown tiny-model overrides {unknown}; fields: {sorted(TEXT_CONFIG)}, {sorted(VISION_CONFIG)}"
+        )
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    if sum(text["mrope_section"]) * 2 != head_dim:
+        raise ValueError(f"mrope_section {text['mrope_section']} must sum to head_dim / 2 = {head_dim // 2}")
+    if text["num_attention_heads"] % text["num_key_value_heads"]:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    if text["vocab_size"] <= BOXED_TOKEN_ID:
+        raise ValueError(f"vocab_size must exceed {BOXED_TOKEN_ID}")
+    rope = {"rope_type": "default", "rope_theta": text.pop("rope_theta"), "mrope_section": text.pop("mrope_section")}
+    text_config = {
+        **text,
+        "rope_parameters": rope,
+        "bos_token_id": ENDOFTEXT_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "pad_token_id": PAD_TOKEN_ID,
+        "tie_word_embeddings": tie_word_embeddings,
+        "dtype": "float32",
+    }
+    return Qwen2_5_VLConfig(
+        text_config=text_config,
+        vision_config=vision,
+        image_token_id=IMAGE_TOKEN_ID,
+        video_token_id=VIDEO_TOKEN_ID,
+        vision_start_token_id=VISION_START_TOKEN_ID,
+        vision_end_token_id=VISION_END_TOKEN_ID,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=ENDOFTEXT_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=PAD_TOKEN_ID,
+        dtype="float32",
+    )
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def _init_tensor(seed: int, name: str, like: Any, std: float = 0.02) -> Any:
+    """Normal(0, std) for matrices, embeddings and convolutions; ones for norm weights; zeros for biases."""
+    import torch
+
+    if name.endswith(".bias"):
+        return torch.zeros_like(like)
+    if like.dim() == 1:
+        return torch.ones_like(like)
+    generator = torch.Generator().manual_seed(_tensor_seed(seed, name))
+    return (torch.randn(like.shape, generator=generator, dtype=torch.float32) * std).to(like.dtype)
+
+
+def _write_checkpoint(directory: Path, seed: int, tie_word_embeddings: bool, overrides: dict[str, Any]) -> None:
+    from mm_rl.platform import torchvision_compat
+
+    torchvision_compat.install()  # transformers' image utilities import torchvision when it is installed
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = _model_config(tie_word_embeddings, overrides)
+    with torch.random.fork_rng(devices=[]):  # transformers' own init draws from (and would move) the global RNG
+        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    # save_pretrained gives the published key names (model.layers.*, visual.*, lm_head unless tied); the values
+    # are then redrawn per key name, so they depend only on (seed, name, shape), not on transformers' internals.
+    model.save_pretrained(directory, safe_serialization=True)
+    weights_file = directory / "model.safetensors"
+    weights = {name: _init_tensor(seed, name, tensor) for name, tensor in sorted(load_file(weights_file).items())}
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    GenerationConfig(
+        bos_token_id=ENDOFTEXT_TOKEN_ID, eos_token_id=[EOS_TOKEN_ID, ENDOFTEXT_TOKEN_ID], pad_token_id=PAD_TOKEN_ID
+    ).save_pretrained(directory)
+
+    _train_tokenizer().save(str(directory / "tokenizer.json"))
+    flags = {"lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+    added = {
+        str(i): {"content": token, **flags, "special": token in SPECIAL_TOKENS}
+        for i, token in enumerate(SPECIAL_TOKENS + ADDED_TOKENS, start=ENDOFTEXT_TOKEN_ID)
+    }
+    tokenizer_config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "errors": "replace",
+        "split_special_tokens": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": TEXT_CONFIG["max_position_embeddings"],
+        "processor_class": "Qwen2_5_VLProcessor",
+    }
+    _write_json(directory / "tokenizer_config.json", tokenizer_config)
+    _write_json(directory / "preprocessor_config.json", IMAGE_PROCESSOR_CONFIG)
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _build_args(seed: int, tie_word_embeddings: bool, overrides: dict[str, Any]) -> dict[str, Any]:
+    args = {"version": _BUILDER_VERSION, "seed": seed, "tie_word_embeddings": tie_word_embeddings}
+    # A JSON round trip normalises the arguments (tuples become lists) as they will be read back from the marker.
+    return json.loads(json.dumps({**args, "config_overrides": overrides}, sort_keys=True))
+
+
+def _is_complete(directory: Path, args: dict[str, Any]) -> bool:
+    marker = directory / _MARKER
+    if not marker.is_file() or not all((directory / name).is_file() for name in _REQUIRED_FILES):
+        return False
+    try:
+        return json.loads(marker.read_text(encoding="utf-8")) == args
+    except (OSError, ValueError):
+        return False
+
+
+def build_tiny_checkpoint(
+    out_dir: str | Path, seed: int = 0, tie_word_embeddings: bool = False, **config_overrides: Any
+) -> Path:
+    """Build (or reuse) the tiny Qwen2.5-VL checkpoint in ``out_dir`` and return its path.
+
+    ``config_overrides`` change text-model fields (e.g. ``num_hidden_layers=2``); ``vision_config={...}`` changes
+    vision fields. An existing ``out_dir`` built with the same arguments is reused as is; one built by this
+    function with other arguments is replaced; any other non-empty ``out_dir`` is an error.
+    """
+    out_dir = Path(out_dir).absolute()
+    args = _build_args(seed, tie_word_embeddings, config_overrides)
+    if _is_complete(out_dir, args):
+        return out_dir
+    if out_dir.exists() and not (out_dir / _MARKER).is_file() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not a tiny checkpoint; refusing to overwrite it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+    try:
+        _write_checkpoint(staging, seed, tie_word_embeddings, config_overrides)
+        _write_json(staging / _MARKER, args)  # written last: its presence means the directory is complete
+        for path in staging.iterdir():  # some writers create 0600 files; mkdtemp creates the directory 0700
+            path.chmod(0o644)
+        staging.chmod(0o755)
+        if out_dir.exists():  # an empty dir or an older tiny build: move it aside, then swap in the new one
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            out_dir.rename(old / "checkpoint")
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            staging.rename(out_dir)
+        except OSError:
+            if not _is_complete(out_dir, args):  # lost a race only if the winner built the same thing
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
