@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from mm_rl.config.loader import ConfigError
+from mm_rl.config.schema import JobConfig
 
 EPILOG = "Any --a.b.c=VALUE argument overrides that key of the job yaml."
 
@@ -57,12 +58,15 @@ def _run_config(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _materialise_embedded(job: object) -> None:
-    """The tiny default's model is built by mm_rl itself, so the written job runs as it is."""
+def _materialise_embedded(job: JobConfig) -> None:
+    """The tiny default's model and data are built by mm_rl itself (seeded), so the written job runs as it is."""
+    from mm_rl.data.synthetic import write_synthetic_geo3k
     from mm_rl.models.tiny import build_tiny_checkpoint
 
-    hf_dir = job.backend_config.convert_ckpt_hf2mg.cfg.hf_config.hf_dir  # type: ignore[attr-defined]
-    print(f"building the embedded tiny model in {build_tiny_checkpoint(hf_dir)}")
+    b = job.backend_config
+    print(f"embedded tiny model: {build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir)}")
+    data_dir = b.data.dataset_param.basic_parameters.dataset_dir
+    print(f"embedded synthetic geo3k data: {write_synthetic_geo3k(data_dir, seed=b.training.seed)}")
 
 
 def _add_check(commands: argparse._SubParsersAction) -> None:
