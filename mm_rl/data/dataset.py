@@ -1,0 +1,496 @@
+"""Prompt data set for GRPO: geo3k-style rows read from a directory and turned into the actor's inputs.
+
+Three on-disk forms are detected per split (first match wins):
+
+1. verl / MindSpeed parquet: ``{split}.parquet``; ``prompt`` is a list of chat messages whose content holds
+   ``<image>`` placeholders and already ends with the instruction; ``reward_model.ground_truth`` is the answer.
+2. raw HF ``geometry3k``: ``{split}-*.parquet`` or ``data/{split}-*.parquet``; ``problem`` is text starting with
+   ``<image>`` and ``answer`` the label. The default keys fall back to these columns.
+3. jsonl: ``{split}.jsonl``, one object per line; images are paths relative to the file, data URIs or base64.
+
+A text prompt (forms 2 and 3) gets the instruction appended; a message list (form 1) is used as it is. Every
+``<image>`` placeholder becomes an image part of its chat message, the chat template renders the prompt with the
+generation prompt, and the processor expands each image pad to ``grid_thw.prod() / merge_size**2`` tokens.
+
+The whole split is checked once when the data set is built (fields present, answer non-empty, every image
+decodes, token count within ``max_prompt_length``), so nothing fails mid-epoch; rows that fail are skipped and
+summarised in one warning. Only the encoded image bytes (or paths) are kept: pixels are decoded and processed on
+access, so a 2k-row set never holds every processed image at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from PIL import Image
+
+from mm_rl.config.schema import BasicDataParameters, DataConfig, PreprocessParameters
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+IMAGE_PLACEHOLDER = "<image>"
+DEFAULT_INSTRUCTION = PreprocessParameters().instruction
+# Used only when the configured key is the default and absent: the raw geometry3k columns.
+KEY_FALLBACKS: dict[str, tuple[str, ...]] = {
+    BasicDataParameters().prompt_key: ("problem",),
+    BasicDataParameters().answer_key: ("answer",),
+}
+Form = Literal["verl", "geometry3k", "jsonl"]
+ImageSource = bytes | Path
+_MISSING = object()
+_SHOWN_ROWS = 5  # row ids named in a summary line
+
+
+class BadRow(ValueError):
+    """A row that cannot become a prompt; ``reason`` is a short category used to count such rows."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# --------------------------------------------------------------------------------------------- split files
+@dataclass(frozen=True)
+class SplitFiles:
+    """The files of one split and the form they were detected as."""
+
+    form: Form
+    paths: tuple[Path, ...]
+
+
+def find_split(dataset_dir: str | Path, split: str) -> SplitFiles:
+    """Detect the form of ``split`` in ``dataset_dir``; a ValueError lists what was looked for."""
+    root = Path(dataset_dir)
+    if not root.is_dir():
+        raise ValueError(f"dataset_dir {root} is not a directory")
+    candidates: tuple[tuple[Form, list[Path]], ...] = (
+        ("verl", [root / f"{split}.parquet"]),
+        ("geometry3k", sorted(root.glob(f"{split}-*.parquet")) + sorted(root.glob(f"data/{split}-*.parquet"))),
+        ("jsonl", [root / f"{split}.jsonl"]),
+    )
+    for form, paths in candidates:
+        found = tuple(p for p in paths if p.is_file())
+        if found:
+            return SplitFiles(form, found)
+    looked = f"{split}.parquet, {split}-*.parquet, data/{split}-*.parquet, {split}.jsonl"
+    present = sorted(p.name for p in root.iterdir())[:10]
+    raise ValueError(f"dataset_dir {root} has no '{split}' split: looked for {looked}; it holds {present}")
+
+
+def _parquet_records(path: Path) -> Iterator[dict[str, Any] | BadRow]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as error:  # a corrupt file is a data error, not a crash
+        raise ValueError(f"cannot read {path}: {error}") from error
+    for batch in parquet.iter_batches(batch_size=256):
+        yield from batch.to_pylist()
+
+
+def _jsonl_records(path: Path) -> Iterator[dict[str, Any] | BadRow]:
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                yield BadRow("invalid json line")
+                continue
+            yield record if isinstance(record, dict) else BadRow("json line is not an object")
+
+
+def read_records(files: SplitFiles) -> Iterator[tuple[dict[str, Any] | BadRow, Path]]:
+    """Every row of the split in file order, with the directory relative image paths resolve against."""
+    reader = _jsonl_records if files.form == "jsonl" else _parquet_records
+    for path in files.paths:
+        for record in reader(path):
+            yield record, path.parent
+
+
+# ------------------------------------------------------------------------------------------------ fields
+def lookup(record: dict[str, Any], key: str) -> Any:
+    """The value at a dotted path (``reward_model.ground_truth``) or ``_MISSING``; None counts as missing."""
+    value: Any = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or value.get(part) is None:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def field_value(record: dict[str, Any], key: str) -> Any:
+    """``key``'s value, else a fallback column of the raw geometry3k layout when ``key`` is the default."""
+    for candidate in (key, *KEY_FALLBACKS.get(key, ())):
+        value = lookup(record, candidate)
+        if value is not _MISSING:
+            return value
+    raise BadRow(f"missing field '{key}'")
+
+
+def answer_text(value: Any) -> str:
+    """The ground truth as a string; numbers are accepted (jsonl), blanks and containers are not."""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise BadRow("answer is not text")
+    text = str(value).strip()
+    if not text:
+        raise BadRow("empty answer")
+    return text
+
+
+def _text_parts(text: str) -> list[dict[str, Any]]:
+    """Split on ``<image>``: each placeholder becomes an image part, the text between becomes text parts."""
+    parts: list[dict[str, Any]] = []
+    for i, chunk in enumerate(text.split(IMAGE_PLACEHOLDER)):
+        if i:
+            parts.append({"type": "image"})
+        if chunk:
+            parts.append({"type": "text", "text": chunk})
+    return parts
+
+
+def _message(message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise BadRow("prompt message without a role")
+    content = message.get("content")
+    if isinstance(content, str):
+        return {"role": message["role"], "content": _text_parts(content)}
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        return {"role": message["role"], "content": content}
+    raise BadRow("prompt message content is neither text nor parts")
+
+
+def _is_image_part(part: dict[str, Any]) -> bool:
+    return part.get("type") == "image" or "image" in part or "image_url" in part
+
+
+def build_messages(prompt: Any, instruction: str, num_images: int) -> list[dict[str, Any]]:
+    """Chat messages with one image part per image.
+
+    A text prompt is one user message with the instruction appended (unless the text already holds it); a
+    message list is taken as is. With no placeholder at all, the images go before the first user text, the
+    Qwen convention; otherwise placeholders and images must agree in number.
+    """
+    if isinstance(prompt, str):
+        text = f"{prompt} {instruction}" if instruction and instruction not in prompt else prompt
+        messages = [{"role": "user", "content": _text_parts(text)}]
+    elif isinstance(prompt, list) and prompt:
+        messages = [_message(m) for m in prompt]
+    else:
+        raise BadRow("prompt is neither text nor a list of messages")
+    placeholders = sum(_is_image_part(p) for m in messages for p in m["content"])
+    if placeholders == 0 and num_images:
+        user = next((m for m in messages if m["role"] == "user"), messages[-1])
+        user["content"] = [{"type": "image"} for _ in range(num_images)] + user["content"]
+    elif placeholders != num_images:
+        raise BadRow("image placeholders != images")
+    return messages
+
+
+# ------------------------------------------------------------------------------------------------ images
+def _decode_base64(text: str) -> bytes:
+    payload = text.split(",", 1)[1] if text.startswith("data:") else text
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise BadRow("image is neither a file nor base64") from error
+
+
+def image_source(value: Any, base_dir: Path) -> ImageSource:
+    """Where an image's encoded bytes are: the bytes themselves or a file (relative paths from ``base_dir``)."""
+    if isinstance(value, dict):  # parquet {bytes, path} (HF Image feature, verl) or the same in jsonl
+        if value.get("bytes") is not None:
+            raw = value["bytes"]
+            return raw if isinstance(raw, bytes) else _decode_base64(str(raw))
+        value = value.get("path")
+    if isinstance(value, bytes):
+        return value
+    if not isinstance(value, str) or not value:
+        raise BadRow("image entry has neither bytes nor a path")
+    if value.startswith("data:") or len(value) > 4096 or "\n" in value:
+        return _decode_base64(value)
+    path = base_dir / value
+    return path if path.is_file() else _decode_base64(value)
+
+
+def image_sources(value: Any, base_dir: Path) -> list[ImageSource]:
+    entries = value if isinstance(value, list) else [value]
+    return [image_source(entry, base_dir) for entry in entries]
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with transparency composited on white.
+
+    Line drawings are often black on a transparent background; a plain ``convert("RGB")`` (what the HF image
+    processor does) would turn them into a black square. Actor and rollout engine both get this RGB image, so
+    neither converts it again differently.
+    """
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def open_image(source: ImageSource) -> Image.Image:
+    """Decode fully (so truncated files fail here, not later) and convert to RGB."""
+    try:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+            image.load()
+            return to_rgb(image)
+    except (OSError, ValueError, Image.DecompressionBombError) as error:
+        raise BadRow("undecodable image") from error
+
+
+# --------------------------------------------------------------------------------------------- processor
+class PromptProcessor:
+    """Chat template + Qwen2-VL image processor + tokenizer: the prompt inputs the Qwen2.5-VL processor makes.
+
+    Built from a tokenizer and an image processor only, so it works without the video processor (which needs
+    torchvision). Image pads are expanded on token ids, which equals the processor's string expansion because
+    ``<|image_pad|>`` is a single special token. ``min_pixels`` / ``max_pixels`` go to the image processor.
+    """
+
+    def __init__(self, model_name_or_path: str | Path, min_pixels: int, max_pixels: int) -> None:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        if not 0 < min_pixels <= max_pixels:
+            raise ValueError(f"need 0 < min_pixels <= max_pixels, got {min_pixels} and {max_pixels}")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"{model_name_or_path} has no chat template (chat_template.jinja / tokenizer_config)")
+        self.image_processor = AutoImageProcessor.from_pretrained(
+            model_name_or_path, min_pixels=min_pixels, max_pixels=max_pixels
+        )
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.merge_size: int = self.image_processor.merge_size
+        self.image_pad = "<|image_pad|>"
+        self.image_token_id: int = self.tokenizer.convert_tokens_to_ids(self.image_pad)
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text for the rollout engine: chat template with the generation prompt, one pad per image."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """LLM tokens for an image of this size after the pixel bounds and the patch merger."""
+        return self.image_processor.get_number_of_image_patches(height, width, {}) // self.merge_size**2
+
+    def text_ids(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    def expand(self, ids: list[int], counts: Sequence[int]) -> list[int]:
+        """Replace the i-th image pad with ``counts[i]`` pads."""
+        positions = [i for i, token in enumerate(ids) if token == self.image_token_id]
+        if len(positions) != len(counts):
+            raise BadRow("image pads in the text != images")
+        out: list[int] = []
+        start = 0
+        for position, count in zip(positions, counts, strict=True):
+            out += ids[start:position] + [self.image_token_id] * count
+            start = position + 1
+        return out + ids[start:]
+
+    def encode(self, text: str, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids [S], pixel_values [patches, C*T*P*P], image_grid_thw [images, 3]) for one prompt."""
+        import torch
+
+        if images:
+            vision = self.image_processor(images=images, return_tensors="pt")
+            pixel_values, grid = vision["pixel_values"], vision["image_grid_thw"].long()
+        else:
+            patch_dim = 3 * self.image_processor.temporal_patch_size * self.image_processor.patch_size**2
+            pixel_values, grid = torch.zeros(0, patch_dim), torch.zeros(0, 3, dtype=torch.long)
+        counts = (grid.prod(dim=-1) // self.merge_size**2).tolist()
+        ids = torch.tensor(self.expand(self.text_ids(text), counts), dtype=torch.long)
+        return ids, pixel_values, grid
+
+
+# -------------------------------------------------------------------------------------------------- items
+@dataclass
+class PromptItem:
+    """One prompt, ready for the actor (ids, pixels) and the rollout engine (text, images)."""
+
+    row_id: int  # position of the row in its split (files in sorted order), stable across runs
+    input_ids: torch.Tensor  # [S] long, image pads expanded (image tokens included)
+    prompt_text: str  # chat-templated text with ONE <|image_pad|> per image (what vLLM expects)
+    images: list[Image.Image]  # decoded RGB originals; the engine applies the same min/max pixels
+    pixel_values: torch.Tensor  # [patches, 3 * temporal_patch * patch**2] float32
+    image_grid_thw: torch.Tensor  # [num_images, 3] long
+    ground_truth: str
+
+
+@dataclass(frozen=True)
+class _Row:
+    row_id: int
+    prompt_text: str
+    images: tuple[ImageSource, ...]
+    ground_truth: str
+    num_tokens: int
+
+
+@dataclass
+class LoadStats:
+    """What happened to the rows of a split when it was loaded."""
+
+    rows: int = 0
+    kept: int = 0
+    bad: Counter[str] = field(default_factory=Counter)
+    bad_ids: list[int] = field(default_factory=list)
+    too_long: int = 0
+    too_long_ids: list[int] = field(default_factory=list)
+    longest: int = 0
+
+    def bad_summary(self) -> str:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in self.bad.most_common())
+        return f"{reasons} (rows {_ids(self.bad_ids)})"
+
+    def too_long_summary(self, limit: int) -> str:
+        return (
+            f"{self.too_long} longer than max_prompt_length={limit} tokens (longest {self.longest}; rows "
+            f"{_ids(self.too_long_ids)})"
+        )
+
+
+def _ids(ids: list[int]) -> str:
+    shown = ", ".join(str(i) for i in ids[:_SHOWN_ROWS])
+    return shown + (", ..." if len(ids) > _SHOWN_ROWS else "")
+
+
+# ------------------------------------------------------------------------------------------------ dataset
+class PromptDataset(Sequence[PromptItem]):
+    """The usable prompts of one split; ``dataset[i]`` decodes and processes row i on access."""
+
+    def __init__(
+        self,
+        dataset_dir: str | Path,
+        split: str,
+        processor: PromptProcessor,
+        *,
+        prompt_key: str = "prompt",
+        answer_key: str = "reward_model.ground_truth",
+        image_key: str = "images",
+        instruction: str = DEFAULT_INSTRUCTION,
+        max_prompt_length: int = 1024,
+    ) -> None:
+        self.dataset_dir, self.split, self.processor = Path(dataset_dir), split, processor
+        self.keys = {"prompt": prompt_key, "answer": answer_key, "image": image_key}
+        self.instruction, self.max_prompt_length = instruction, max_prompt_length
+        self.files = find_split(self.dataset_dir, split)
+        self.stats = LoadStats()
+        self._rows = self._scan()
+        self._report()
+
+    @classmethod
+    def from_config(
+        cls, data: DataConfig, which: Literal["train", "val"], processor: PromptProcessor | None = None
+    ) -> PromptDataset:
+        """The train or validation split of the job's data section (pass ``processor`` to share one)."""
+        basic, pre = data.dataset_param.basic_parameters, data.dataset_param.preprocess_parameters
+        processor = processor or PromptProcessor(pre.model_name_or_path, pre.min_pixels, pre.max_pixels)
+        return cls(
+            basic.dataset_dir,
+            basic.train_split if which == "train" else basic.val_split,
+            processor,
+            prompt_key=basic.prompt_key,
+            answer_key=basic.answer_key,
+            image_key=basic.image_key,
+            instruction=pre.instruction,
+            max_prompt_length=pre.max_prompt_length,
+        )
+
+    @property
+    def form(self) -> Form:
+        return self.files.form
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index: int) -> PromptItem:  # type: ignore[override]
+        row = self._rows[index]
+        images = [open_image(source) for source in row.images]
+        input_ids, pixel_values, grid = self.processor.encode(row.prompt_text, images)
+        return PromptItem(row.row_id, input_ids, row.prompt_text, images, pixel_values, grid, row.ground_truth)
+
+    def num_tokens(self, index: int) -> int:
+        """Prompt length of item ``index`` (image tokens included) without processing its images."""
+        return self._rows[index].num_tokens
+
+    def ground_truth(self, index: int) -> str:
+        return self._rows[index].ground_truth
+
+    def row_id(self, index: int) -> int:
+        return self._rows[index].row_id
+
+    # ----------------------------------------------------------------------------------------- loading
+    def _parse(self, record: dict[str, Any], base_dir: Path, row_id: int) -> _Row:
+        """Check one record completely (images decoded once) and measure its prompt; raises BadRow."""
+        prompt = field_value(record, self.keys["prompt"])
+        truth = answer_text(field_value(record, self.keys["answer"]))
+        raw_images = lookup(record, self.keys["image"])
+        sources = [] if raw_images is _MISSING else image_sources(raw_images, base_dir)
+        try:
+            messages = build_messages(prompt, self.instruction, len(sources))
+        except BadRow as error:
+            if raw_images is _MISSING and error.reason == "image placeholders != images":
+                raise BadRow(f"missing field '{self.keys['image']}'") from error
+            raise
+        sizes = [open_image(source).size for source in sources]
+        text = self.processor.render(messages)
+        counts = [self.processor.image_tokens(w, h) for w, h in sizes]
+        num_tokens = len(self.processor.expand(self.processor.text_ids(text), counts))
+        return _Row(row_id, text, tuple(sources), truth, num_tokens)
+
+    def _scan(self) -> list[_Row]:
+        rows: list[_Row] = []
+        for row_id, (record, base_dir) in enumerate(read_records(self.files)):
+            self.stats.rows += 1
+            try:
+                if isinstance(record, BadRow):
+                    raise record
+                row = self._parse(record, base_dir, row_id)
+            except BadRow as error:
+                self.stats.bad[error.reason] += 1
+                self.stats.bad_ids.append(row_id)
+                continue
+            if row.num_tokens > self.max_prompt_length:
+                self.stats.too_long += 1
+                self.stats.too_long_ids.append(row_id)
+                self.stats.longest = max(self.stats.longest, row.num_tokens)
+                continue
+            rows.append(row)
+        self.stats.kept = len(rows)
+        return rows
+
+    def _report(self) -> None:
+        where = f"{self.dataset_dir} split '{self.split}' ({self.form})"
+        if not self._rows:
+            problems = [self.stats.bad_summary()] if self.stats.bad else []
+            if self.stats.too_long:
+                problems.append(self.stats.too_long_summary(self.max_prompt_length))
+            detail = "; ".join(problems) or "the files hold no rows"
+            raise ValueError(f"no usable row in {where}: {self.stats.rows} rows read; {detail}")
+        if self.stats.bad:
+            logger.warning(
+                "%s: skipped %d of %d rows: %s",
+                where,
+                sum(self.stats.bad.values()),
+                self.stats.rows,
+                self.stats.bad_summary(),
+            )
+        if self.stats.too_long:
+            logger.warning("%s: dropped %s", where, self.stats.too_long_summary(self.max_prompt_length))
