@@ -14,6 +14,7 @@ VIT = "backend_config.model.image_encoder.vision_encoder"
 PROJ = "backend_config.model.image_encoder.vision_projector"
 ACTOR = "backend_config.actor_config"
 TRAIN = "backend_config.training"
+RL = "backend_config.rl_config"
 
 
 def job(*overrides):
@@ -193,6 +194,8 @@ RULE_CASES = {
                   ["backend_config.rl_config.clip_ratio_c=10.0"]),
     "reward_fn": (["backend_config.rl_config.reward.function=geo3k"], "backend_config.rl_config.reward.function",
                   ["backend_config.rl_config.reward.function=my.module:score"]),
+    "overlong": ([f"{RL}.overlong_buffer.enable=true"], f"{RL}.overlong_buffer.len",
+                 [f"{RL}.overlong_buffer.enable=true", f"{RL}.overlong_buffer.len=128"]),
     "seq_budget": ([f"{TRAIN}.seq-length=1000"], f"{TRAIN}.seq-length", [f"{TRAIN}.seq-length=1536"]),
     "positive": ([f"{ACTOR}.micro_batch_size=0"], f"{ACTOR}.micro_batch_size", [f"{ACTOR}.micro_batch_size=2"]),
     "node_rank": (["env.NODE_RANK=1"], "env.NODE_RANK", ["env.NNODES=2", "env.NODE_RANK=1"]),

@@ -282,6 +282,7 @@ class Mg2HfStage:
 @dataclass
 class KlControlConfig:
     type: Literal["fixed", "adaptive"] = opt("fixed", "KL-in-reward coefficient controller")
+    kl_penalty: Literal["k1", "abs", "k2", "k3", "mse", "low_var_kl"] = opt("k1", "KL estimator folded into rewards")
     kl_coef: float = opt(0.001, "initial KL-in-reward coefficient")
     target_kl: float = opt(0.1, "adaptive controller target")
     horizon: int = opt(10000, "adaptive controller horizon")
@@ -318,6 +319,7 @@ class RLConfig:
     ppo_epochs: int = opt(1, "passes over each rollout batch")
     adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = opt("grpo", "advantage estimator")
     norm_adv_by_std: bool = opt(True, "divide by the group std (false: Dr.GRPO)")
+    gamma: float = opt(1.0, "discount of REINFORCE++ returns")
     adv_epsilon: float = opt(1e-6, "added to the std before dividing")
     clip_ratio_low: float = opt(0.2, "PPO clip below 1")
     clip_ratio_high: float = opt(0.2, "PPO clip above 1 (raise for DAPO clip-higher)")

@@ -313,6 +313,11 @@ def rl_settings(cfg: JobConfig) -> Iterator[Violation]:
     if ":" not in rl.reward.function:
         yield Violation(f"{RL}.reward.function", rl.reward.function, "must be 'module:function'",
                         "e.g. mm_rl.rewards.geo3k:compute_score")
+    buffer = rl.overlong_buffer
+    if buffer.enable and not 0 < buffer.len <= gen.sampling_config.max_tokens:
+        yield Violation(f"{RL}.overlong_buffer.len", buffer.len,
+                        f"must lie in (0, max_tokens = {gen.sampling_config.max_tokens}] when the buffer is enabled",
+                        "use e.g. a quarter of max_tokens, or disable the buffer")
     if gen.sampling_config.temperature < 0:
         yield Violation(f"{GEN}.sampling_config.temperature", gen.sampling_config.temperature, "must be >= 0",
                         "use 1.0 for sampling, 0 for greedy")
