@@ -12,6 +12,7 @@ COMMON = [
     "safetensors>=0.4",
     "tokenizers>=0.21",
     "mathruler>=0.1.0",
+    "pylatexenc>=2.10",  # mathruler.grader imports it without declaring it
     "pillow>=10",
     "pyarrow>=15",
     "tensorboard>=2.15",
