@@ -1,0 +1,342 @@
+"""A deterministic format warm-up for the embedded tiny Qwen2.5-VL, so GRPO starts with a reward signal.
+
+Why a random tiny model gets zero reward: the geo3k reward pays ``format`` only when the whole response matches
+``<think>.*</think>.*\\boxed{.*}.*`` and ``accuracy`` only when the last ``\\boxed{}`` holds the answer. A randomly
+initialised model samples from a near-uniform 1024-way distribution, so a response starts with ``<think>`` with
+probability ~1/1024 and then still needs ``</think>``, ``\\boxed{``, a digit and ``}`` in order: sampling 8 x 8
+responses of 64 tokens gives reward, format and accuracy all 0.0. GRPO's advantages are rewards minus the group
+mean, so identical (zero) rewards give zero advantages and nothing to learn from. Real GRPO runs start from an
+instruct model that already follows the output format; this warm-up makes the embedded default mirror that.
+
+What it does: a short supervised fine-tune on prompts of the synthetic TRAIN split with targets
+
+    <think> w1 w2 [w3 [w4]] </think> \\boxed{d}<|im_end|>
+
+where the 2-4 reasoning words are drawn from the problems' own vocabulary (lower-case words that are one token
+with a leading space, so responses stay ~10 tokens, well inside the 64-token rollout budget) and ``d`` is a
+digit 1..9 drawn INDEPENDENTLY of the true answer. The random digit is the point: the model learns the format
+(and to box a single digit) but nothing about which digit is right, so its accuracy stays at chance (1/9) and
+improving it is left to RL. Training on the true answers would leak the solution and make the RL demo moot.
+The loss covers the response tokens only (labels -100 on the prompt, image tokens included).
+
+Defaults (``WarmupArgs``): 80 AdamW steps (lr 3e-3, no weight decay, grad-norm clip 1.0) on batches of 8 drawn
+from the first 64 train prompts, with a fresh target per example and step. Measured on one CPU thread with the
+seed-0 checkpoint and data: about 14 s in all; the sampled format rate goes 0.0 -> 0.97 and accuracy 0.0 -> 0.08
+(seeds 0-5: format 0.89-0.97, accuracy 0.06-0.17; chance is 0.11). Fewer steps (60 at lr 2e-3) left some
+seeds near 0.6. The metrics are measured before and after on the first 8 test prompts x 8 samples, at
+temperature 1.0 without top-k / top-p (vLLM's defaults), up to 64 new tokens, decoded without special tokens
+and scored with ``mm_rl.rewards.geo3k.compute_score``; both measurements use the same sampling seed.
+
+Determinism: one torch thread, fixed seeds for the target draws, the batch order and the sampling, a fixed set
+of prompts; the same arguments give byte-identical ``model.safetensors`` (on the same torch build and CPU kind:
+other kernels may round differently). The caller's torch RNG state and thread count are restored afterwards.
+
+Files: the new weights are written as ``model.safetensors`` into a temporary file in the checkpoint directory
+(same key names, dtypes and metadata as the tiny builder's) and renamed over the old one; the other files are
+kept. A marker ``tiny_warmup.json`` (arguments, the base build marker, metrics) is written last, the same way;
+calling again with the same arguments returns the stored metrics without touching anything. A checkpoint warmed
+up with other arguments is refused: build a fresh one first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mm_rl.models import tiny
+
+if TYPE_CHECKING:
+    import torch
+
+    from mm_rl.data.dataset import PromptItem, PromptProcessor
+
+MARKER = "tiny_warmup.json"
+_VERSION = 1
+_WEIGHTS = "model.safetensors"
+_IGNORE = -100
+_NOT_REASONING = {"system", "user", "assistant", "you", "are", "helpful"}  # chat-template words
+
+
+@dataclass(frozen=True)
+class WarmupArgs:
+    """Everything that determines the warmed-up weights and the measured metrics."""
+
+    steps: int = 80
+    seed: int = 0
+    lr: float = 3e-3
+    batch_size: int = 8
+    train_prompts: int = 64
+    eval_prompts: int = 8
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 64
+    min_pixels: int = 56 * 56
+    max_pixels: int = 224 * 224
+    max_prompt_length: int = 256
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+@contextlib.contextmanager
+def _one_thread_seeded(seed: int) -> Iterator[None]:
+    """One torch thread and a seeded global RNG inside; the caller's thread count and RNG state restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """No transformers progress bars (loading / writing weights) inside; the previous setting restored after."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
+    """``write(tmp_path)`` into a temporary file beside ``path``, then rename it over ``path``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        Path(tmp).chmod(0o644)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _load_items(
+    data_dir: Path, split: str, count: int, processor: PromptProcessor, args: WarmupArgs
+) -> list[PromptItem]:
+    from mm_rl.data.dataset import PromptDataset
+
+    dataset = PromptDataset(data_dir, split, processor, max_prompt_length=args.max_prompt_length)
+    return [dataset[i] for i in range(min(count, len(dataset)))]
+
+
+def reasoning_words(items: list[PromptItem], processor: PromptProcessor) -> list[str]:
+    """Sorted lower-case words of the prompts that the tokenizer encodes as one token with a leading space."""
+    words: set[str] = set()
+    for item in items:
+        words |= {w.lower() for w in re.findall(r"[A-Za-z]{3,}", re.sub(r"<\|[^|]*\|>", " ", item.prompt_text))}
+    words -= _NOT_REASONING
+    single = sorted(w for w in words if len(processor.text_ids(" " + w)) == 1)
+    if not single:
+        raise ValueError("the prompts hold no word the tokenizer encodes as one token; cannot draw reasoning words")
+    return single
+
+
+def target_response(rng: random.Random, words: list[str]) -> str:
+    """``<think> w1 .. wk </think> \\boxed{d}`` with 2-4 random words and a random digit d (not the answer)."""
+    reasoning = " ".join(rng.choice(words) for _ in range(rng.randint(2, 4)))
+    return f"<think> {reasoning} </think> \\boxed{{{rng.randint(1, 9)}}}"
+
+
+# ----------------------------------------------------------------------------------------------- training
+def _batch(items: list[PromptItem], responses: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Right-padded prompt + response ids; labels only on the response tokens."""
+    import torch
+
+    length = max(len(item.input_ids) + len(r) for item, r in zip(items, responses, strict=True))
+    ids = torch.full((len(items), length), tiny.PAD_TOKEN_ID, dtype=torch.long)
+    labels = torch.full_like(ids, _IGNORE)
+    mask = torch.zeros_like(ids)
+    for row, (item, response) in enumerate(zip(items, responses, strict=True)):
+        prompt, n = item.input_ids, len(item.input_ids) + len(response)
+        ids[row, :n] = torch.cat([prompt, torch.tensor(response, dtype=torch.long)])
+        labels[row, len(prompt) : n] = ids[row, len(prompt) : n]
+        mask[row, :n] = 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": labels,
+        "pixel_values": torch.cat([item.pixel_values for item in items]),
+        "image_grid_thw": torch.cat([item.image_grid_thw for item in items]),
+    }
+
+
+def _train(model: Any, items: list[PromptItem], processor: PromptProcessor, args: WarmupArgs) -> list[float]:
+    """AdamW on format targets; returns the loss of every step."""
+    import torch
+
+    words = reasoning_words(items, processor)
+    rng = random.Random(args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for _ in range(args.steps):
+        batch_items = rng.sample(items, min(args.batch_size, len(items)))
+        responses = [processor.text_ids(target_response(rng, words)) + [tiny.EOS_TOKEN_ID] for _ in batch_items]
+        loss = model(**_batch(batch_items, responses)).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+# --------------------------------------------------------------------------------------------- evaluation
+def sample_responses(model: Any, item: PromptItem, processor: PromptProcessor, args: WarmupArgs) -> list[str]:
+    """``samples_per_prompt`` responses at temperature 1 (no top-k / top-p), special tokens dropped."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=item.input_ids[None],
+            attention_mask=torch.ones_like(item.input_ids)[None],
+            pixel_values=item.pixel_values,
+            image_grid_thw=item.image_grid_thw,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=args.max_new_tokens,
+            num_return_sequences=args.samples_per_prompt,
+        )
+    new = out[:, item.input_ids.shape[0] :]
+    return processor.tokenizer.batch_decode(new, skip_special_tokens=True)
+
+
+def evaluate(model: Any, items: list[PromptItem], processor: PromptProcessor, args: WarmupArgs) -> dict[str, float]:
+    """Mean format, accuracy and score of sampled responses (seeded, so repeatable)."""
+    from mm_rl.rewards.geo3k import compute_score
+
+    scores = [
+        compute_score(response, item.ground_truth)
+        for item in items
+        for response in sample_responses(model, item, processor, args)
+    ]
+    return {key: round(sum(s[key] for s in scores) / len(scores), 6) for key in ("format", "accuracy", "score")}
+
+
+# ---------------------------------------------------------------------------------------------------- files
+def _save_weights(model: Any, hf_dir: Path) -> None:
+    """Rewrite ``model.safetensors`` in place (temp file + rename) with the builder's key names and metadata."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(hf_dir / _WEIGHTS, "pt") as f:
+        expected = set(f.keys())
+    with tempfile.TemporaryDirectory(prefix=".warmup-", dir=hf_dir) as staging:
+        model.save_pretrained(staging, safe_serialization=True)  # published key names (model.layers.*, visual.*)
+        with safe_open(Path(staging) / _WEIGHTS, "pt") as f:
+            weights = {name: f.get_tensor(name).to(torch.float32).contiguous() for name in sorted(f.keys())}
+    if set(weights) != expected:
+        raise RuntimeError(f"saved keys differ from the checkpoint's: {sorted(set(weights) ^ expected)[:5]}")
+    _write_atomic(hf_dir / _WEIGHTS, lambda tmp: save_file(weights, tmp, metadata={"format": "pt"}))
+
+
+def _marker_args(hf_dir: Path, data_dir: Path, args: WarmupArgs) -> dict[str, Any]:
+    base = _read_json(hf_dir / "tiny_build.json")
+    if base is None:
+        raise ValueError(f"{hf_dir} is not a tiny checkpoint (no tiny_build.json); build it with build_tiny_checkpoint")
+    data = _read_json(data_dir / "synthetic_geo3k.json") or {}
+    record = {"version": _VERSION, **asdict(args), "build": base, "data": data.get("args", str(data_dir))}
+    return json.loads(json.dumps(record, sort_keys=True))
+
+
+def _stored_metrics(hf_dir: Path, record: dict[str, Any]) -> dict[str, Any] | None:
+    """The metrics of a finished warm-up with these arguments; None when there is none; error on a mismatch."""
+    marker = _read_json(hf_dir / MARKER)
+    if marker is None or "metrics" not in marker:
+        return None
+    if marker.get("args") != record:
+        raise ValueError(
+            f"{hf_dir} was already warmed up with other arguments ({marker.get('args')}); warming up again would "
+            "stack on those weights: build a fresh checkpoint with build_tiny_checkpoint first"
+        )
+    return marker["metrics"]
+
+
+# ------------------------------------------------------------------------------------------------------ api
+def warm_up_format(
+    hf_dir: str | Path,
+    data_dir: str | Path,
+    steps: int = WarmupArgs.steps,
+    seed: int = 0,
+    **options: Any,
+) -> dict[str, Any]:
+    """Teach the tiny checkpoint in ``hf_dir`` the geo3k output format (not the answers), in place.
+
+    ``data_dir`` holds the synthetic set (``write_synthetic_geo3k``). ``options`` override the other
+    ``WarmupArgs`` fields (lr, batch_size, train_prompts, eval_prompts, samples_per_prompt, max_new_tokens,
+    min_pixels, max_pixels, max_prompt_length). Returns ``{"before": {...}, "after": {...}, "wall_time_s",
+    "losses": [first, last], "args"}`` where before/after hold the mean format, accuracy and score of
+    ``eval_prompts x samples_per_prompt`` sampled test responses. A second call with the same arguments returns
+    the stored metrics and changes nothing.
+    """
+    hf_dir, data_dir = Path(hf_dir).absolute(), Path(data_dir).absolute()
+    args = WarmupArgs(steps=steps, seed=seed, **options)
+    record = _marker_args(hf_dir, data_dir, args)
+    stored = _stored_metrics(hf_dir, record)
+    if stored is not None:
+        return stored
+    metrics = _run(hf_dir, data_dir, args)
+    marker = {"args": record, "metrics": metrics}
+    _write_atomic(hf_dir / MARKER, lambda tmp: tmp.write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n"))
+    return metrics
+
+
+def _run(hf_dir: Path, data_dir: Path, args: WarmupArgs) -> dict[str, Any]:
+    from mm_rl.platform import cpu_wheels
+
+    cpu_wheels.install()  # transformers' image utilities import torchvision when it is installed
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mm_rl.data.dataset import PromptProcessor
+
+    start = time.perf_counter()
+    with _one_thread_seeded(args.seed), _quiet_progress():
+        processor = PromptProcessor(hf_dir, args.min_pixels, args.max_pixels)
+        train = _load_items(data_dir, "train", args.train_prompts, processor, args)
+        test = _load_items(data_dir, "test", args.eval_prompts, processor, args)
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype="float32").eval()
+        before = _seeded(args.seed + 1, lambda: evaluate(model, test, processor, args))
+        losses = _seeded(args.seed, lambda: _train(model, train, processor, args))
+        after = _seeded(args.seed + 1, lambda: evaluate(model, test, processor, args))  # same seed as before
+        _save_weights(model, hf_dir)
+    return {
+        "before": before,
+        "after": after,
+        "losses": [round(losses[0], 4), round(losses[-1], 4)] if losses else [],
+        "wall_time_s": round(time.perf_counter() - start, 2),
+        "args": asdict(args),
+    }
+
+
+def _seeded(seed: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with the torch RNG seeded to ``seed``, so a phase does not depend on what ran before it."""
+    import torch
+
+    torch.manual_seed(seed)
+    return fn()

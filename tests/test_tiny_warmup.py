@@ -1,0 +1,106 @@
+"""Format warm-up of the tiny checkpoint: learns the output format, not the answers; in place, idempotent and
+deterministic."""
+
+from mm_rl.platform import cpu_wheels
+
+cpu_wheels.install()  # AutoProcessor builds the Qwen2-VL video processor, which imports torchvision
+
+import json  # noqa: E402
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from mm_rl.data.synthetic import write_synthetic_geo3k  # noqa: E402
+from mm_rl.models import tiny_warmup  # noqa: E402
+from mm_rl.models.tiny import build_tiny_checkpoint  # noqa: E402
+from mm_rl.models.tiny_warmup import MARKER, target_response, warm_up_format  # noqa: E402
+from mm_rl.rewards.geo3k import compute_score  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return write_synthetic_geo3k(tmp_path_factory.mktemp("data") / "geo3k", seed=0)
+
+
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory, data_dir):
+    """(checkpoint dir, its files before the warm-up, the returned metrics, torch state before and after)."""
+    hf_dir = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
+    before = {p.name: p.read_bytes() for p in hf_dir.iterdir()}
+    threads, rng = torch.get_num_threads(), torch.random.get_rng_state()
+    metrics = warm_up_format(hf_dir, data_dir, seed=0)
+    state = (threads, rng, torch.get_num_threads(), torch.random.get_rng_state())
+    return hf_dir, before, metrics, state
+
+
+def test_target_responses_have_the_format_and_vary():
+    rng = random.Random(0)
+    responses = [target_response(rng, ["side", "angle", "find"]) for _ in range(50)]
+    assert all(compute_score(r, "5")["format"] == 1.0 for r in responses)
+    assert len(set(responses)) > 25
+    assert {r[-2] for r in responses} == set("123456789")  # digits drawn at random, all of 1..9
+
+
+def test_format_is_learned_but_not_the_answer(warmed):
+    _, _, metrics, _ = warmed
+    before, after = metrics["before"], metrics["after"]
+    assert before["format"] <= 0.1
+    assert after["format"] >= 0.5 and after["format"] > before["format"]
+    assert after["accuracy"] < 0.5  # random target digits: accuracy stays near chance (1/9)
+    assert metrics["losses"][1] < metrics["losses"][0]
+    assert metrics["wall_time_s"] > 0
+
+
+def test_checkpoint_still_loads_and_only_the_weights_changed(warmed):
+    from safetensors import safe_open
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    hf_dir, before, _, _ = warmed
+    assert sorted(p.name for p in hf_dir.iterdir()) == sorted([*before, MARKER])  # no temporary files left
+    for name, data in before.items():
+        changed = (hf_dir / name).read_bytes() != data
+        assert changed == (name == "model.safetensors"), name
+    with safe_open(hf_dir / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.self_attn.q_proj.weight" in keys and "visual.merger.mlp.2.weight" in keys
+
+    processor = AutoProcessor.from_pretrained(hf_dir)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir).eval()
+    inputs = processor(text=["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_caller_torch_state_is_restored(warmed):
+    threads, rng, threads_after, rng_after = warmed[3]
+    assert threads_after == threads
+    assert torch.equal(rng_after, rng)
+
+
+def test_second_call_is_a_no_op_and_other_arguments_are_refused(warmed, data_dir):
+    hf_dir, _, metrics, _ = warmed
+    weights, marker = hf_dir / "model.safetensors", hf_dir / MARKER
+    stamps = weights.stat().st_mtime_ns, marker.stat().st_mtime_ns
+    assert warm_up_format(hf_dir, data_dir, seed=0) == metrics
+    assert (weights.stat().st_mtime_ns, marker.stat().st_mtime_ns) == stamps
+    assert json.loads(marker.read_text())["metrics"] == metrics
+    with pytest.raises(ValueError, match="other arguments"):
+        warm_up_format(hf_dir, data_dir, seed=1)
+    assert weights.stat().st_mtime_ns == stamps[0]
+
+
+def test_same_seed_gives_identical_weights(warmed, data_dir, tmp_path):
+    hf_dir, _, metrics, _ = warmed
+    again = build_tiny_checkpoint(tmp_path / "again", seed=0)
+    repeat = warm_up_format(again, data_dir, seed=0)
+    assert (again / "model.safetensors").read_bytes() == (hf_dir / "model.safetensors").read_bytes()
+    measured = ("before", "after", "losses")
+    assert {k: repeat[k] for k in measured} == {k: metrics[k] for k in measured}
+
+
+def test_refuses_a_directory_that_is_not_a_tiny_checkpoint(tmp_path, data_dir):
+    with pytest.raises(ValueError, match="not a tiny checkpoint"):
+        warm_up_format(tmp_path, data_dir)
+    assert tiny_warmup.WarmupArgs().max_new_tokens == 64
