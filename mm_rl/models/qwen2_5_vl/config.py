@@ -125,6 +125,7 @@ def text_decoder_config(
         "pipeline_model_parallel_layout": pipeline_layout(text.pipeline_num_layers) if pp > 1 else None,
         "context_parallel_size": 1,
         "variable_seq_lengths": True,  # prompts + responses differ per micro-batch: exchange shapes first
+        "moe_token_dispatcher_type": "alltoall",  # no MoE; megatron rejects its default with variable lengths
         "bias_activation_fusion": False,
         "bias_dropout_fusion": False,
         "masked_softmax_fusion": False,

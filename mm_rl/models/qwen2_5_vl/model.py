@@ -1,0 +1,314 @@
+"""Qwen2.5-VL on megatron-core: one pipeline stage of the ViT + merger and the mRoPE text decoder.
+
+A stage holds what model.json's ``pipeline_num_layers`` give it (ViT first, then the LLM):
+
+- the image encoder (``image_encoder.*``, the vision module's names) on the stage holding ViT blocks;
+- the text decoder, a megatron ``GPTModel`` (``text_decoder.*``): word embeddings on the first stage holding
+  LLM layers, this stage's LLM layers (indices restart at 0 on every stage), and on the last stage the final
+  norm and the output layer (a copy of the word embeddings when they are tied and PP > 1).
+
+These are MindSpeed-MM's converted-checkpoint names, so ``model.load_state_dict(torch.load(rank_file)["model"])``
+loads hf2mg's output directly.
+
+The stage with the word embeddings looks the tokens up, runs the ViT on the micro-batch's images and writes
+the image embeddings over the image-token positions (in the order transformers uses: sample by sample,
+left to right); the tensor handed between LLM stages is megatron's [S, B, H]. Positions are the 3D mRoPE ids
+of :mod:`rope_index`, computed on every stage from the token ids (or passed in). The last stage turns its
+vocab-parallel logits into the log-probs of given labels and the entropy (:mod:`logprobs`) without
+gathering the vocabulary.
+
+Supported pipeline splits: the whole ViT on stage 0, which also holds at least one LLM layer (MindSpeed-MM's
+published presets, e.g. vit [32, 0] / llm [12, 16]). A ViT split across stages raises NotImplementedError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mm_rl.config.schema import ActorConfig, ModelConfig, TrainingFlags
+from mm_rl.models.qwen2_5_vl.config import megatron_normalization, padded_vocab_size, text_decoder_config
+from mm_rl.models.qwen2_5_vl.logprobs import log_probs_and_entropy
+from mm_rl.models.qwen2_5_vl.rope_index import get_rope_index
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """What one pipeline stage holds: global ViT block and LLM layer indices, embeddings, output layer."""
+
+    pp_rank: int
+    pp_size: int
+    vit_layers: range
+    llm_layers: range
+    has_embedding: bool
+
+    @property
+    def has_vit(self) -> bool:
+        return len(self.vit_layers) > 0
+
+    @property
+    def has_output(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def _per_stage(layers: Sequence[int], total: int, pp_size: int, what: str) -> list[int]:
+    """The per-stage layer counts for ``pp_size`` stages (one stage: everything), validated."""
+    if pp_size == 1:
+        return [total]
+    if len(layers) != pp_size or min(layers) < 0 or sum(layers) != total:
+        raise ValueError(f"{what}.pipeline_num_layers {list(layers)} must have {pp_size} entries >= 0 summing to "
+                         f"{total}")
+    return list(layers)
+
+
+def stage_layout(model: ModelConfig, pp_rank: int, pp_size: int) -> StageLayout:
+    """The parts of stage ``pp_rank`` of ``pp_size``; NotImplementedError for ViT splits not supported yet."""
+    vision = model.image_encoder.vision_encoder
+    vit = _per_stage(vision.pipeline_num_layers, vision.num_layers, pp_size, "image_encoder.vision_encoder")
+    llm = _per_stage(model.text_decoder.pipeline_num_layers, model.text_decoder.num_layers, pp_size,
+                     "text_decoder")
+    if any(vit[1:]) or llm[0] == 0:
+        raise NotImplementedError(
+            f"pipeline split vit {vit} / llm {llm}: only the whole ViT on stage 0 together with at least one LLM "
+            f"layer is supported (e.g. vit {[sum(vit)] + [0] * (pp_size - 1)} / llm [{max(llm[0], 1)}, ...])"
+        )
+    return StageLayout(
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        vit_layers=range(sum(vit[:pp_rank]), sum(vit[: pp_rank + 1])),
+        llm_layers=range(sum(llm[:pp_rank]), sum(llm[: pp_rank + 1])),
+        has_embedding=pp_rank == 0,
+    )
+
+
+def padding_attention_mask(attention_mask: Tensor | None) -> Tensor | None:
+    """megatron's boolean mask [B, 1, S, S] (True = hidden) for causal attention that skips padding.
+
+    None (plain causal attention, no S x S tensor) when every row is right-padded: real tokens never look
+    ahead, so trailing padding cannot reach them. Left padding or holes need the explicit mask.
+    """
+    if attention_mask is None:
+        return None
+    valid = attention_mask.bool()
+    if not (valid[:, 1:] & ~valid[:, :-1]).any():
+        return None
+    seq = valid.shape[1]
+    future = torch.ones(seq, seq, dtype=torch.bool, device=valid.device).triu(1)
+    return future[None, None] | ~valid[:, None, None, :]
+
+
+def splice_image_embeddings(
+    embeddings: Tensor, input_ids: Tensor, image_embeds: Tensor, image_token_id: int
+) -> Tensor:
+    """Word embeddings [S, B, H] with the image-token positions replaced by ``image_embeds`` [N, H].
+
+    Image tokens are filled sample by sample, left to right (transformers' masked_scatter over [B, S]),
+    which is the order the ViT emits images in. Out of place, so gradients reach both inputs.
+    """
+    batch_index, seq_index = (input_ids == image_token_id).nonzero(as_tuple=True)
+    if batch_index.numel() != image_embeds.shape[0]:
+        raise ValueError(f"{batch_index.numel()} image tokens but {image_embeds.shape[0]} image embeddings")
+    return embeddings.index_put((seq_index, batch_index), image_embeds.to(embeddings.dtype))
+
+
+class Qwen2_5_VLModel(torch.nn.Module):
+    """One pipeline stage of Qwen2.5-VL (see the module docstring); build it with :func:`build_model`.
+
+    It exposes what megatron's schedules and ``finalize_model_grads`` look up on a model chunk
+    (``config``, ``set_input_tensor``, ``pre_process``, ``share_embeddings_and_output_weights``,
+    ``shared_embedding_or_output_weight``).
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        config: Any,
+        layout: StageLayout,
+        *,
+        padded_vocab: int,
+        image_encoder: torch.nn.Module | None,
+    ) -> None:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        super().__init__()
+        text = model_cfg.text_decoder
+        self.config = config
+        self.model_cfg = model_cfg
+        self.layout = layout
+        self.vocab_size = text.vocab_size
+        self.model_type = None  # set from the GPTModel below (schedules read it)
+        if image_encoder is not None:
+            self.image_encoder = image_encoder
+        self.text_decoder = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization=megatron_normalization(text.normalization)),
+            vocab_size=padded_vocab,
+            max_sequence_length=text.max_position_embeddings,
+            pre_process=layout.has_embedding,
+            post_process=layout.has_output,
+            parallel_output=True,
+            share_embeddings_and_output_weights=not text.untie_embeddings_and_output_weights,
+            position_embedding_type="mrope",
+            rotary_base=text.rope_theta,  # type: ignore[arg-type]  # megatron annotates int; rope_theta is float
+        )
+        self.model_type = self.text_decoder.model_type
+
+    # ------------------------------------------------------------------ what megatron looks up on a chunk
+    @property
+    def pre_process(self) -> bool:
+        return bool(self.text_decoder.pre_process)
+
+    @property
+    def post_process(self) -> bool:
+        return bool(self.text_decoder.post_process)
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return bool(self.text_decoder.share_embeddings_and_output_weights)
+
+    def shared_embedding_or_output_weight(self) -> Tensor | None:
+        return self.text_decoder.shared_embedding_or_output_weight()
+
+    def set_input_tensor(self, input_tensor: Tensor | list[Tensor] | None) -> None:
+        """The previous stage's [S, B, H] output (the schedule calls this before every forward)."""
+        self.text_decoder.set_input_tensor(input_tensor)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """torch's load_state_dict, accepting checkpoints without megatron's ``_extra_state`` entries.
+
+        megatron's linear layers report an ``_extra_state`` (None for the local spec); MindSpeed-MM files
+        and hf2mg's output hold tensors only, so the missing entries are filled with None first."""
+        state = dict(state_dict)
+        for key, value in self.state_dict(keep_vars=True).items():
+            if key.endswith("._extra_state") and key not in state:
+                state[key] = value
+        return super().load_state_dict(state, strict=strict, assign=assign)
+
+    # ------------------------------------------------------------------ forward
+    def position_ids(self, input_ids: Tensor, image_grid_thw: Tensor | None, attention_mask: Tensor | None) -> Tensor:
+        """The 3D mRoPE ids [3, B, S] of a micro-batch (see :func:`rope_index.get_rope_index`)."""
+        positions, _ = get_rope_index(
+            input_ids,
+            image_grid_thw,
+            attention_mask,
+            image_token_id=self.model_cfg.img_context_token_id,
+            spatial_merge_size=self.model_cfg.image_encoder.vision_encoder.spatial_merge_size,
+        )
+        return positions
+
+    def image_embeddings(self, pixel_values: Tensor, image_grid_thw: Tensor) -> Tensor:
+        """The ViT + merger output [N_tokens, H_llm]; without an autograd graph when nothing in it trains."""
+        encoder = self.image_encoder
+        trains = any(p.requires_grad for p in encoder.parameters())
+        with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
+            return encoder(pixel_values, image_grid_thw)
+
+    def decoder_input(
+        self, input_ids: Tensor, pixel_values: Tensor | None, image_grid_thw: Tensor | None
+    ) -> Tensor:
+        """Word embeddings [S, B, H] with the images spliced in (first LLM stage only)."""
+        embeddings = self.text_decoder.embedding(input_ids=input_ids, position_ids=None)
+        if pixel_values is None or pixel_values.numel() == 0:
+            return embeddings
+        if image_grid_thw is None:
+            raise ValueError("pixel_values need image_grid_thw")
+        image_embeds = self.image_embeddings(pixel_values, image_grid_thw)
+        return splice_image_embeddings(embeddings, input_ids, image_embeds, self.model_cfg.img_context_token_id)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        pixel_values: Tensor | None = None,
+        image_grid_thw: Tensor | None = None,
+        labels: Tensor | None = None,
+        *,
+        return_logits: bool = False,
+        temperature: float = 1.0,
+    ) -> Tensor | dict[str, Tensor]:
+        """Run this stage on a micro-batch.
+
+        ``input_ids`` / ``attention_mask`` [B, S] (mask: 1 real, 0 padding; None: no padding) are needed on
+        every stage (positions and the padding mask come from them); ``pixel_values`` [N_patches, C*T*P*P] and
+        ``image_grid_thw`` [N_images, 3] as the Qwen2.5-VL processor gives them. ``position_ids`` [3, B, S]
+        may be passed precomputed. ``labels`` [B, S]: labels[b, s] is the token position s predicts.
+
+        Returns [S, B, H] hidden states on all but the last stage. The last stage returns a dict:
+        ``log_probs`` and ``entropy`` [B, S] (fp32) when ``labels`` are given, and ``logits``
+        [B, S, V / TP] (this rank's vocab slice) when there are no labels or ``return_logits`` is set.
+        ``temperature`` divides the logits before the log-probs and the entropy, as the sampler did.
+        """
+        if position_ids is None:
+            position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask)
+        decoder_input = None
+        if self.layout.has_embedding:
+            decoder_input = self.decoder_input(input_ids, pixel_values, image_grid_thw)
+        output = self.text_decoder(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=padding_attention_mask(attention_mask),
+            decoder_input=decoder_input,
+        )
+        if not self.layout.has_output:
+            return output
+        result: dict[str, Tensor] = {}
+        if labels is not None:
+            result["log_probs"], result["entropy"] = log_probs_and_entropy(
+                output, labels, vocab_size=self.vocab_size, temperature=temperature
+            )
+        if labels is None or return_logits:
+            result["logits"] = output
+        return result
+
+
+def _build_image_encoder(model_cfg: ModelConfig, config: Any) -> torch.nn.Module:
+    """The vision module (ViT + merger) for this stage."""
+    from mm_rl.models.qwen2_5_vl import vision
+
+    return vision.build_image_encoder(model_cfg, config)  # type: ignore[attr-defined,no-any-return]
+
+
+def apply_freeze(model: Qwen2_5_VLModel, actor: ActorConfig | None) -> None:
+    """requires_grad from the actor flags: the ViT trains only with ``unfreeze_vision_encoder``, the merger
+    unless ``freeze_vision_projector``. model.json's ``freeze`` markers are not the switch (see the schema)."""
+    train_vit = bool(actor and actor.unfreeze_vision_encoder)
+    train_projector = not (actor and actor.freeze_vision_projector)
+    for name, param in model.named_parameters():
+        if name.startswith("image_encoder.projector."):
+            param.requires_grad_(train_projector)
+        elif name.startswith("image_encoder."):
+            param.requires_grad_(train_vit)
+
+
+def build_model(
+    model_cfg: ModelConfig,
+    flags: TrainingFlags | None = None,
+    actor: ActorConfig | None = None,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    **config_overrides: Any,
+) -> Qwen2_5_VLModel:
+    """This rank's stage of the model, after megatron's ``initialize_model_parallel``.
+
+    TP / PP sizes and ranks come from megatron's parallel state; ``flags`` give the vocab padding
+    (``make-vocab-size-divisible-by``) and ``actor`` the freeze switches (default: ViT frozen, merger
+    trained). ``config_overrides`` reach the text decoder's ``TransformerConfig``.
+    """
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    layout = stage_layout(model_cfg, parallel_state.get_pipeline_model_parallel_rank(), pp)
+    config = text_decoder_config(model_cfg, flags, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)
+    divisible_by = flags.make_vocab_size_divisible_by if flags is not None else 1
+    padded = padded_vocab_size(model_cfg.text_decoder.vocab_size, divisible_by, tp)
+    encoder = _build_image_encoder(model_cfg, config) if layout.has_vit else None
+    model = Qwen2_5_VLModel(model_cfg, config, layout, padded_vocab=padded, image_encoder=encoder)
+    apply_freeze(model, actor)
+    return model
