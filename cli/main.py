@@ -17,6 +17,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_config(commands)
     _add_check(commands)
+    _add_convert(commands)
     args, extra = parser.parse_known_args(argv)
     try:
         return args.run(args, extra)
@@ -59,14 +60,23 @@ def _run_config(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _materialise_embedded(job: JobConfig) -> None:
-    """The tiny default's model and data are built by mm_rl itself (seeded), so the written job runs as it is."""
+    """The tiny default's model and data are built by mm_rl itself (seeded), so the written job runs as it is.
+
+    The random tiny model never samples the answer format, so it gets a short format-only warm-up (target
+    digits drawn at random): GRPO then starts, like a real run from an instruct model, with the format mostly
+    right and accuracy at chance.
+    """
     from mm_rl.data.synthetic import write_synthetic_geo3k
     from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.models.tiny_warmup import warm_up_format
 
     b = job.backend_config
-    print(f"embedded tiny model: {build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir)}")
-    data_dir = b.data.dataset_param.basic_parameters.dataset_dir
-    print(f"embedded synthetic geo3k data: {write_synthetic_geo3k(data_dir, seed=b.training.seed)}")
+    hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir)
+    data_dir = write_synthetic_geo3k(b.data.dataset_param.basic_parameters.dataset_dir, seed=b.training.seed)
+    print(f"embedded synthetic geo3k data: {data_dir}")
+    warm = warm_up_format(hf_dir, data_dir)
+    print(f"embedded tiny model: {hf_dir} (format warm-up: format rate {warm['before']['format']:.2f} -> "
+          f"{warm['after']['format']:.2f}, accuracy {warm['after']['accuracy']:.2f})")
 
 
 def _add_check(commands: argparse._SubParsersAction) -> None:
@@ -86,6 +96,36 @@ def _run_check(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(problems)
     print("ok")
     print(current_plan(job).describe())
+    return 0
+
+
+def _add_convert(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "convert", help="convert a checkpoint: HuggingFace <-> Megatron shards (MindSpeed-MM layout)",
+        epilog="With --job, any --a.b.c=VALUE overrides that key of the job yaml. Without --job, give the "
+               "conversion keys as --cfg.KEY VALUE (hf2mg: --cfg.mm_dir, --cfg.hf_config.hf_dir; mg2hf: "
+               "--cfg.load_dir, --cfg.save_hf_dir and --hf_dir; both: --cfg.parallel_config.tp_size, "
+               "--cfg.parallel_config.llm_pp_layers '[1,10,10,7]', --cfg.parallel_config.vit_pp_layers) and "
+               "model.json changes as --model.KEY VALUE; model.json comes from the HF config.json.")
+    p.add_argument("direction", choices=("hf2mg", "mg2hf"), help="hf2mg: HF -> Megatron; mg2hf: Megatron -> HF")
+    p.add_argument("--job", default=None, help="job yaml holding backend_config.convert_ckpt_* and the model")
+    p.add_argument("--hf_dir", default=None,
+                   help="mg2hf: the HF checkpoint trained from (config, tokenizer, processor files are copied)")
+    p.add_argument("--iteration", default=None, help="mg2hf: 'release' or a step number (default: the latest)")
+    p.add_argument("--max_shard_size", default=None, help="mg2hf: largest output safetensors file (default 2GiB)")
+    p.set_defaults(run=_run_convert)
+
+
+def _run_convert(args: argparse.Namespace, overrides: list[str]) -> int:
+    from mm_rl.convert.cli import run_convert
+    from mm_rl.convert.errors import ConversionError
+
+    try:
+        path = run_convert(args.direction, args.job, overrides, args.hf_dir, args.iteration, args.max_shard_size)
+    except ConversionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
     return 0
 
 

@@ -126,6 +126,7 @@ def test_tiny_config_builds_its_model_and_data_and_passes_check(tmp_path, capsys
                  f"--af_output_dir={tmp_path / 'run'}"]) == 0
     assert (tmp_path / "run" / "tiny_hf" / "model.safetensors").is_file()
     assert (tmp_path / "run" / "geo3k_synthetic" / "train.parquet").is_file()
+    assert (tmp_path / "run" / "tiny_hf" / "tiny_warmup.json").is_file()
     assert main(["check", str(out)]) == 0  # includes the tiny model.json vs the checkpoint's config.json
     assert "world 1 = TP 1 x PP 1 x DP 1" in capsys.readouterr().out
     cfg = load_job(out)
