@@ -267,23 +267,29 @@ class Qwen2_5_VLModel(torch.nn.Module):
         return result
 
 
-def _build_image_encoder(model_cfg: ModelConfig, config: Any) -> torch.nn.Module:
-    """The vision module (ViT + merger) for this stage."""
-    from mm_rl.models.qwen2_5_vl import vision
+def _build_image_encoder(
+    model_cfg: ModelConfig, config: Any, layout: StageLayout, actor: ActorConfig | None
+) -> torch.nn.Module:
+    """The vision module (ViT blocks of this stage + merger) with the actor's freeze switches.
 
-    return vision.build_image_encoder(model_cfg, config)  # type: ignore[attr-defined,no-any-return]
+    The ViT trains only with ``unfreeze_vision_encoder`` (model.json's ``freeze`` marker is not the switch),
+    the merger unless ``freeze_vision_projector``; a frozen part runs without an autograd graph.
+    """
+    from mm_rl.models.qwen2_5_vl.vision import Qwen2_5VisionModel
 
-
-def apply_freeze(model: Qwen2_5_VLModel, actor: ActorConfig | None) -> None:
-    """requires_grad from the actor flags: the ViT trains only with ``unfreeze_vision_encoder``, the merger
-    unless ``freeze_vision_projector``. model.json's ``freeze`` markers are not the switch (see the schema)."""
-    train_vit = bool(actor and actor.unfreeze_vision_encoder)
-    train_projector = not (actor and actor.freeze_vision_projector)
-    for name, param in model.named_parameters():
-        if name.startswith("image_encoder.projector."):
-            param.requires_grad_(train_projector)
-        elif name.startswith("image_encoder."):
-            param.requires_grad_(train_vit)
+    image = model_cfg.image_encoder
+    return Qwen2_5VisionModel(
+        image.vision_encoder,
+        image.vision_projector,
+        model_cfg.text_decoder.hidden_size,
+        config,
+        num_layers=len(layout.vit_layers),
+        layer_offset=layout.vit_layers.start,
+        pre_process=True,
+        post_process=True,
+        freeze_encoder=not (actor and actor.unfreeze_vision_encoder),
+        freeze_projector=bool(actor and actor.freeze_vision_projector),
+    )
 
 
 def build_model(
@@ -308,7 +314,5 @@ def build_model(
     config = text_decoder_config(model_cfg, flags, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)
     divisible_by = flags.make_vocab_size_divisible_by if flags is not None else 1
     padded = padded_vocab_size(model_cfg.text_decoder.vocab_size, divisible_by, tp)
-    encoder = _build_image_encoder(model_cfg, config) if layout.has_vit else None
-    model = Qwen2_5_VLModel(model_cfg, config, layout, padded_vocab=padded, image_encoder=encoder)
-    apply_freeze(model, actor)
-    return model
+    encoder = _build_image_encoder(model_cfg, config, layout, actor) if layout.has_vit else None
+    return Qwen2_5_VLModel(model_cfg, config, layout, padded_vocab=padded, image_encoder=encoder)

@@ -1,0 +1,454 @@
+"""Qwen2.5-VL on megatron-core matches transformers: logits, log-probs, entropy (fp32, tiny checkpoint).
+
+The tiny HF checkpoint (biases and norm weights randomised so their layouts matter) goes through hf2mg at
+each parallel layout; every rank loads its own MindSpeed-MM rank file. Two right-padded micro-batches of 2
+(one image + text beside two images of different sizes + text; then text only) run through megatron's
+forward-backward schedule. Checked on the last stage: logits vs transformers' (<= 1e-4), log-probs of the
+labels and entropy vs the same computed from transformers' logits (<= 1e-4); then every parameter gradient
+of a log-prob + entropy loss, gathered over TP and renamed to TP1 names, vs the TP1 run (<= 1e-5).
+Layouts: TP1, TP2, PP2 (vit [2, 0] / llm [1, 3], ViT and LLM sharing stage 0, tied embeddings), TP2 x PP2.
+The TP1 run also checks the freeze switches and model.json switches (activation, norm, GQA off, rope theta,
+mRoPE sections, fewer layers). Each layout is launched once and checks everything inside it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mp_utils import (
+    gather_cat,
+    gather_list,
+    init_megatron,
+    load_rank_results,
+    save_rank_result,
+    shutdown,
+    spawn,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_JSON = ROOT / "configs" / "models" / "tiny.json"
+IMAGE, VSTART, VEND, PAD = 1006, 1003, 1004, 1000
+PATCH_DIM = 3 * 2 * 14 * 14
+GRIDS = [(1, 4, 4), (1, 4, 12), (1, 6, 4)]  # sample 0: image 0; sample 1: images 1 and 2 (2 windows in image 1)
+LOGIT_TOL, GRAD_TOL = 1e-4, 1e-5
+ENTROPY_COEF = 0.1
+# gelu, rope theta 1e4, mRoPE sections [2, 6, 8], no GQA (4 KV heads), 2 layers
+VARIANT_HF = {"hidden_act": "gelu", "rope_theta": 1e4, "mrope_section": [2, 6, 8], "num_key_value_heads": 4,
+              "num_hidden_layers": 2}
+VARIANT_JSON = {"activation_func": "gelu", "rope_theta": 1e4, "mrope_section": [2, 6, 8],
+                "group_query_attention": False, "num_query_groups": 4, "num_layers": 2, "pipeline_num_layers": [2]}
+
+
+# ------------------------------------------------------------------------------ model.json and weights
+def model_json(*, tied: bool = False, llm_pp: list[int] | None = None, vit_pp: list[int] | None = None,
+               text: dict[str, Any] | None = None) -> dict[str, Any]:
+    """configs/models/tiny.json with a pipeline split, tied embeddings or other text-decoder fields."""
+    data = json.loads(TINY_JSON.read_text())
+    decoder = data["text_decoder"]
+    decoder.update(text or {})
+    decoder["untie_embeddings_and_output_weights"] = not tied
+    if llm_pp:
+        decoder["pipeline_num_layers"] = llm_pp
+    if vit_pp:
+        data["image_encoder"]["vision_encoder"]["pipeline_num_layers"] = vit_pp
+    return data
+
+
+def load_model_config(data: dict[str, Any]) -> Any:
+    from mm_rl.config.loader import load_section
+    from mm_rl.config.schema import ModelConfig
+
+    return load_section(ModelConfig, copy.deepcopy(data))
+
+
+def build_hf_checkpoint(directory: Path, tied: bool, **overrides: Any) -> Path:
+    """The tiny checkpoint with biases and norm weights redrawn (the builder makes them 0 and 1)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mm_rl.models.tiny import build_tiny_checkpoint
+
+    source = build_tiny_checkpoint(directory / "source", seed=0, tie_word_embeddings=tied, **overrides)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(source, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() == 1:
+                noise = torch.randn(param.shape, generator=generator)
+                param.copy_(0.2 * noise if name.endswith(".bias") else 1.0 + 0.2 * noise)
+    target = directory / "hf"
+    model.save_pretrained(target)
+    return target
+
+
+def convert(hf_dir: Path, mm_dir: Path, data: dict[str, Any], tp: int) -> Path:
+    from mm_rl.config.schema import Hf2MgCfg, HfConfig, ParallelConfig
+    from mm_rl.convert.hf2mg import hf2mg
+
+    model = load_model_config(data)
+    parallel = ParallelConfig(tp_size=tp, llm_pp_layers=list(model.text_decoder.pipeline_num_layers),
+                              vit_pp_layers=list(model.image_encoder.vision_encoder.pipeline_num_layers))
+    return hf2mg(Hf2MgCfg(mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel),
+                 model)
+
+
+# ------------------------------------------------------------------------------------------- inputs
+def _text(generator: torch.Generator, n: int) -> list[int]:
+    return torch.randint(0, 1000, (n,), generator=generator).tolist()
+
+
+def _image(grid: tuple[int, int, int]) -> list[int]:
+    t, h, w = grid
+    return [VSTART] + [IMAGE] * (t * h * w // 4) + [VEND]
+
+
+def _right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    return ids, mask
+
+
+def make_micro_batches() -> list[dict[str, torch.Tensor]]:
+    """[one image + text, two images + text] and [text, shorter text]; labels are the next tokens."""
+    g = torch.Generator().manual_seed(3)
+    with_images = [
+        _text(g, 5) + _image(GRIDS[0]) + _text(g, 6),
+        _text(g, 3) + _image(GRIDS[1]) + _text(g, 2) + _image(GRIDS[2]) + _text(g, 4),
+    ]
+    text_only = [_text(g, 20), _text(g, 13)]
+    batches = []
+    for rows, grids in ((with_images, GRIDS), (text_only, [])):
+        ids, mask = _right_padded(rows)
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.roll(ids, -1, dims=1)}
+        if grids:
+            patches = sum(t * h * w for t, h, w in grids)
+            batch["pixel_values"] = torch.randn(patches, PATCH_DIM, generator=g)
+            batch["image_grid_thw"] = torch.tensor(grids)
+        batches.append(batch)
+    return batches
+
+
+# megatron name -> transformers' in-memory parameter name, for tensors laid out alike (gradient spot checks)
+_LM = "model.language_model."
+HF_GRAD_NAMES = {
+    "text_decoder.output_layer.weight": "lm_head.weight",
+    "text_decoder.embedding.word_embeddings.weight": _LM + "embed_tokens.weight",
+    "text_decoder.decoder.layers.3.self_attention.linear_proj.weight": _LM + "layers.3.self_attn.o_proj.weight",
+    "text_decoder.decoder.layers.0.mlp.linear_fc2.weight": _LM + "layers.0.mlp.down_proj.weight",
+    "image_encoder.projector.encoder.linear_fc2.weight": "model.visual.merger.mlp.2.weight",
+    "image_encoder.encoder.blocks.layers.1.self_attention.linear_proj.weight": "model.visual.blocks.1.attn.proj.weight",
+    "image_encoder.encoder.patch_embed.proj.weight": "model.visual.patch_embed.proj.weight",
+}
+
+
+def hf_reference(hf_dir: Path, batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """transformers' logits per micro-batch, the label log-probs / entropy computed from them, and the
+    gradients of the test loss (summed over micro-batches / their number, as megatron's schedule does)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    outputs = []
+    for batch in batches:
+        extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       mm_token_type_ids=(batch["input_ids"] == IMAGE).int(), **extra).logits
+        log_softmax = torch.log_softmax(logits, dim=-1)
+        output = {
+            "logits": logits,
+            "log_probs": log_softmax.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1),
+            "entropy": -(log_softmax.exp() * log_softmax).sum(-1),
+        }
+        (_loss(output, batch["attention_mask"]) / len(batches)).backward()
+        outputs.append({key: value.detach() for key, value in output.items()})
+    params = dict(model.named_parameters())
+    grads = {mg: params[hf].grad.clone() for mg, hf in HF_GRAD_NAMES.items() if hf in params}
+    return {"outputs": outputs, "grads": grads}
+
+
+# ------------------------------------------------------------------- TP shards and PP names (for grads)
+_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+_COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
+                    "word_embeddings.weight", "output_layer.weight")
+
+
+def merge_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The TP1 tensor from every TP rank's shard (written independently of mm_rl.convert on purpose)."""
+    if len(parts) == 1 or not name.endswith(_ROW_PARALLEL + _COLUMN_PARALLEL):
+        return parts[0]
+    if name.endswith(_ROW_PARALLEL):
+        return torch.cat(parts, dim=1)
+    gated = ".mlp.linear_fc1." in name and not name.startswith("image_encoder.projector.")
+    if gated:  # cat(gate, up) per rank: gather the gates, then the ups
+        gates, ups = zip(*(part.chunk(2, dim=0) for part in parts), strict=True)
+        return torch.cat([*gates, *ups], dim=0)
+    return torch.cat(parts, dim=0)
+
+
+_LLM_LAYER = re.compile(r"^text_decoder\.decoder\.layers\.(\d+)\.")
+
+
+def tp1_name(name: str, llm_offset: int, tied_copy: bool) -> str:
+    """A stage-local parameter name as the TP1 / PP1 model names it."""
+    if tied_copy and name == "text_decoder.output_layer.weight":
+        return "text_decoder.embedding.word_embeddings.weight"
+    match = _LLM_LAYER.match(name)
+    if match is None:
+        return name
+    return f"text_decoder.decoder.layers.{int(match.group(1)) + llm_offset}.{name[match.end():]}"
+
+
+# ------------------------------------------------------------------------------- in the spawned ranks
+def _build_and_load(data: dict[str, Any], mm_dir: str | None, actor: Any = None) -> Any:
+    from megatron.core import parallel_state
+
+    from mm_rl.convert.layout import rank_file
+    from mm_rl.models.qwen2_5_vl.model import build_model
+
+    model = build_model(load_model_config(data), actor=actor)
+    if mm_dir is not None:
+        path = rank_file(Path(mm_dir) / "release", parallel_state.get_tensor_model_parallel_rank(),
+                         parallel_state.get_pipeline_model_parallel_rank(),
+                         parallel_state.get_pipeline_model_parallel_world_size())
+        model.load_state_dict(torch.load(path, weights_only=True)["model"])
+    return model
+
+
+def _loss(output: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """A stand-in RL loss: masked mean of -log p(label) - ENTROPY_COEF * entropy."""
+    weights = mask.float() / mask.sum()
+    return -((output["log_probs"] + ENTROPY_COEF * output["entropy"]) * weights).sum()
+
+
+def run_schedule(model: Any, batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Forward + backward over the micro-batches with megatron's schedule; the last stage's outputs."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    captured: list[dict[str, torch.Tensor]] = []
+
+    def forward_step(data: Iterator[dict[str, torch.Tensor]], chunk: Any) -> tuple[Any, Any]:
+        batch = next(data)
+        output = chunk(batch["input_ids"], attention_mask=batch["attention_mask"],
+                       pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
+                       labels=batch["labels"], return_logits=True)
+
+        def loss_func(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            captured.append({key: value.detach().clone() for key, value in out.items()})
+            loss = _loss(out, batch["attention_mask"])
+            return loss, {"loss": loss.detach().clone()}
+
+        return output, loss_func
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=[model], num_microbatches=len(batches),
+        seq_length=max(b["input_ids"].shape[1] for b in batches), micro_batch_size=2, forward_only=False,
+    )
+    return captured
+
+
+def output_diffs(captured: list[dict[str, torch.Tensor]], reference: list[dict[str, torch.Tensor]],
+                 batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Max |ours - transformers'| over the real tokens of every micro-batch (logits gathered over TP)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    diffs = {"logits": 0.0, "log_probs": 0.0, "entropy": 0.0}
+    for ours, theirs, batch in zip(captured, reference, batches, strict=True):
+        valid = batch["attention_mask"].bool()
+        full = {**ours, "logits": gather_cat(ours["logits"], group, dim=-1)}
+        for key in diffs:
+            diffs[key] = max(diffs[key], (full[key][valid] - theirs[key][valid]).abs().max().item())
+    return diffs
+
+
+def tp1_grads(model: Any) -> dict[str, torch.Tensor]:
+    """This stage's parameter gradients, merged over TP and named as in the TP1 model."""
+    from megatron.core import parallel_state
+
+    layout = model.layout
+    tied_copy = model.share_embeddings_and_output_weights and layout.pp_size > 1
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    if tied_copy:  # the first stage's embedding and the last stage's copy each hold part of the gradient
+        name = ("text_decoder.embedding.word_embeddings.weight" if layout.has_embedding
+                else "text_decoder.output_layer.weight")
+        torch.distributed.all_reduce(grads[name], group=parallel_state.get_embedding_group())
+    group = parallel_state.get_tensor_model_parallel_group()
+    return {tp1_name(name, layout.llm_layers.start, tied_copy): merge_tp(name, gather_list(grad, group))
+            for name, grad in grads.items()}
+
+
+def _parallel_worker(rank: int, world: int, port: int, case: dict[str, Any], shared: str, out_dir: str) -> None:
+    init_megatron(rank, world, port, tp=case["tp"], pp=case["pp"])
+    from mm_rl.config.schema import ActorConfig
+
+    started = time.perf_counter()
+    inputs = torch.load(Path(shared) / "inputs.pt", weights_only=False)
+    model = _build_and_load(case["json"], case["mm_dir"], ActorConfig(unfreeze_vision_encoder=True))
+    captured = run_schedule(model, inputs["batches"])
+    result: dict[str, Any] = {"grads": {}, "outputs": {}}
+    if model.layout.has_output:
+        result["outputs"] = output_diffs(captured, inputs["reference"][case["hf"]]["outputs"], inputs["batches"])
+    reference_grads = torch.load(Path(shared) / f"grads_{case['hf']}.pt", weights_only=True)
+    for name, grad in tp1_grads(model).items():
+        result["grads"][name] = (grad - reference_grads[name]).abs().max().item()
+    result["seconds"] = time.perf_counter() - started
+    save_rank_result(out_dir, rank, result)
+    shutdown()
+
+
+def _tp1_worker(rank: int, world: int, port: int, cases: dict[str, Any], shared: str, out_dir: str) -> None:
+    """TP1 parity (untied and tied), reference gradients, freeze switches and model.json switches."""
+    init_megatron(rank, world, port)
+    from mm_rl.config.schema import ActorConfig
+
+    inputs = torch.load(Path(shared) / "inputs.pt", weights_only=False)
+    batches, result = inputs["batches"], {}
+    for key in ("untied", "tied"):
+        model = _build_and_load(cases[key]["json"], cases[key]["mm_dir"], ActorConfig(unfreeze_vision_encoder=True))
+        captured = run_schedule(model, batches)
+        result[key] = output_diffs(captured, inputs["reference"][key]["outputs"], batches)
+        grads = tp1_grads(model)
+        torch.save(grads, Path(shared) / f"grads_{key}.pt")
+        result[f"{key}_grads_vs_hf"] = {name: (grads[name] - hf_grad).abs().max().item()
+                                       for name, hf_grad in inputs["reference"][key]["grads"].items()}
+        # every compared gradient is non-trivial (a zero gradient would match anything)
+        result[f"{key}_zero_grads"] = [name for name, grad in grads.items() if not grad.abs().max() > 1e-7]
+    model = _build_and_load(cases["variant"]["json"], cases["variant"]["mm_dir"])
+    result["variant"] = output_diffs(run_schedule(model, batches), inputs["reference"]["variant"]["outputs"],
+                                     batches)
+    result["freeze"] = _freeze_checks(cases["untied"], batches)
+    result["switches"] = _switch_runs(batches)
+    save_rank_result(out_dir, rank, result)
+    shutdown()
+
+
+def _freeze_checks(case: dict[str, Any], batches: list[dict[str, torch.Tensor]]) -> dict[str, bool]:
+    """Default: ViT frozen (no grads), merger trained; freeze_vision_projector: the image encoder builds no graph."""
+    from mm_rl.config.schema import ActorConfig
+
+    checks = {}
+    for label, actor in (("default", ActorConfig()), ("projector_frozen", ActorConfig(freeze_vision_projector=True))):
+        model = _build_and_load(case["json"], case["mm_dir"], actor)
+        run_schedule(model, batches[:1])
+        params = dict(model.named_parameters())
+        vit = [p for n, p in params.items() if n.startswith("image_encoder.encoder.")]
+        merger = [p for n, p in params.items() if n.startswith("image_encoder.projector.")]
+        checks[f"{label}: vit frozen, no grads"] = all(not p.requires_grad and p.grad is None for p in vit)
+        merger_trains = label == "default"
+        checks[f"{label}: merger trains={merger_trains}"] = all(
+            p.requires_grad == merger_trains and (p.grad is not None) == merger_trains for p in merger)
+        checks[f"{label}: llm has grads"] = all(p.grad is not None for n, p in params.items()
+                                                if n.startswith("text_decoder."))
+        if label == "projector_frozen":
+            batch = batches[0]
+            embeds = model.image_embeddings(batch["pixel_values"], batch["image_grid_thw"])
+            checks["projector_frozen: image embeddings carry no graph"] = embeds.grad_fn is None
+    return checks
+
+
+def _switch_runs(batches: list[dict[str, torch.Tensor]]) -> dict[str, bool]:
+    """model.json switches beyond the HF-checked ones build and run forward + backward (random weights)."""
+    runs = {}
+    for label, text in (("LayerNorm+relu", {"normalization": "LayerNorm", "activation_func": "relu"}),
+                        ("FusedLayerNorm+quick_gelu", {"normalization": "FusedLayerNorm",
+                                                       "activation_func": "quick_gelu"}),
+                        ("silu, 1 layer, mrope [8,4,4]", {"num_layers": 1, "pipeline_num_layers": [1],
+                                                          "mrope_section": [8, 4, 4]})):
+        model = _build_and_load(model_json(text=text), None)
+        outputs = run_schedule(model, batches[:1])
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+        runs[label] = bool(outputs) and all(g is not None and torch.isfinite(g).all() for g in grads)
+    return runs
+
+
+# ------------------------------------------------------------------------------------------- fixtures
+CASES = {  # name: (tp, pp, tied, json kwargs)
+    "tp2": (2, 1, False, {}),
+    "pp2": (1, 2, True, {"llm_pp": [1, 3], "vit_pp": [2, 0]}),
+    "tp2_pp2": (2, 2, False, {"llm_pp": [1, 3], "vit_pp": [2, 0]}),
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Checkpoints, conversions, inputs, transformers' outputs, then the TP1 run (reference gradients)."""
+    started = time.perf_counter()
+    root = tmp_path_factory.mktemp("parity")
+    hf = {"untied": build_hf_checkpoint(root / "untied", tied=False),
+          "tied": build_hf_checkpoint(root / "tied", tied=True),
+          "variant": build_hf_checkpoint(root / "variant", tied=False, **VARIANT_HF)}
+    jsons = {"untied": model_json(), "tied": model_json(tied=True), "variant": model_json(text=VARIANT_JSON)}
+    tp1 = {key: {"json": jsons[key], "mm_dir": str(convert(hf[key], root / f"mm_tp1_{key}", jsons[key], 1))}
+           for key in hf}
+    parallel = {}
+    for name, (tp, pp, tied, kwargs) in CASES.items():
+        key = "tied" if tied else "untied"
+        data = model_json(tied=tied, **kwargs)
+        parallel[name] = {"tp": tp, "pp": pp, "hf": key, "json": data,
+                          "mm_dir": str(convert(hf[key], root / f"mm_{name}", data, tp))}
+    batches = make_micro_batches()
+    reference = {key: hf_reference(path, batches) for key, path in hf.items()}
+    torch.save({"batches": batches, "reference": reference}, root / "inputs.pt")
+    prepared = time.perf_counter()
+    out = root / "tp1"
+    out.mkdir()
+    spawn(_tp1_worker, 1, tp1, str(root), str(out))
+    print(f"\nset-up {prepared - started:.1f}s, TP1 run {time.perf_counter() - prepared:.1f}s")
+    return {"root": root, "cases": parallel, "tp1": load_rank_results(out, 1)[0]}
+
+
+def _report(name: str, values: dict[str, float]) -> None:
+    print(f"{name}: " + ", ".join(f"{key} {value:.2e}" for key, value in values.items()))
+
+
+def test_tp1_matches_transformers(setup: dict[str, Any]) -> None:
+    result = setup["tp1"]
+    for key in ("untied", "tied", "variant"):
+        _report(f"tp1 {key}", result[key])
+        assert max(result[key].values()) <= LOGIT_TOL, (key, result[key])
+    for key in ("untied", "tied"):
+        grads = result[f"{key}_grads_vs_hf"]
+        _report(f"tp1 {key} grads vs transformers", grads)
+        assert len(grads) == len(HF_GRAD_NAMES) - (key == "tied")  # tied: no separate lm_head
+        assert max(grads.values()) <= GRAD_TOL, grads
+        assert not result[f"{key}_zero_grads"]
+
+
+def test_freeze_switches(setup: dict[str, Any]) -> None:
+    failed = [name for name, ok in setup["tp1"]["freeze"].items() if not ok]
+    assert not failed, failed
+
+
+def test_model_json_switches_build_and_run(setup: dict[str, Any]) -> None:
+    failed = [name for name, ok in setup["tp1"]["switches"].items() if not ok]
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_parallel_matches_transformers_and_tp1(setup: dict[str, Any], name: str, tmp_path: Path) -> None:
+    case = setup["cases"][name]
+    world = case["tp"] * case["pp"]
+    started = time.perf_counter()
+    spawn(_parallel_worker, world, case, str(setup["root"]), str(tmp_path))
+    results = load_rank_results(tmp_path, world)
+    outputs = [r["outputs"] for r in results if r["outputs"]]
+    grads = {name: diff for r in results for name, diff in r["grads"].items()}
+    reference_names = torch.load(setup["root"] / f"grads_{case['hf']}.pt", weights_only=True).keys()
+    worst = max(grads, key=grads.__getitem__)
+    print(f"\n{name}: {time.perf_counter() - started:.1f}s; max grad diff {grads[worst]:.2e} ({worst})")
+    for output in outputs:
+        _report(name, output)
+    assert len(outputs) == case["tp"]  # every last-stage rank checked its outputs
+    assert set(grads) == set(reference_names)  # every TP1 parameter's gradient was compared
+    assert max(max(o.values()) for o in outputs) <= LOGIT_TOL
+    assert grads[worst] <= GRAD_TOL
