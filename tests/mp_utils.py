@@ -31,8 +31,20 @@ def spawn(worker: Callable[..., None], nprocs: int, *args: Any) -> None:
     mp.spawn(worker, args=(nprocs, free_port(), *args), nprocs=nprocs, join=True)
 
 
-def init_megatron(rank: int, world: int, port: int, *, tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> None:
-    """Everything a spawned rank needs before building megatron modules (call it first)."""
+def init_megatron(
+    rank: int,
+    world: int,
+    port: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    seed: int = 1234,
+    embedding_ranks: Callable[..., list[int]] | None = None,
+) -> None:
+    """Everything a spawned rank needs before building megatron modules (call it first).
+
+    ``embedding_ranks``: megatron's ``get_embedding_ranks`` (which pipeline ranks share the word embeddings)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     # Spawned ranks do not get pytest.ini's filters; keep a failure's output readable.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|apex).* not installed")
@@ -51,7 +63,10 @@ def init_megatron(rank: int, world: int, port: int, *, tp: int = 1, pp: int = 1,
         timeout=timedelta(seconds=120),
     )
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        get_embedding_ranks=embedding_ranks,
     )
     model_parallel_cuda_manual_seed(seed)
 

@@ -195,17 +195,18 @@ def merge_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-_LLM_LAYER = re.compile(r"^text_decoder\.decoder\.layers\.(\d+)\.")
+_LAYER = re.compile(r"^(text_decoder\.decoder\.layers|image_encoder\.encoder\.blocks\.layers)\.(\d+)\.")
 
 
-def tp1_name(name: str, llm_offset: int, tied_copy: bool) -> str:
-    """A stage-local parameter name as the TP1 / PP1 model names it."""
+def tp1_name(name: str, layout: Any, tied_copy: bool) -> str:
+    """A stage-local parameter name as the TP1 / PP1 model names it (layer indices restart on each stage)."""
     if tied_copy and name == "text_decoder.output_layer.weight":
         return "text_decoder.embedding.word_embeddings.weight"
-    match = _LLM_LAYER.match(name)
+    match = _LAYER.match(name)
     if match is None:
         return name
-    return f"text_decoder.decoder.layers.{int(match.group(1)) + llm_offset}.{name[match.end():]}"
+    offset = layout.llm_layers.start if match.group(1).startswith("text") else layout.vit_layers.start
+    return f"{match.group(1)}.{int(match.group(2)) + offset}.{name[match.end():]}"
 
 
 # ------------------------------------------------------------------------------- in the spawned ranks
@@ -276,19 +277,31 @@ def tp1_grads(model: Any) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state
 
     layout = model.layout
-    tied_copy = model.share_embeddings_and_output_weights and layout.pp_size > 1
+    tied_copy = model.share_embeddings_and_output_weights and layout.first_llm != layout.pp_size - 1
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     if tied_copy:  # the first stage's embedding and the last stage's copy each hold part of the gradient
         name = ("text_decoder.embedding.word_embeddings.weight" if layout.has_embedding
                 else "text_decoder.output_layer.weight")
         torch.distributed.all_reduce(grads[name], group=parallel_state.get_embedding_group())
     group = parallel_state.get_tensor_model_parallel_group()
-    return {tp1_name(name, layout.llm_layers.start, tied_copy): merge_tp(name, gather_list(grad, group))
+    return {tp1_name(name, layout, tied_copy): merge_tp(name, gather_list(grad, group))
             for name, grad in grads.items()}
 
 
+def _init(rank: int, world: int, port: int, data: dict[str, Any], tp: int = 1, pp: int = 1, cp: int = 1) -> None:
+    import warnings
+
+    from mm_rl.platform.device import setup_process
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
+    setup_process(num_threads=1)
+    from mm_rl.models.qwen2_5_vl.model import embedding_ranks
+
+    init_megatron(rank, world, port, tp=tp, pp=pp, cp=cp, embedding_ranks=embedding_ranks(load_model_config(data)))
+
+
 def _parallel_worker(rank: int, world: int, port: int, case: dict[str, Any], shared: str, out_dir: str) -> None:
-    init_megatron(rank, world, port, tp=case["tp"], pp=case["pp"])
+    _init(rank, world, port, case["json"], tp=case["tp"], pp=case["pp"])
     from mm_rl.config.schema import ActorConfig
 
     started = time.perf_counter()
@@ -301,6 +314,11 @@ def _parallel_worker(rank: int, world: int, port: int, case: dict[str, Any], sha
     reference_grads = torch.load(Path(shared) / f"grads_{case['hf']}.pt", weights_only=True)
     for name, grad in tp1_grads(model).items():
         result["grads"][name] = (grad - reference_grads[name]).abs().max().item()
+    if case.get("frozen_rerun"):  # default freeze switches: the frozen ViT stages still pass the pipeline
+        captured = run_schedule(_build_and_load(case["json"], case["mm_dir"]), inputs["batches"])
+        if captured:
+            result["outputs_frozen"] = output_diffs(captured, inputs["reference"][case["hf"]]["outputs"],
+                                                    inputs["batches"])
     result["seconds"] = time.perf_counter() - started
     save_rank_result(out_dir, rank, result)
     shutdown()
@@ -308,7 +326,7 @@ def _parallel_worker(rank: int, world: int, port: int, case: dict[str, Any], sha
 
 def _tp1_worker(rank: int, world: int, port: int, cases: dict[str, Any], shared: str, out_dir: str) -> None:
     """TP1 parity (untied and tied), reference gradients, freeze switches and model.json switches."""
-    init_megatron(rank, world, port)
+    _init(rank, world, port, cases["untied"]["json"])
     from mm_rl.config.schema import ActorConfig
 
     inputs = torch.load(Path(shared) / "inputs.pt", weights_only=False)
@@ -376,7 +394,10 @@ CASES = {  # name: (tp, pp, tied, json kwargs)
     "tp2": (2, 1, False, {}),
     "pp2": (1, 2, True, {"llm_pp": [1, 3], "vit_pp": [2, 0]}),
     "tp2_pp2": (2, 2, False, {"llm_pp": [1, 3], "vit_pp": [2, 0]}),
+    # the ViT split over two stages, the second sending image embeddings to an LLM-only stage
+    "pp3_vit_split": (1, 3, True, {"llm_pp": [0, 0, 4], "vit_pp": [1, 1, 0]}),
 }
+FROZEN_RERUN = {"pp3_vit_split"}
 
 
 @pytest.fixture(scope="module")
@@ -394,7 +415,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for name, (tp, pp, tied, kwargs) in CASES.items():
         key = "tied" if tied else "untied"
         data = model_json(tied=tied, **kwargs)
-        parallel[name] = {"tp": tp, "pp": pp, "hf": key, "json": data,
+        parallel[name] = {"tp": tp, "pp": pp, "hf": key, "json": data, "frozen_rerun": name in FROZEN_RERUN,
                           "mm_dir": str(convert(hf[key], root / f"mm_{name}", data, tp))}
     batches = make_micro_batches()
     reference = {key: hf_reference(path, batches) for key, path in hf.items()}
@@ -452,3 +473,7 @@ def test_parallel_matches_transformers_and_tp1(setup: dict[str, Any], name: str,
     assert set(grads) == set(reference_names)  # every TP1 parameter's gradient was compared
     assert max(max(o.values()) for o in outputs) <= LOGIT_TOL
     assert grads[worst] <= GRAD_TOL
+    if case["frozen_rerun"]:
+        frozen = [r["outputs_frozen"] for r in results if "outputs_frozen" in r]
+        _report(f"{name} frozen ViT", frozen[0])
+        assert len(frozen) == case["tp"] and max(max(o.values()) for o in frozen) <= LOGIT_TOL

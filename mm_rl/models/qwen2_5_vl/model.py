@@ -17,15 +17,18 @@ of :mod:`rope_index`, computed on every stage from the token ids (or passed in).
 vocab-parallel logits into the log-probs of given labels and the entropy (:mod:`logprobs`) without
 gathering the vocabulary.
 
-Supported pipeline splits: the whole ViT on stage 0, which also holds at least one LLM layer (MindSpeed-MM's
-published presets, e.g. vit [32, 0] / llm [12, 16]). A ViT split across stages raises NotImplementedError.
+Pipeline splits: the ViT fills stages 0..k, the LLM the stages from k (sharing stage k) or k + 1 on, no
+stage empty (:func:`stage_layout`). Between ViT stages travel ViT hidden states [N_patches, 1, vit_hidden];
+a ViT-only stage holding the merger sends image embeddings [N_tokens, 1, llm_hidden]; a micro-batch
+without images sends a one-row placeholder. When the word embeddings are not on stage 0, pass
+:func:`embedding_ranks` to megatron's ``initialize_model_parallel`` (its default assumes stage 0).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -35,24 +38,59 @@ from mm_rl.models.qwen2_5_vl.config import megatron_normalization, padded_vocab_
 from mm_rl.models.qwen2_5_vl.logprobs import log_probs_and_entropy
 from mm_rl.models.qwen2_5_vl.rope_index import get_rope_index
 
+Received = Literal["none", "vit", "image", "llm"]
+
 
 @dataclass(frozen=True)
 class StageLayout:
-    """What one pipeline stage holds: global ViT block and LLM layer indices, embeddings, output layer."""
+    """What one pipeline stage holds (global ViT block / LLM layer indices) and what it receives and sends.
+
+    The ViT runs on stages ``0 .. last_vit`` (patch embedding on stage 0, merger on ``last_vit``), the LLM on
+    ``first_llm .. pp_size - 1`` (word embeddings on ``first_llm``, final norm and output layer on the last
+    stage), with ``first_llm`` equal to ``last_vit`` (a stage holds the end of the ViT and the start of the
+    LLM) or ``last_vit + 1``.
+    """
 
     pp_rank: int
     pp_size: int
     vit_layers: range
     llm_layers: range
-    has_embedding: bool
+    last_vit: int
+    first_llm: int
 
     @property
     def has_vit(self) -> bool:
         return len(self.vit_layers) > 0
 
     @property
+    def has_patch_embed(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def has_merger(self) -> bool:
+        return self.pp_rank == self.last_vit
+
+    @property
+    def has_llm(self) -> bool:
+        return self.pp_rank >= self.first_llm
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.pp_rank == self.first_llm
+
+    @property
     def has_output(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+    @property
+    def received(self) -> Received:
+        """What the previous stage sends: ViT hidden states [N_patches, 1, vit_hidden] (window order), image
+        embeddings [N_tokens, 1, llm_hidden], or LLM hidden states [S, B, llm_hidden]."""
+        if self.pp_rank == 0:
+            return "none"
+        if self.has_vit:
+            return "vit"
+        return "image" if self.has_embedding else "llm"
 
 
 def _per_stage(layers: Sequence[int], total: int, pp_size: int, what: str) -> list[int]:
@@ -65,24 +103,48 @@ def _per_stage(layers: Sequence[int], total: int, pp_size: int, what: str) -> li
     return list(layers)
 
 
-def stage_layout(model: ModelConfig, pp_rank: int, pp_size: int) -> StageLayout:
-    """The parts of stage ``pp_rank`` of ``pp_size``; NotImplementedError for ViT splits not supported yet."""
+def _split(model: ModelConfig, pp_size: int) -> tuple[list[int], list[int], int, int]:
+    """Per-stage ViT and LLM counts, the last ViT stage and the first LLM stage; ValueError for a split the
+    pipeline cannot run (a stage holding nothing, a gap, or LLM stages before the ViT ends)."""
     vision = model.image_encoder.vision_encoder
     vit = _per_stage(vision.pipeline_num_layers, vision.num_layers, pp_size, "image_encoder.vision_encoder")
     llm = _per_stage(model.text_decoder.pipeline_num_layers, model.text_decoder.num_layers, pp_size,
                      "text_decoder")
-    if any(vit[1:]) or llm[0] == 0:
-        raise NotImplementedError(
-            f"pipeline split vit {vit} / llm {llm}: only the whole ViT on stage 0 together with at least one LLM "
-            f"layer is supported (e.g. vit {[sum(vit)] + [0] * (pp_size - 1)} / llm [{max(llm[0], 1)}, ...])"
+    last_vit = max(i for i, n in enumerate(vit) if n)
+    first_llm = min(i for i, n in enumerate(llm) if n)
+    contiguous = all(vit[: last_vit + 1]) and all(llm[first_llm:])
+    if not contiguous or first_llm not in (last_vit, last_vit + 1):
+        raise ValueError(
+            f"pipeline split vit {vit} / llm {llm}: the ViT must fill stages 0..k and the LLM the stages from k "
+            f"or k + 1 on, with no stage left empty (e.g. vit {[sum(vit)] + [0] * (pp_size - 1)} / llm "
+            f"[{max(llm[0], 1)}, ...])"
         )
+    return vit, llm, last_vit, first_llm
+
+
+def stage_layout(model: ModelConfig, pp_rank: int, pp_size: int) -> StageLayout:
+    """The parts of stage ``pp_rank`` of ``pp_size`` from model.json's ``pipeline_num_layers``."""
+    vit, llm, last_vit, first_llm = _split(model, pp_size)
     return StageLayout(
         pp_rank=pp_rank,
         pp_size=pp_size,
         vit_layers=range(sum(vit[:pp_rank]), sum(vit[: pp_rank + 1])),
         llm_layers=range(sum(llm[:pp_rank]), sum(llm[: pp_rank + 1])),
-        has_embedding=pp_rank == 0,
+        last_vit=last_vit,
+        first_llm=first_llm,
     )
+
+
+def embedding_ranks(model: ModelConfig) -> Callable[..., list[int]]:
+    """``get_embedding_ranks`` for megatron's ``initialize_model_parallel``: the stages holding the word
+    embeddings and the output layer (megatron's default, first and last, is wrong when the ViT fills the
+    first stages; tied embeddings are synchronised over this group)."""
+
+    def ranks(pp_ranks: list[int], *_: Any) -> list[int]:
+        first_llm = _split(model, len(pp_ranks))[3]
+        return sorted({pp_ranks[first_llm], pp_ranks[-1]})
+
+    return ranks
 
 
 def padding_attention_mask(attention_mask: Tensor | None) -> Tensor | None:
@@ -115,6 +177,23 @@ def splice_image_embeddings(
     return embeddings.index_put((seq_index, batch_index), image_embeds.to(embeddings.dtype))
 
 
+def keep_in_graph(output: Tensor, received: Tensor | None) -> Tensor:
+    """``output``, made a valid pipeline stage output for backward.
+
+    megatron's schedule runs backward from every stage's output and sends the gradient of the received
+    tensor back; a frozen ViT (run without a graph), a micro-batch without images or an unused input would
+    leave either without a graph and stall or break the pipeline. Adding ``0 * received.sum()`` gives the
+    received tensor a (zero) gradient; a still graph-less output becomes a leaf that accepts one.
+    """
+    if not torch.is_grad_enabled():
+        return output
+    if received is not None and received.requires_grad:
+        output = output + 0.0 * received.sum()
+    if not output.requires_grad:
+        output = output.detach().requires_grad_()
+    return output
+
+
 class Qwen2_5_VLModel(torch.nn.Module):
     """One pipeline stage of Qwen2.5-VL (see the module docstring); build it with :func:`build_model`.
 
@@ -132,51 +211,61 @@ class Qwen2_5_VLModel(torch.nn.Module):
         padded_vocab: int,
         image_encoder: torch.nn.Module | None,
     ) -> None:
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
         super().__init__()
-        text = model_cfg.text_decoder
         self.config = config
         self.model_cfg = model_cfg
         self.layout = layout
-        self.vocab_size = text.vocab_size
-        self.model_type = None  # set from the GPTModel below (schedules read it)
+        self.vocab_size = model_cfg.text_decoder.vocab_size
+        self.received: Tensor | None = None
         if image_encoder is not None:
             self.image_encoder = image_encoder
-        self.text_decoder = GPTModel(
-            config=config,
+        if layout.has_llm:
+            self.text_decoder = self._text_decoder(padded_vocab)
+        from megatron.core.enums import ModelType
+
+        self.model_type = ModelType.encoder_or_decoder
+
+    def _text_decoder(self, padded_vocab: int) -> torch.nn.Module:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        text = self.model_cfg.text_decoder
+        return GPTModel(
+            config=self.config,
             transformer_layer_spec=get_gpt_layer_local_spec(normalization=megatron_normalization(text.normalization)),
             vocab_size=padded_vocab,
             max_sequence_length=text.max_position_embeddings,
-            pre_process=layout.has_embedding,
-            post_process=layout.has_output,
+            pre_process=self.layout.has_embedding,
+            post_process=self.layout.has_output,
             parallel_output=True,
             share_embeddings_and_output_weights=not text.untie_embeddings_and_output_weights,
             position_embedding_type="mrope",
             rotary_base=text.rope_theta,  # type: ignore[arg-type]  # megatron annotates int; rope_theta is float
         )
-        self.model_type = self.text_decoder.model_type
 
     # ------------------------------------------------------------------ what megatron looks up on a chunk
     @property
     def pre_process(self) -> bool:
-        return bool(self.text_decoder.pre_process)
+        return self.layout.has_embedding
 
     @property
     def post_process(self) -> bool:
-        return bool(self.text_decoder.post_process)
+        return self.layout.has_output
 
     @property
     def share_embeddings_and_output_weights(self) -> bool:
-        return bool(self.text_decoder.share_embeddings_and_output_weights)
+        return self.layout.has_llm and bool(self.text_decoder.share_embeddings_and_output_weights)
 
     def shared_embedding_or_output_weight(self) -> Tensor | None:
-        return self.text_decoder.shared_embedding_or_output_weight()
+        return self.text_decoder.shared_embedding_or_output_weight() if self.layout.has_llm else None
 
     def set_input_tensor(self, input_tensor: Tensor | list[Tensor] | None) -> None:
-        """The previous stage's [S, B, H] output (the schedule calls this before every forward)."""
-        self.text_decoder.set_input_tensor(input_tensor)
+        """The previous stage's output (the schedule calls this before every forward); see StageLayout.received."""
+        if isinstance(input_tensor, list):
+            input_tensor = input_tensor[0] if input_tensor else None
+        self.received = input_tensor
+        if self.layout.received == "llm":
+            self.text_decoder.set_input_tensor(input_tensor)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """torch's load_state_dict, accepting checkpoints without megatron's ``_extra_state`` entries.
@@ -189,7 +278,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
                 state[key] = value
         return super().load_state_dict(state, strict=strict, assign=assign)
 
-    # ------------------------------------------------------------------ forward
+    # ------------------------------------------------------------------ pieces of forward
     def position_ids(self, input_ids: Tensor, image_grid_thw: Tensor | None, attention_mask: Tensor | None) -> Tensor:
         """The 3D mRoPE ids [3, B, S] of a micro-batch (see :func:`rope_index.get_rope_index`)."""
         positions, _ = get_rope_index(
@@ -201,24 +290,45 @@ class Qwen2_5_VLModel(torch.nn.Module):
         )
         return positions
 
-    def image_embeddings(self, pixel_values: Tensor, image_grid_thw: Tensor) -> Tensor:
-        """The ViT + merger output [N_tokens, H_llm]; without an autograd graph when nothing in it trains."""
+    def image_embeddings(self, pixel_values: Tensor | None, image_grid_thw: Tensor) -> Tensor:
+        """This stage's part of the image encoder: image embeddings [N_tokens, H_llm] when it holds the
+        merger, else ViT hidden states for the next stage. Without an autograd graph when nothing in it trains."""
         encoder = self.image_encoder
         trains = any(p.requires_grad for p in encoder.parameters())
+        hidden = None if self.layout.has_patch_embed else self.received
         with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
-            return encoder(pixel_values, image_grid_thw)
+            return encoder(pixel_values if self.layout.has_patch_embed else None, image_grid_thw, hidden)
 
-    def decoder_input(
-        self, input_ids: Tensor, pixel_values: Tensor | None, image_grid_thw: Tensor | None
-    ) -> Tensor:
-        """Word embeddings [S, B, H] with the images spliced in (first LLM stage only)."""
+    def _vision_stage_output(self, images: Tensor | None) -> Tensor:
+        """What a stage holding only ViT blocks sends on: ViT hidden states or image embeddings [N, 1, H];
+        a one-row zero placeholder for a micro-batch without images (the schedule sends something every time)."""
+        if images is None:
+            width = self.model_cfg.text_decoder.hidden_size if self.layout.has_merger else (
+                self.model_cfg.image_encoder.vision_encoder.hidden_size)
+            images = torch.zeros(1, 1, width, dtype=self.config.params_dtype)
+        elif self.layout.has_merger:
+            images = images.unsqueeze(1)
+        return keep_in_graph(images, self.received)
+
+    def decoder_input(self, input_ids: Tensor, images: Tensor | None) -> Tensor:
+        """Word embeddings [S, B, H] with the image embeddings [N_tokens, H] spliced in (first LLM stage)."""
         embeddings = self.text_decoder.embedding(input_ids=input_ids, position_ids=None)
+        if images is not None:
+            embeddings = splice_image_embeddings(embeddings, input_ids, images, self.model_cfg.img_context_token_id)
+        return keep_in_graph(embeddings, self.received) if self.layout.received != "none" else embeddings
+
+    def _images(self, pixel_values: Tensor | None, image_grid_thw: Tensor | None) -> Tensor | None:
+        """This stage's image result (see image_embeddings) or the received image embeddings; None without
+        images in the micro-batch or nothing image-related on this stage."""
         if pixel_values is None or pixel_values.numel() == 0:
-            return embeddings
+            return None
         if image_grid_thw is None:
             raise ValueError("pixel_values need image_grid_thw")
-        image_embeds = self.image_embeddings(pixel_values, image_grid_thw)
-        return splice_image_embeddings(embeddings, input_ids, image_embeds, self.model_cfg.img_context_token_id)
+        if self.layout.has_vit:
+            return self.image_embeddings(pixel_values, image_grid_thw)
+        if self.layout.received == "image" and self.received is not None:
+            return self.received.squeeze(1)
+        return None
 
     def forward(
         self,
@@ -234,21 +344,24 @@ class Qwen2_5_VLModel(torch.nn.Module):
     ) -> Tensor | dict[str, Tensor]:
         """Run this stage on a micro-batch.
 
-        ``input_ids`` / ``attention_mask`` [B, S] (mask: 1 real, 0 padding; None: no padding) are needed on
-        every stage (positions and the padding mask come from them); ``pixel_values`` [N_patches, C*T*P*P] and
-        ``image_grid_thw`` [N_images, 3] as the Qwen2.5-VL processor gives them. ``position_ids`` [3, B, S]
-        may be passed precomputed. ``labels`` [B, S]: labels[b, s] is the token position s predicts.
+        Every stage gets the whole micro-batch: ``input_ids`` / ``attention_mask`` [B, S] (mask: 1 real, 0
+        padding; None: no padding; positions and the padding mask come from them), ``pixel_values``
+        [N_patches, C*T*P*P] and ``image_grid_thw`` [N_images, 3] as the Qwen2.5-VL processor gives them.
+        ``position_ids`` [3, B, S] may be passed precomputed. ``labels`` [B, S]: labels[b, s] is the token
+        that position s predicts.
 
-        Returns [S, B, H] hidden states on all but the last stage. The last stage returns a dict:
-        ``log_probs`` and ``entropy`` [B, S] (fp32) when ``labels`` are given, and ``logits``
-        [B, S, V / TP] (this rank's vocab slice) when there are no labels or ``return_logits`` is set.
-        ``temperature`` divides the logits before the log-probs and the entropy, as the sampler did.
+        Returns what the next stage receives (see StageLayout.received) on all but the last stage. The last
+        stage returns a dict: ``log_probs`` and ``entropy`` [B, S] (fp32) when ``labels`` are given, and
+        ``logits`` [B, S, V / TP] (this rank's vocab slice) when there are no labels or ``return_logits`` is
+        set. ``temperature`` divides the logits before the log-probs and the entropy, as the sampler did.
         """
+        images = self._images(pixel_values, image_grid_thw) if self.layout.has_vit or self.layout.has_embedding \
+            else None
+        if not self.layout.has_llm:
+            return self._vision_stage_output(images)
+        decoder_input = self.decoder_input(input_ids, images) if self.layout.has_embedding else None
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask)
-        decoder_input = None
-        if self.layout.has_embedding:
-            decoder_input = self.decoder_input(input_ids, pixel_values, image_grid_thw)
         output = self.text_decoder(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -285,8 +398,8 @@ def _build_image_encoder(
         config,
         num_layers=len(layout.vit_layers),
         layer_offset=layout.vit_layers.start,
-        pre_process=True,
-        post_process=True,
+        pre_process=layout.has_patch_embed,
+        post_process=layout.has_merger,
         freeze_encoder=not (actor and actor.unfreeze_vision_encoder),
         freeze_projector=bool(actor and actor.freeze_vision_projector),
     )
