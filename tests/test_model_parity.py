@@ -2,7 +2,8 @@
 
 The tiny HF checkpoint (biases and norm weights randomised so their layouts matter) goes through hf2mg at
 each parallel layout; every rank loads its own MindSpeed-MM rank file. Two right-padded micro-batches of 2
-(one image + text beside two images of different sizes + text; then text only) run through megatron's
+(one image + text beside two images of different sizes + text; then text only), then a left-padded one
+with images, run through megatron's
 forward-backward schedule. Checked on the last stage: logits vs transformers' (<= 1e-4), log-probs of the
 labels and entropy vs the same computed from transformers' logits (<= 1e-4); then every parameter gradient
 of a log-prob + entropy loss, gathered over TP and renamed to TP1 names, vs the TP1 run (<= 1e-5).
@@ -109,27 +110,31 @@ def _image(grid: tuple[int, int, int]) -> list[int]:
     return [VSTART] + [IMAGE] * (t * h * w // 4) + [VEND]
 
 
-def _right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded(rows: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(map(len, rows))
     ids = torch.full((len(rows), width), PAD, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row)
-        mask[i, : len(row)] = 1
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, span] = torch.tensor(row)
+        mask[i, span] = 1
     return ids, mask
 
 
 def make_micro_batches() -> list[dict[str, torch.Tensor]]:
-    """[one image + text, two images + text] and [text, shorter text]; labels are the next tokens."""
+    """Right-padded [one image + text, two images + text] and [text, shorter text], then a left-padded
+    [image + text, text + image + text] (explicit padding mask); labels are the next tokens."""
     g = torch.Generator().manual_seed(3)
     with_images = [
         _text(g, 5) + _image(GRIDS[0]) + _text(g, 6),
         _text(g, 3) + _image(GRIDS[1]) + _text(g, 2) + _image(GRIDS[2]) + _text(g, 4),
     ]
     text_only = [_text(g, 20), _text(g, 13)]
+    left_padded = [_image(GRIDS[2]) + _text(g, 3), _text(g, 9) + _image(GRIDS[0]) + _text(g, 4)]
     batches = []
-    for rows, grids in ((with_images, GRIDS), (text_only, [])):
-        ids, mask = _right_padded(rows)
+    for rows, grids, left in ((with_images, GRIDS, False), (text_only, [], False),
+                              (left_padded, [GRIDS[2], GRIDS[0]], True)):
+        ids, mask = _padded(rows, left)
         batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.roll(ids, -1, dims=1)}
         if grids:
             patches = sum(t * h * w for t, h, w in grids)
@@ -283,6 +288,11 @@ def tp1_grads(model: Any) -> dict[str, torch.Tensor]:
         name = ("text_decoder.embedding.word_embeddings.weight" if layout.has_embedding
                 else "text_decoder.output_layer.weight")
         torch.distributed.all_reduce(grads[name], group=parallel_state.get_embedding_group())
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:  # what megatron's DP x CP gradient averaging does (the schedule scaled the loss by cp)
+        for grad in grads.values():
+            torch.distributed.all_reduce(grad, group=parallel_state.get_context_parallel_group())
+            grad /= cp
     group = parallel_state.get_tensor_model_parallel_group()
     return {tp1_name(name, layout, tied_copy): merge_tp(name, gather_list(grad, group))
             for name, grad in grads.items()}
@@ -301,7 +311,7 @@ def _init(rank: int, world: int, port: int, data: dict[str, Any], tp: int = 1, p
 
 
 def _parallel_worker(rank: int, world: int, port: int, case: dict[str, Any], shared: str, out_dir: str) -> None:
-    _init(rank, world, port, case["json"], tp=case["tp"], pp=case["pp"])
+    _init(rank, world, port, case["json"], tp=case["tp"], pp=case["pp"], cp=case["cp"])
     from mm_rl.config.schema import ActorConfig
 
     started = time.perf_counter()
@@ -311,6 +321,8 @@ def _parallel_worker(rank: int, world: int, port: int, case: dict[str, Any], sha
     result: dict[str, Any] = {"grads": {}, "outputs": {}}
     if model.layout.has_output:
         result["outputs"] = output_diffs(captured, inputs["reference"][case["hf"]]["outputs"], inputs["batches"])
+        tp1_outputs = torch.load(Path(shared) / f"outputs_{case['hf']}.pt", weights_only=True)
+        result["outputs_vs_tp1"] = output_diffs(captured, tp1_outputs, inputs["batches"])
     reference_grads = torch.load(Path(shared) / f"grads_{case['hf']}.pt", weights_only=True)
     for name, grad in tp1_grads(model).items():
         result["grads"][name] = (grad - reference_grads[name]).abs().max().item()
@@ -335,6 +347,7 @@ def _tp1_worker(rank: int, world: int, port: int, cases: dict[str, Any], shared:
         model = _build_and_load(cases[key]["json"], cases[key]["mm_dir"], ActorConfig(unfreeze_vision_encoder=True))
         captured = run_schedule(model, batches)
         result[key] = output_diffs(captured, inputs["reference"][key]["outputs"], batches)
+        torch.save(captured, Path(shared) / f"outputs_{key}.pt")
         grads = tp1_grads(model)
         torch.save(grads, Path(shared) / f"grads_{key}.pt")
         result[f"{key}_grads_vs_hf"] = {name: (grads[name] - hf_grad).abs().max().item()
@@ -390,12 +403,15 @@ def _switch_runs(batches: list[dict[str, torch.Tensor]]) -> dict[str, bool]:
 
 
 # ------------------------------------------------------------------------------------------- fixtures
-CASES = {  # name: (tp, pp, tied, json kwargs)
-    "tp2": (2, 1, False, {}),
-    "pp2": (1, 2, True, {"llm_pp": [1, 3], "vit_pp": [2, 0]}),
-    "tp2_pp2": (2, 2, False, {"llm_pp": [1, 3], "vit_pp": [2, 0]}),
+CASES = {  # name: (tp, pp, cp, tied, json kwargs)
+    "tp2": (2, 1, 1, False, {}),
+    "pp2": (1, 2, 1, True, {"llm_pp": [1, 3], "vit_pp": [2, 0]}),
+    "tp2_pp2": (2, 2, 1, False, {"llm_pp": [1, 3], "vit_pp": [2, 0]}),
     # the ViT split over two stages, the second sending image embeddings to an LLM-only stage
-    "pp3_vit_split": (1, 3, True, {"llm_pp": [0, 0, 4], "vit_pp": [1, 1, 0]}),
+    "pp3_vit_split": (1, 3, 1, True, {"llm_pp": [0, 0, 4], "vit_pp": [1, 1, 0]}),
+    # Ulysses CP: 2 KV groups split over 2 CP ranks; with TP2 one group per TP rank is repeated per head
+    "cp2": (1, 1, 2, False, {}),
+    "tp2_cp2": (2, 1, 2, False, {}),
 }
 FROZEN_RERUN = {"pp3_vit_split"}
 
@@ -412,10 +428,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tp1 = {key: {"json": jsons[key], "mm_dir": str(convert(hf[key], root / f"mm_tp1_{key}", jsons[key], 1))}
            for key in hf}
     parallel = {}
-    for name, (tp, pp, tied, kwargs) in CASES.items():
+    for name, (tp, pp, cp, tied, kwargs) in CASES.items():
         key = "tied" if tied else "untied"
         data = model_json(tied=tied, **kwargs)
-        parallel[name] = {"tp": tp, "pp": pp, "hf": key, "json": data, "frozen_rerun": name in FROZEN_RERUN,
+        parallel[name] = {"tp": tp, "pp": pp, "cp": cp, "hf": key, "json": data, "frozen_rerun": name in FROZEN_RERUN,
                           "mm_dir": str(convert(hf[key], root / f"mm_{name}", data, tp))}
     batches = make_micro_batches()
     reference = {key: hf_reference(path, batches) for key, path in hf.items()}
@@ -458,7 +474,7 @@ def test_model_json_switches_build_and_run(setup: dict[str, Any]) -> None:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_parallel_matches_transformers_and_tp1(setup: dict[str, Any], name: str, tmp_path: Path) -> None:
     case = setup["cases"][name]
-    world = case["tp"] * case["pp"]
+    world = case["tp"] * case["pp"] * case["cp"]
     started = time.perf_counter()
     spawn(_parallel_worker, world, case, str(setup["root"]), str(tmp_path))
     results = load_rank_results(tmp_path, world)
@@ -467,13 +483,16 @@ def test_parallel_matches_transformers_and_tp1(setup: dict[str, Any], name: str,
     reference_names = torch.load(setup["root"] / f"grads_{case['hf']}.pt", weights_only=True).keys()
     worst = max(grads, key=grads.__getitem__)
     print(f"\n{name}: {time.perf_counter() - started:.1f}s; max grad diff {grads[worst]:.2e} ({worst})")
-    for output in outputs:
-        _report(name, output)
-    assert len(outputs) == case["tp"]  # every last-stage rank checked its outputs
+    vs_tp1 = [r["outputs_vs_tp1"] for r in results if r["outputs"]]
+    for output, output_tp1 in zip(outputs, vs_tp1, strict=True):
+        _report(f"{name} vs transformers", output)
+        _report(f"{name} vs TP1", output_tp1)
+    assert len(outputs) == case["tp"] * case["cp"]  # every last-stage rank checked its outputs
     assert set(grads) == set(reference_names)  # every TP1 parameter's gradient was compared
     assert max(max(o.values()) for o in outputs) <= LOGIT_TOL
+    assert max(max(o.values()) for o in vs_tp1) <= GRAD_TOL  # same code path as TP1: 1e-5 (CP2 vs CP1)
     assert grads[worst] <= GRAD_TOL
     if case["frozen_rerun"]:
         frozen = [r["outputs_frozen"] for r in results if "outputs_frozen" in r]
         _report(f"{name} frozen ViT", frozen[0])
-        assert len(frozen) == case["tp"] and max(max(o.values()) for o in frozen) <= LOGIT_TOL
+        assert len(frozen) == case["tp"] * case["cp"] and max(max(o.values()) for o in frozen) <= LOGIT_TOL

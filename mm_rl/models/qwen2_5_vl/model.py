@@ -177,6 +177,129 @@ def splice_image_embeddings(
     return embeddings.index_put((seq_index, batch_index), image_embeds.to(embeddings.dtype))
 
 
+# ------------------------------------------------------------------------- Ulysses context parallelism
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single over dim 0 (chunk i goes to rank i); its own adjoint, so backward is the same op."""
+
+    @staticmethod
+    def forward(ctx: Any, chunks: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        chunks = chunks.contiguous()  # (empty_like of a permuted view would keep its strides)
+        out = torch.empty_like(chunks)
+        torch.distributed.all_to_all_single(out, chunks, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        torch.distributed.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def sequence_to_heads(x: Tensor, group: Any, size: int) -> Tensor:
+    """[S/cp, B, h, d] (this rank's tokens, all its heads) -> [S, B, h/cp, d] (all tokens, its head block)."""
+    seq, batch, heads, dim = x.shape
+    chunks = x.reshape(seq, batch, size, heads // size, dim).permute(2, 0, 1, 3, 4)
+    return _AllToAll.apply(chunks, group).reshape(size * seq, batch, heads // size, dim)  # type: ignore[no-any-return]
+
+
+def heads_to_sequence(x: Tensor, group: Any, size: int) -> Tensor:
+    """[S, B, h/cp * d] attention output of this rank's head block -> [S/cp, B, h * d] for its own tokens."""
+    seq, batch, width = x.shape
+    out = _AllToAll.apply(x.reshape(size, seq // size, batch, width), group)
+    return out.permute(1, 2, 0, 3).reshape(seq // size, batch, size * width)  # type: ignore[no-any-return]
+
+
+class UlyssesAttention(torch.nn.Module):
+    """Core attention with DeepSpeed-Ulysses context parallelism (``context-parallel-algo: ulysses_cp_algo``).
+
+    Each CP rank holds a contiguous 1/cp of the sequence. q, k, v go through one all-to-all each, from
+    "my tokens, all heads" to "all tokens, 1/cp of the heads"; megatron's local attention then runs on the
+    full sequence (causal or padding masks work unchanged), and one all-to-all brings the output back.
+    KV groups are repeated to one per query head first when the CP size does not divide them.
+    Built by megatron's layer spec with the arguments of any core attention.
+    """
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
+        import dataclasses
+
+        from megatron.core import parallel_state
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        super().__init__()
+        self.group = parallel_state.get_context_parallel_group()
+        self.size = parallel_state.get_context_parallel_world_size()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
+        if heads % self.size:
+            raise ValueError(f"Ulysses CP {self.size} must divide the attention heads per TP rank ({heads})")
+        self.repeat_kv = 1 if groups % self.size == 0 else heads // groups
+        inner = dataclasses.replace(config, num_attention_heads=config.num_attention_heads // self.size,
+                                    num_query_groups=config.num_query_groups * self.repeat_kv // self.size)
+        self.attention = DotProductAttention(inner, layer_number, attn_mask_type, attention_type,
+                                             attention_dropout, softmax_scale, None, pg_collection)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: Any = None, attention_bias: Tensor | None = None,
+                packed_seq_params: Any = None) -> Tensor:
+        if self.repeat_kv > 1:
+            key, value = (t.repeat_interleave(self.repeat_kv, dim=2) for t in (key, value))
+        q, k, v = (sequence_to_heads(t, self.group, self.size) for t in (query, key, value))
+        out = self.attention(q, k, v, attention_mask, attn_mask_type=attn_mask_type,
+                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        return heads_to_sequence(out, self.group, self.size)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather over CP along dim 1 ([B, S/cp, ...] -> [B, S, ...]); backward keeps this rank's slice.
+
+    Every CP rank computes the same loss from the gathered tensor, so the gradient of its own slice is
+    exactly its share (no sum); megatron's loss x cp and DP x CP gradient averaging complete it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any, rank: int, size: int) -> Tensor:  # type: ignore[override]
+        ctx.rank, ctx.size = rank, size
+        parts = [torch.empty_like(x) for _ in range(size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        return grad.chunk(ctx.size, dim=1)[ctx.rank].contiguous(), None, None, None
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's place in the CP group; its tokens are the contiguous chunk ``rank`` of ``size``."""
+
+    group: Any
+    rank: int
+    size: int
+
+    def padded_length(self, seq: int) -> int:
+        return -(-seq // self.size) * self.size
+
+    def local(self, x: Tensor, dim: int) -> Tensor:
+        """This rank's chunk of ``x`` along ``dim``."""
+        return x.chunk(self.size, dim=dim)[self.rank]
+
+    def gather(self, x: Tensor) -> Tensor:
+        """[B, S/cp, ...] -> [B, S, ...] (see _GatherSequence)."""
+        return _GatherSequence.apply(x, self.group, self.rank, self.size)  # type: ignore[no-any-return]
+
+
+def _pad_sequence(x: Tensor | None, length: int, value: int, dim: int = -1) -> Tensor | None:
+    """``x`` right-padded with ``value`` to ``length`` along ``dim`` (CP needs a multiple of its size)."""
+    if x is None or x.shape[dim] == length:
+        return x
+    pad = list(x.shape)
+    pad[dim] = length - x.shape[dim]
+    return torch.cat([x, x.new_full(pad, value)], dim=dim)
+
+
 def keep_in_graph(output: Tensor, received: Tensor | None) -> Tensor:
     """``output``, made a valid pipeline stage output for backward.
 
@@ -217,6 +340,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
         self.layout = layout
         self.vocab_size = model_cfg.text_decoder.vocab_size
         self.received: Tensor | None = None
+        self.cp = _context_parallel()
         if image_encoder is not None:
             self.image_encoder = image_encoder
         if layout.has_llm:
@@ -230,9 +354,12 @@ class Qwen2_5_VLModel(torch.nn.Module):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         text = self.model_cfg.text_decoder
-        return GPTModel(
+        spec = get_gpt_layer_local_spec(normalization=megatron_normalization(text.normalization))
+        if self.cp is not None:
+            spec.submodules.self_attention.submodules.core_attention = UlyssesAttention
+        decoder = GPTModel(
             config=self.config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization=megatron_normalization(text.normalization)),
+            transformer_layer_spec=spec,
             vocab_size=padded_vocab,
             max_sequence_length=text.max_position_embeddings,
             pre_process=self.layout.has_embedding,
@@ -242,6 +369,11 @@ class Qwen2_5_VLModel(torch.nn.Module):
             position_embedding_type="mrope",
             rotary_base=text.rope_theta,  # type: ignore[arg-type]  # megatron annotates int; rope_theta is float
         )
+        if self.cp is not None:
+            # positions arrive already cut to this rank's contiguous chunk: megatron must not re-slice the
+            # rotary table for its own (load-balanced) CP layout
+            decoder.rotary_pos_emb.cp_group = None
+        return decoder
 
     # ------------------------------------------------------------------ what megatron looks up on a chunk
     @property
@@ -359,9 +491,21 @@ class Qwen2_5_VLModel(torch.nn.Module):
             else None
         if not self.layout.has_llm:
             return self._vision_stage_output(images)
-        decoder_input = self.decoder_input(input_ids, images) if self.layout.has_embedding else None
+        seq = input_ids.shape[1]
+        if self.cp is not None:  # pad to a multiple of the CP size (right padding: invisible to real tokens)
+            length = self.cp.padded_length(seq)
+            if attention_mask is None and length != seq:
+                attention_mask = torch.ones_like(input_ids)
+            input_ids, attention_mask, labels = (_pad_sequence(t, length, 0) for t in (input_ids, attention_mask,
+                                                                                        labels))
+            position_ids = _pad_sequence(position_ids, length, 0)
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask)
+        decoder_input = self.decoder_input(input_ids, images) if self.layout.has_embedding else None
+        if self.cp is not None:  # this rank's tokens; the attention mask stays whole (Ulysses sees all tokens)
+            position_ids = self.cp.local(position_ids, dim=2)
+            decoder_input = self.cp.local(decoder_input, dim=0) if decoder_input is not None else None
+            labels = self.cp.local(labels, dim=1) if labels is not None else None
         output = self.text_decoder(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -370,14 +514,33 @@ class Qwen2_5_VLModel(torch.nn.Module):
         )
         if not self.layout.has_output:
             return output
+        return self._last_stage_outputs(output, labels, seq, return_logits, temperature)
+
+    def _last_stage_outputs(
+        self, logits: Tensor, labels: Tensor | None, seq: int, return_logits: bool, temperature: float
+    ) -> dict[str, Tensor]:
+        """log_probs / entropy (labels given) and logits (asked for, or no labels), whole sequence under CP."""
         result: dict[str, Tensor] = {}
         if labels is not None:
             result["log_probs"], result["entropy"] = log_probs_and_entropy(
-                output, labels, vocab_size=self.vocab_size, temperature=temperature
+                logits, labels, vocab_size=self.vocab_size, temperature=temperature
             )
         if labels is None or return_logits:
-            result["logits"] = output
+            result["logits"] = logits
+        if self.cp is not None:
+            result = {key: self.cp.gather(value)[:, :seq] for key, value in result.items()}
         return result
+
+
+def _context_parallel() -> ContextParallel | None:
+    """This process's CP group from megatron's parallel state (None without context parallelism)."""
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_context_parallel_world_size()
+    if size == 1:
+        return None
+    return ContextParallel(parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_rank(),
+                           size)
 
 
 def _build_image_encoder(
@@ -423,6 +586,9 @@ def build_model(
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1 and flags is not None and flags.context_parallel_algo not in (None, "ulysses_cp_algo"):
+        raise NotImplementedError(f"context-parallel-algo {flags.context_parallel_algo!r}: only ulysses_cp_algo")
     layout = stage_layout(model_cfg, parallel_state.get_pipeline_model_parallel_rank(), pp)
     config = text_decoder_config(model_cfg, flags, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)
     divisible_by = flags.make_vocab_size_divisible_by if flags is not None else 1
