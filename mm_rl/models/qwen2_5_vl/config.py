@@ -73,16 +73,16 @@ def text_decoder_config(
     *,
     tp: int | None = None,
     pp: int | None = None,
-    cp: int = 1,
     params_dtype: torch.dtype = torch.float32,
     **overrides: Any,
 ) -> Any:
     """The megatron ``TransformerConfig`` of the Qwen2.5-VL text decoder.
 
     ``tp`` / ``pp`` default to the flags' values (then to 1); ``pp`` must equal the number of entries of
-    ``text_decoder.pipeline_num_layers`` when > 1. ``cp`` is recorded in the config only as 1: the Ulysses
-    context parallelism of this package wraps the local attention itself (megatron's own CP needs Transformer
-    Engine). Dropout is off (RL recomputes log-probs and must be deterministic); ``overrides`` go last.
+    ``text_decoder.pipeline_num_layers`` when > 1. ``context_parallel_size`` stays 1 whatever the CP size:
+    the model's Ulysses attention does context parallelism around megatron's local attention (megatron's
+    own CP needs Transformer Engine). Dropout is off (RL recomputes log-probs and must be deterministic);
+    ``overrides`` go last.
     """
     from megatron.core.transformer import TransformerConfig
 

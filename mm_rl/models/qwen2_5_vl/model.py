@@ -22,6 +22,25 @@ stage empty (:func:`stage_layout`). Between ViT stages travel ViT hidden states 
 a ViT-only stage holding the merger sends image embeddings [N_tokens, 1, llm_hidden]; a micro-batch
 without images sends a one-row placeholder. When the word embeddings are not on stage 0, pass
 :func:`embedding_ranks` to megatron's ``initialize_model_parallel`` (its default assumes stage 0).
+
+Context parallelism (``context-parallel-algo: ulysses_cp_algo``): every CP rank runs the ViT and the
+embeddings on the whole micro-batch, keeps a contiguous 1/cp of the tokens for the LLM, and attention
+all-to-alls between "my tokens, all heads" and "all tokens, my heads" (:class:`UlyssesAttention`). The last
+stage gathers log-probs / entropy / logits back to the whole sequence, so the loss code is the same with
+and without CP; each rank's gradient covers its own tokens and megatron's loss x cp scaling with DP x CP
+gradient averaging makes the sum exact.
+
+Use, on one rank (after ``initialize_model_parallel(tp, pp, context_parallel_size=cp,
+get_embedding_ranks=embedding_ranks(model_cfg))``)::
+
+    model = build_model(model_cfg, flags, actor)         # this rank's stage, freeze switches applied
+    model.load_state_dict(torch.load(rank_file, weights_only=True)["model"])
+
+    def forward_step(data_iterator, model):               # for megatron's get_forward_backward_func()
+        mb = next(data_iterator)                          # the whole micro-batch, on every stage
+        out = model(mb["input_ids"], attention_mask=mb["attention_mask"], pixel_values=mb.get("pixel_values"),
+                    image_grid_thw=mb.get("image_grid_thw"), labels=mb["labels"], temperature=t)
+        return out, functools.partial(loss_func, mb)      # last stage: out = {"log_probs", "entropy"} [B, S]
 """
 
 from __future__ import annotations
@@ -37,6 +56,7 @@ from mm_rl.config.schema import ActorConfig, ModelConfig, TrainingFlags
 from mm_rl.models.qwen2_5_vl.config import megatron_normalization, padded_vocab_size, text_decoder_config
 from mm_rl.models.qwen2_5_vl.logprobs import log_probs_and_entropy
 from mm_rl.models.qwen2_5_vl.rope_index import get_rope_index
+from mm_rl.platform.device import current_device
 
 Received = Literal["none", "vit", "image", "llm"]
 
@@ -437,7 +457,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
         if images is None:
             width = self.model_cfg.text_decoder.hidden_size if self.layout.has_merger else (
                 self.model_cfg.image_encoder.vision_encoder.hidden_size)
-            images = torch.zeros(1, 1, width, dtype=self.config.params_dtype)
+            images = torch.zeros(1, 1, width, dtype=self.config.params_dtype, device=current_device())
         elif self.layout.has_merger:
             images = images.unsqueeze(1)
         return keep_in_graph(images, self.received)
