@@ -1,0 +1,16 @@
+"""Checkpoint conversion between HuggingFace Qwen2.5-VL and Megatron shards in MindSpeed-MM's layout.
+
+- ``mapping``: the one table of tensor names, layouts and tensor-parallel split rules (also used by weight sync).
+- ``stages``: which pipeline stage holds which layers and tensors.
+- ``hf_reader`` / ``hf_writer``: HuggingFace safetensors checkpoints, read by slices and written by streaming.
+- ``layout``: MindSpeed-MM's directory layout, the latest-iteration file, rank files and atomic directories.
+- ``hf2mg`` / ``mg2hf``: the two conversions; ``model_config``: model.json from an HF config.json;
+  ``cli``: ``ascendfactory-cli convert``.
+
+Entry points: ``mm_rl.convert.hf2mg.hf2mg``, ``mm_rl.convert.mg2hf.mg2hf`` (library, used by the trainer),
+``mm_rl.convert.mapping.merge_tp_shards`` / ``megatron_to_hf`` (weight sync) and
+``mm_rl.convert.model_config.model_config_from_hf``. Nothing is re-exported here, so each name stays its module.
+
+The conversions stream: they read exactly the rows or columns each output shard needs and hold one output file
+(hf2mg) or one tensor (mg2hf) in memory, never the whole model.
+"""

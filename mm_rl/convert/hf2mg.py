@@ -1,0 +1,125 @@
+"""HuggingFace Qwen2.5-VL -> Megatron shards in MindSpeed-MM's layout (``mm_dir/release/mp_rank_*``).
+
+Everything is checked before anything is written: the pipeline split and TP size (ConfigError), then every
+tensor the split needs against the checkpoint (missing, unexpected, misshapen: ConversionError naming the file
+and tensor). A model.json with fewer layers than the checkpoint keeps the bottom layers (the others are left
+out on purpose, not reported); more layers than the checkpoint is an error. Then one rank file at a time is
+built from exactly the slices it needs and saved; the release directory is renamed into place when every file
+is written, and the latest file is written last. A failed run leaves an earlier conversion in ``mm_dir`` as it
+was.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mm_rl.config.loader import ConfigError, Violation
+from mm_rl.config.schema import Hf2MgCfg, ModelConfig
+from mm_rl.convert.errors import ConversionError, listing
+from mm_rl.convert.hf_reader import HfReader
+from mm_rl.convert.layout import (
+    RELEASE,
+    rank_file,
+    remove_latest_if,
+    save_model_state,
+    staged_dir,
+    write_latest,
+)
+from mm_rl.convert.mapping import Bound, hf_layer_index, hf_shape, model_dims, shard_from_hf, stage_tensors
+from mm_rl.convert.stages import Pipeline, plan_pipeline
+
+LAYER_KEYS = {"vit_layer": "model.image_encoder.vision_encoder.num_layers",
+              "llm_layer": "model.text_decoder.num_layers"}
+
+
+def hf2mg(cfg: Hf2MgCfg, model: ModelConfig, zip_crc32: bool = False) -> Path:
+    """Convert ``cfg.hf_config.hf_dir`` into ``cfg.mm_dir``; returns ``cfg.mm_dir``.
+
+    ``zip_crc32``: checksum the rank files' zip records (see ``layout.save_model_state``; torch.load ignores it)."""
+    pipeline = plan_pipeline(model, cfg.parallel_config)
+    hf_dir, mm_dir = Path(cfg.hf_config.hf_dir), Path(cfg.mm_dir)
+    if mm_dir.resolve() == hf_dir.resolve():
+        raise ConfigError([Violation("cfg.mm_dir", cfg.mm_dir, "is the HuggingFace checkpoint directory itself",
+                                     "write the Megatron shards to another directory")])
+    reader = HfReader(hf_dir)
+    plan = [stage_tensors(model, stage) for stage in pipeline.stages]
+    check_checkpoint(reader, model, [b for stage in plan for b in stage])
+    write_release(reader, model, pipeline, plan, mm_dir, zip_crc32)
+    return mm_dir
+
+
+def check_checkpoint(reader: HfReader, model: ModelConfig, bounds: list[Bound]) -> None:
+    """Layer counts, then missing, unexpected and misshapen tensors, each reported with its file."""
+    _check_layer_counts(reader, model)
+    needed = {name for b in bounds for name in b.hf}
+    missing = sorted(needed - reader.names)
+    if missing:
+        raise ConversionError(f"{reader.dir} lacks tensors that model.json needs (another model, or an "
+                              "incomplete checkpoint?):\n" + listing(missing))
+    unexpected = sorted(n for n in reader.names - needed if not _dropped_layer(n, model))
+    if unexpected:
+        raise ConversionError(f"{reader.dir} holds tensors that model.json does not use (another model, or "
+                              "tied/untied embeddings or biases set differently?):\n"
+                              + listing([f"{n} (in {reader.file[n]})" for n in unexpected]))
+    dims = model_dims(model)
+    wrong = [f"{name} in {reader.file[name]}: shape {list(reader.shape[name])}, model.json gives "
+             f"{list(hf_shape(b.entry, part, dims))}"
+             for b in bounds for part, name in enumerate(b.hf) if reader.shape[name] != hf_shape(b.entry, part, dims)]
+    if wrong:
+        raise ConversionError(f"tensors of {reader.dir} do not have the shapes model.json gives:\n"
+                              + listing(sorted(set(wrong))))
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with a storage of exactly its own bytes, which is what torch.save writes.
+
+    A row range of a memory-mapped HF tensor becomes such a tensor without a copy (a numpy array over the same
+    memory, wrapped again), so its bytes go from the page cache to the output file once; a column range is
+    strided and is copied."""
+    if not tensor.is_contiguous():
+        return tensor.contiguous()
+    if tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    return torch.from_numpy(tensor.view(torch.uint8).numpy()).view(tensor.dtype).view(tensor.shape)
+
+
+def _check_layer_counts(reader: HfReader, model: ModelConfig) -> None:
+    have = {"vit_layer": 0, "llm_layer": 0}
+    for name in reader.names:
+        found = hf_layer_index(name)
+        if found:
+            have[found[0]] = max(have[found[0]], found[1] + 1)
+    want = {"vit_layer": model.image_encoder.vision_encoder.num_layers, "llm_layer": model.text_decoder.num_layers}
+    problems = [Violation(LAYER_KEYS[scope], want[scope], f"the checkpoint {reader.dir} has only {have[scope]} "
+                          "(layers may be removed, never added)", f"use at most {have[scope]}")
+                for scope in want if want[scope] > have[scope]]
+    if problems:
+        raise ConfigError(problems)
+
+
+def _dropped_layer(name: str, model: ModelConfig) -> bool:
+    """A tensor of a layer past model.json's num_layers: left out on purpose (the bottom layers are kept)."""
+    found = hf_layer_index(name)
+    if found is None:
+        return False
+    kept = model.image_encoder.vision_encoder.num_layers if found[0] == "vit_layer" else model.text_decoder.num_layers
+    return found[1] >= kept
+
+
+def write_release(reader: HfReader, model: ModelConfig, pipeline: Pipeline, plan: list[list[Bound]],
+                  mm_dir: Path, zip_crc32: bool = False) -> None:
+    """Write every rank file into a staging directory, rename it to ``release``, then write the latest file."""
+    dims = model_dims(model)
+    mm_dir.mkdir(parents=True, exist_ok=True)
+    with staged_dir(mm_dir / RELEASE, before_swap=lambda: remove_latest_if(mm_dir, RELEASE)) as staging:
+        for stage, bounds in zip(pipeline.stages, plan, strict=True):
+            for tp_rank in range(pipeline.tp):
+                state = {}
+                for bound in bounds:
+                    state[bound.mg] = _compact(shard_from_hf(bound, dims, tp_rank, pipeline.tp, reader.read, False))
+                reader.release()
+                save_model_state(rank_file(staging, tp_rank, stage.pp_rank, pipeline.pp), state, zip_crc32)
+                del state
+    write_latest(mm_dir, RELEASE)

@@ -1,0 +1,113 @@
+"""Read a HuggingFace safetensors checkpoint by slices, never whole.
+
+The index (``model.safetensors.index.json``, or the headers of the ``*.safetensors`` files when there is none)
+says which file holds each tensor; every header is read once up front so shapes are known before any data is
+read. ``read`` returns a range of rows or columns as a view of the file's memory map: only the pages of that
+range are read. One file is open at a time, and closing it drops its pages from the process, so the memory a
+conversion needs for input is at most one input file, however large the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from mm_rl.convert.errors import ConversionError, listing
+from mm_rl.convert.mapping import HF_ALIASES
+from mm_rl.convert.pages import prefault
+
+INDEX = "model.safetensors.index.json"
+
+
+def canonical(name: str) -> str:
+    """The published HF name of a tensor stored under another spelling (``HF_ALIASES``)."""
+    for alias, published in HF_ALIASES:
+        if name.startswith(alias):
+            return published + name[len(alias):]
+    return name
+
+
+class HfReader:
+    """Shapes, dtypes and slices of the tensors of one HF checkpoint directory, by published name."""
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        self.dir = Path(hf_dir)
+        self.file: dict[str, str] = {}  # published name -> file name
+        self.stored: dict[str, str] = {}  # published name -> name in the file
+        self.shape: dict[str, tuple[int, ...]] = {}
+        self.dtype: dict[str, str] = {}
+        self._open: tuple[str, Any] | None = None
+        for file_name, names in self._files().items():
+            self._read_header(file_name, names)
+
+    def _files(self) -> dict[str, set[str] | None]:
+        """file name -> the tensor names the index assigns to it (None: whatever the file holds)."""
+        if not self.dir.is_dir():
+            raise ConversionError(f"HuggingFace checkpoint directory {self.dir} does not exist")
+        index = self.dir / INDEX
+        if index.is_file():
+            try:
+                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise ConversionError(f"{index} is not a safetensors index ({err!r})") from None
+            files: dict[str, set[str] | None] = {}
+            for name, file_name in weight_map.items():
+                files.setdefault(file_name, set()).add(name)  # type: ignore[union-attr]
+            missing = sorted(f for f in files if not (self.dir / f).is_file())
+            if missing:
+                raise ConversionError(f"{index} names files that are missing (an incomplete download or copy?):\n"
+                                      + listing(missing))
+            return files
+        found = sorted(p.name for p in self.dir.glob("*.safetensors"))
+        if not found:
+            raise ConversionError(f"no {INDEX} and no *.safetensors files in {self.dir} (only safetensors "
+                                  "checkpoints are read: re-save others with save_pretrained(safe_serialization=True))")
+        return dict.fromkeys(found)
+
+    def _read_header(self, file_name: str, expected: set[str] | None) -> None:
+        path = self.dir / file_name
+        try:
+            with safe_open(path, "pt") as handle:
+                stored = set(handle.keys())
+                info = {name: handle.get_slice(name) for name in stored}
+                shapes = {name: (tuple(s.get_shape()), s.get_dtype()) for name, s in info.items()}
+        except (SafetensorError, OSError) as err:
+            raise ConversionError(f"{path} is not a readable safetensors file ({err}); truncated or corrupt?") from None
+        if expected is not None and expected - stored:
+            raise ConversionError(f"{self.dir / INDEX} places tensors in {file_name} that it does not hold:\n"
+                                  + listing(sorted(expected - stored)))
+        for name in sorted(expected if expected is not None else stored):
+            published = canonical(name)
+            if published in self.file:
+                raise ConversionError(f"{published} is stored twice: in {self.file[published]} and {file_name}")
+            self.file[published], self.stored[published] = file_name, name
+            self.shape[published], self.dtype[published] = shapes[name]
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.file)
+
+    def where(self, name: str) -> Path:
+        return self.dir / self.file[name]
+
+    def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of ``name``: a view of the open file's pages; copy it
+        before ``release``."""
+        file_name = self.file[name]
+        if self._open is None or self._open[0] != file_name:
+            self.release()
+            self._open = (file_name, safe_open(self.dir / file_name, "pt"))
+        sliced = self._open[1].get_slice(self.stored[name])
+        view = sliced[start:stop] if dim == 0 else sliced[:, start:stop]
+        prefault(view)
+        return view
+
+    def release(self) -> None:
+        """Close the open file, giving its mapped pages back."""
+        if self._open is not None:
+            self._open[1].__exit__(None, None, None)
+            self._open = None

@@ -1,0 +1,152 @@
+"""Write a HuggingFace checkpoint: safetensors shards streamed tensor by tensor, the index, and the side files.
+
+Every tensor's name, shape and dtype is known before the first byte is written, so each shard's header is
+written first and a tensor's bytes go to disk as soon as it is produced: memory holds one tensor, not a shard.
+The file format is safetensors': an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
+data offsets; padded with spaces to a multiple of 8) and the tensors' bytes back to back.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from mm_rl.config.schema import ModelConfig
+from mm_rl.convert.errors import ConversionError
+
+INDEX = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024 ** 3
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
+              "merges.txt", "special_tokens_map.json", "added_tokens.json", "preprocessor_config.json",
+              "video_preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja")
+SIDE_PATTERNS = ("chat_template*.jinja", "chat_template*.json")
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * self.dtype.itemsize
+
+
+def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Consecutive groups of at most ``max_shard_bytes`` (a larger tensor gets a shard of its own)."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return [s for s in shards if s]
+
+
+class ShardedWriter:
+    """Writes the tensors of ``specs``, in that order, into ``model-XXXXX-of-YYYYY.safetensors`` files."""
+
+    def __init__(self, out_dir: Path, specs: Sequence[TensorSpec], max_shard_bytes: int) -> None:
+        self.dir = out_dir
+        self.shards = plan_shards(specs, max_shard_bytes)
+        self.names = [f"model-{k + 1:05d}-of-{len(self.shards):05d}.safetensors" for k in range(len(self.shards))]
+        self._shard = -1
+        self._pos = 0
+        self._file: BinaryIO | None = None
+
+    def write(self, name: str, blocks: Sequence[torch.Tensor]) -> None:
+        """Write tensor ``name``, given as blocks whose concatenation along dim 0 is the tensor (one block, or
+        row ranges of several shards, which are never assembled in memory)."""
+        if self._file is None or self._pos == len(self.shards[self._shard]):
+            self._next_shard()
+        spec = self.shards[self._shard][self._pos]
+        shape = (sum(b.shape[0] for b in blocks), *blocks[0].shape[1:]) if blocks[0].dim() else ()
+        if (name, shape) != (spec.name, spec.shape) or any(b.dtype != spec.dtype or b.shape[1:] != blocks[0].shape[1:]
+                                                            for b in blocks):
+            raise ConversionError(f"internal: expected {spec} next, got {name} {list(shape)} {blocks[0].dtype}")
+        assert self._file is not None
+        for block in blocks:
+            data = block.detach().contiguous().reshape(-1).view(torch.uint8)
+            self._file.write(memoryview(data.numpy()))
+        self._pos += 1
+
+    def _next_shard(self) -> None:
+        self._close_file()
+        self._shard += 1
+        self._pos = 0
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for spec in self.shards[self._shard]:
+            header[spec.name] = {"dtype": _DTYPES[spec.dtype], "shape": list(spec.shape),
+                                 "data_offsets": [offset, offset + spec.nbytes]}
+            offset += spec.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._file = open(self.dir / self.names[self._shard], "wb")  # closed in _close_file
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def finish(self) -> None:
+        """Check every tensor was written, close the last shard and write the index."""
+        written = self._shard == len(self.shards) - 1 and self._pos == len(self.shards[-1])
+        self._close_file()
+        if not written:
+            raise ConversionError("internal: the HF writer was finished before every tensor was written")
+        weight_map = {spec.name: file for file, shard in zip(self.names, self.shards, strict=True) for spec in shard}
+        total = sum(spec.nbytes for shard in self.shards for spec in shard)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+    def abort(self) -> None:
+        self._close_file()
+
+
+def copy_side_files(src: Path, dst: Path, model: ModelConfig) -> list[str]:
+    """Copy the config, generation config, tokenizer, processor and chat template files of ``src``.
+
+    config.json is rewritten only when model.json keeps fewer layers than the source (so the result loads)."""
+    names = {n for n in SIDE_FILES if (src / n).is_file()}
+    names |= {p.name for pattern in SIDE_PATTERNS for p in src.glob(pattern) if p.is_file()}
+    if "config.json" not in names:
+        raise ConversionError(f"{src / 'config.json'} is missing: the output would not load in transformers")
+    for name in sorted(names):
+        shutil.copyfile(src / name, dst / name)
+    _fit_layer_counts(dst / "config.json", model)
+    return sorted(names)
+
+
+def _fit_layer_counts(path: Path, model: ModelConfig) -> None:
+    config = json.loads(path.read_text())
+    text = config.get("text_config", config)
+    vision = config.setdefault("vision_config", {})
+    layers, depth = model.text_decoder.num_layers, model.image_encoder.vision_encoder.num_layers
+    if text.get("num_hidden_layers") == layers and vision.get("depth") == depth:
+        return
+    for section in {id(c): c for c in (config, text)}.values():
+        if "num_hidden_layers" in section:
+            section["num_hidden_layers"] = layers
+        if isinstance(section.get("layer_types"), list):
+            section["layer_types"] = section["layer_types"][:layers]
+    text["num_hidden_layers"] = layers
+    vision["depth"] = depth
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

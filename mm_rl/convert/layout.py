@@ -1,0 +1,234 @@
+"""MindSpeed-MM's Megatron checkpoint layout on disk, and directories that appear complete or not at all.
+
+```
+root/latest_checkpointed_iteration.txt      "release" (converted) or the step number (training), no newline
+root/release | iter_{step:07d}/mp_rank_{tp:02d}[_{pp:03d} when PP > 1]/model_optim_rng.pt
+    torch.save({"model": {name: tensor}, "checkpoint_version": 3.0})   (training adds optimizer, rng, args...)
+```
+A directory is built under a hidden temporary name beside its target, flushed to disk and renamed into place
+when complete; the latest file is written last, atomically, so a reader never sees a half-written checkpoint as
+the latest one, not even after a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from mm_rl.convert.errors import ConversionError, listing
+
+LATEST = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+RANK_FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+Iteration = int | str
+
+
+# ----------------------------------------------------------------------------------------------- names
+def iteration_name(iteration: Iteration) -> str:
+    """``release`` or ``iter_0000123``."""
+    if iteration == RELEASE:
+        return RELEASE
+    if isinstance(iteration, str) and iteration.isdigit():
+        iteration = int(iteration)
+    if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
+        raise ConversionError(f"iteration {iteration!r} is neither 'release' nor a step number")
+    return f"iter_{iteration:07d}"
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+
+
+def rank_file(iteration_dir: Path, tp_rank: int, pp_rank: int, pp: int) -> Path:
+    return iteration_dir / rank_dir_name(tp_rank, pp_rank, pp) / RANK_FILE
+
+
+# -------------------------------------------------------------------------------------------- latest
+def read_latest(root: Path) -> Iteration | None:
+    """The iteration ``root``'s latest file names; None when there is no latest file."""
+    path = root / LATEST
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    if text == RELEASE:
+        return RELEASE
+    if text.isdigit():
+        return int(text)
+    raise ConversionError(f"{path} holds {text!r}, neither 'release' nor a step number")
+
+
+def write_latest(root: Path, iteration: Iteration) -> None:
+    """Write the latest file atomically (a temporary file renamed over it)."""
+    text = RELEASE if iteration == RELEASE else str(int(iteration))
+    fd, tmp = tempfile.mkstemp(prefix=f".{LATEST}.", dir=root)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, root / LATEST)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync(root)
+
+
+def remove_latest_if(root: Path, iteration: Iteration) -> None:
+    """Drop the latest file before replacing the iteration it names, so a crash cannot leave it pointing at a
+    half-replaced directory."""
+    with contextlib.suppress(ConversionError):
+        if read_latest(root) == iteration:
+            (root / LATEST).unlink()
+
+
+def resolve_iteration(root: Path, iteration: Iteration | None) -> Path:
+    """The directory of ``iteration`` (None: the one the latest file names), with errors that say what exists."""
+    if not root.is_dir():
+        raise ConversionError(f"checkpoint directory {root} does not exist")
+    available = sorted(p.name for p in root.iterdir() if p.is_dir() and re.fullmatch(r"release|iter_\d{7}", p.name))
+    if iteration is None:
+        iteration = read_latest(root)
+        if iteration is None:
+            raise ConversionError(
+                f"{root / LATEST} is missing: {root} is not a Megatron checkpoint, or its save or conversion was "
+                f"interrupted before completing (iterations present: {available or 'none'}); convert again, or "
+                "pass an iteration explicitly if you know one is complete")
+    path = root / iteration_name(iteration)
+    if not path.is_dir():
+        raise ConversionError(f"{path} does not exist (iterations present in {root}: {available or 'none'})")
+    return path
+
+
+def check_rank_dirs(iteration_dir: Path, tp: int, pp: int) -> None:
+    """The ``mp_rank_*`` directories must be exactly those of TP x PP; say what the checkpoint has otherwise."""
+    found = {p.name for p in iteration_dir.iterdir() if p.is_dir() and p.name.startswith("mp_rank_")}
+    expected = {rank_dir_name(t, p, pp) for t in range(tp) for p in range(pp)}
+    if found == expected:
+        return
+    ranks = [tuple(int(x) for x in re.findall(r"\d+", name)) for name in found]
+    shape = f"TP={1 + max(r[0] for r in ranks)} x PP={1 + max((r[1] if len(r) > 1 else 0) for r in ranks)}"
+    lines = [f"missing {n}" for n in sorted(expected - found)] + [f"unexpected {n}" for n in sorted(found - expected)]
+    raise ConversionError(f"{iteration_dir} holds rank directories of {shape if ranks else 'nothing'}, the parallel "
+                          f"config gives TP={tp} x PP={pp}:\n" + listing(lines))
+
+
+# ------------------------------------------------------------------------------------------ rank files
+class _Inert:
+    """Stands in for any non-tensor object in a rank file (args, RNG states): it is never constructed for
+    real, so loading cannot run code, and conversion only needs the "model" entry anyway."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __setstate__(self, state: object) -> None:
+        pass
+
+
+def load_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The "model" dict of a rank file, memory-mapped (pages are read only when a tensor is used)."""
+    if not path.is_file():
+        raise ConversionError(f"{path} is missing (an incomplete checkpoint, or another TP/PP layout?)")
+    try:
+        foreign = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        with torch.serialization.safe_globals([(_Inert, name) for name in foreign]):
+            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # torch raises several types for truncated or foreign files
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConversionError(f"{path} cannot be read as a torch checkpoint ({first}); half-written or "
+                              "corrupt?") from None
+    if not isinstance(data, Mapping) or not isinstance(data.get("model"), Mapping):
+        keys = list(data) if isinstance(data, Mapping) else type(data).__name__
+        raise ConversionError(f"{path} has no 'model' state dict (it holds {keys}); virtual-pipeline checkpoints "
+                              "(model0, model1, ...) are not supported")
+    return dict(data["model"])
+
+
+def save_model_state(path: Path, state: Mapping[str, torch.Tensor], zip_crc32: bool = False) -> None:
+    """``torch.save`` in MindSpeed-MM's format.
+
+    Without ``zip_crc32`` the zip records carry no checksum: torch.load never verifies it (torch is built with
+    miniz's reader CRC checks disabled, at least since 1.10), and computing it costs about a second per GB;
+    only generic zip tools (``unzip -t``, Python's ``zipfile``) would complain."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    get, set_ = (getattr(torch.serialization, n, None) for n in ("get_crc32_options", "set_crc32_options"))
+    before = get() if get and set_ else None
+    if set_ and before is not None:
+        set_(zip_crc32)
+    try:
+        torch.save({"model": dict(state), "checkpoint_version": CHECKPOINT_VERSION}, path)
+    finally:
+        if set_ and before is not None:
+            set_(before)
+
+
+# ------------------------------------------------------------------------------------ atomic directories
+@contextlib.contextmanager
+def staged_dir(target: Path, before_swap: Callable[[], None] | None = None) -> Iterator[Path]:
+    """Yield an empty temporary directory beside ``target``; on success it replaces ``target`` by rename (after
+    ``before_swap``), on error it is removed and ``target`` is left as it was. Leftovers of killed runs on this
+    host are removed first."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_leftovers(target)
+    prefix = f".{target.name}.partial.{socket.gethostname()}.{os.getpid()}."
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    try:
+        yield staging
+        staging.chmod(0o755)
+        _fsync_tree(staging)
+        if before_swap is not None:
+            before_swap()
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.{socket.gethostname()}.{os.getpid()}.",
+                                        dir=target.parent))
+            target.rename(old / target.name)
+            staging.rename(target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and directory under ``root`` to disk before it is renamed into place: otherwise a crash
+    soon after could leave a complete-looking directory (and a latest file naming it) with empty files."""
+    for path in sorted(root.rglob("*"), key=lambda p: -len(p.parts)) + [root]:
+        _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_dead_leftovers(target: Path) -> None:
+    host = re.escape(socket.gethostname())
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(partial|old)\.{host}\.(\d+)\..+")
+    for path in target.parent.iterdir():
+        match = pattern.fullmatch(path.name)
+        if match and not _alive(int(match.group(2))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

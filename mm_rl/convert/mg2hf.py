@@ -1,0 +1,130 @@
+"""Megatron shards (MindSpeed-MM layout, release or a training iteration) -> a HuggingFace checkpoint.
+
+Two passes over the memory-mapped rank files. The first only reads their key lists and tensor headers: every
+missing, unexpected or misshapen tensor is reported (naming the file) before any output exists, and it yields
+the name, shape and dtype of every HF tensor, which fixes the output shards up front. The second streams one
+tensor at a time into its safetensors shard: where TP split rows, straight from the shards' row blocks (never
+assembled); where it split columns, assembled first. Input pages are given back before the bytes read pass one
+rank file's size, so memory stays near one input file plus one column-split tensor. Non-model entries of
+training checkpoints (optimizer, RNG, args) are never constructed. The result is built in a staging
+directory beside ``save_hf_dir`` and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mm_rl.config.loader import ConfigError, Violation
+from mm_rl.config.schema import Mg2HfCfg, ModelConfig
+from mm_rl.convert.errors import ConversionError, listing
+from mm_rl.convert.hf_writer import DEFAULT_MAX_SHARD_BYTES, ShardedWriter, TensorSpec, copy_side_files
+from mm_rl.convert.layout import Iteration, check_rank_dirs, load_model_state, rank_file, resolve_iteration, staged_dir
+from mm_rl.convert.mapping import Bound, check_shards, hf_blocks, hf_shape, model_dims, stage_tensors
+from mm_rl.convert.pages import prefault
+from mm_rl.convert.stages import Pipeline, Stage, plan_pipeline
+
+EXTRA_STATE = "._extra_state"
+
+
+def mg2hf(cfg: Mg2HfCfg, model: ModelConfig, hf_dir: str | Path, iteration: Iteration | None = None,
+          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Convert ``iteration`` of ``cfg.load_dir`` (None: the latest) into ``cfg.save_hf_dir``; returns it.
+
+    ``hf_dir`` is the HF checkpoint the model came from: its config, tokenizer, processor and chat template
+    files are copied (config.json adjusted when model.json keeps fewer layers)."""
+    pipeline = plan_pipeline(model, cfg.parallel_config)
+    source, out = Path(hf_dir), Path(cfg.save_hf_dir)
+    _check_target(out, source, Path(cfg.load_dir))
+    iteration_dir = resolve_iteration(Path(cfg.load_dir), iteration)
+    check_rank_dirs(iteration_dir, pipeline.tp, pipeline.pp)
+    plan = [(stage, stage_tensors(model, stage)) for stage in pipeline.stages]
+    specs = [spec for stage, bounds in plan for spec in _stage_specs(iteration_dir, model, pipeline, stage, bounds)]
+    with staged_dir(out) as staging:
+        writer = ShardedWriter(staging, specs, max_shard_bytes)
+        try:
+            for stage, bounds in plan:
+                _write_stage(writer, iteration_dir, model, pipeline, stage, bounds)
+            writer.finish()
+        finally:
+            writer.abort()
+        copy_side_files(source, staging, model)
+    return out
+
+
+def _check_target(out: Path, source: Path, load_dir: Path) -> None:
+    for other, what in ((source, "the source HuggingFace checkpoint (hf_dir)"), (load_dir, "cfg.load_dir")):
+        if out.resolve() == other.resolve():
+            raise ConfigError([Violation("cfg.save_hf_dir", str(out), f"is {what}", "write to another directory")])
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise ConfigError([Violation("cfg.save_hf_dir", str(out), "exists and is not a HuggingFace checkpoint",
+                                     "choose a new or empty directory (an earlier output is replaced)")])
+
+
+class _StageFiles:
+    """The TP rank files of one stage, memory-mapped lazily; they are dropped (which gives their pages back) and
+    mapped again, cheaply, whenever the next tensor would take the bytes read past ``budget``, one file's size."""
+
+    def __init__(self, iteration_dir: Path, pipeline: Pipeline, stage: Stage) -> None:
+        self.paths = [rank_file(iteration_dir, r, stage.pp_rank, pipeline.pp) for r in range(pipeline.tp)]
+        self.budget = max(p.stat().st_size for p in self.paths) if all(p.is_file() for p in self.paths) else 0
+        self._states: list[dict[str, torch.Tensor] | None] = [None] * pipeline.tp
+        self._read = 0
+
+    def state(self, rank: int) -> dict[str, torch.Tensor]:
+        loaded = self._states[rank]
+        if loaded is None:
+            loaded = self._states[rank] = load_model_state(self.paths[rank])
+        return loaded
+
+    def shards(self, name: str) -> list[torch.Tensor]:
+        """The TP shards of ``name``; first gives back the pages read so far if these would pass the budget."""
+        size = sum(self.state(r)[name].nbytes for r in range(len(self.paths)))
+        if self._read and self._read + size > self.budget:
+            self._states = [None] * len(self.paths)
+            self._read = 0
+        self._read += size
+        shards = [self.state(r)[name] for r in range(len(self.paths))]
+        for shard in shards:
+            prefault(shard)
+        return shards
+
+
+def _stage_specs(iteration_dir: Path, model: ModelConfig, pipeline: Pipeline, stage: Stage,
+                 bounds: list[Bound]) -> list[TensorSpec]:
+    """Check the stage's rank files hold exactly the expected tensors with the expected shapes; the HF tensors
+    they make, in writing order."""
+    files = _StageFiles(iteration_dir, pipeline, stage)
+    expected = {b.mg for b in bounds}
+    for rank, path in enumerate(files.paths):
+        keys = {k for k in files.state(rank) if not k.endswith(EXTRA_STATE)}
+        if keys != expected:
+            lines = [f"missing {k}" for k in sorted(expected - keys)]
+            lines += [f"unexpected {k}" for k in sorted(keys - expected)]
+            raise ConversionError(f"{path} does not hold the tensors of pipeline stage {stage.pp_rank} (ViT blocks "
+                                  f"{_span(stage.vit)}, LLM layers {_span(stage.llm)}): check the pipeline split "
+                                  "and model.json against the checkpoint\n" + listing(lines))
+    dims = model_dims(model)
+    specs = []
+    for bound in bounds:
+        check_shards(bound, dims, [files.state(r)[bound.mg] for r in range(pipeline.tp)], files.paths)
+        if not bound.entry.duplicate:
+            dtype = files.state(0)[bound.mg].dtype
+            specs += [TensorSpec(name, hf_shape(bound.entry, part, dims), dtype) for part, name in enumerate(bound.hf)]
+    return specs
+
+
+def _write_stage(writer: ShardedWriter, iteration_dir: Path, model: ModelConfig, pipeline: Pipeline, stage: Stage,
+                 bounds: list[Bound]) -> None:
+    files = _StageFiles(iteration_dir, pipeline, stage)
+    dims = model_dims(model)
+    for bound in bounds:
+        if bound.entry.duplicate:
+            continue
+        for name, blocks in zip(bound.hf, hf_blocks(bound, dims, files.shards(bound.mg)), strict=True):
+            writer.write(name, blocks)
+
+
+def _span(layers: range) -> str:
+    return f"{layers.start}-{layers.stop - 1}" if len(layers) else "none"
