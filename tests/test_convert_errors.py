@@ -1,6 +1,7 @@
 """hf2mg / mg2hf user errors (each a clear message naming the file and tensor, nothing half-written left behind)
 and the `ascendfactory-cli convert` command (job yaml or flags, exit 1 without a traceback)."""
 
+import importlib
 import json
 import shutil
 
@@ -9,13 +10,14 @@ import torch
 from safetensors.torch import save_file
 from test_convert import hf_tensors, model_for, randomize, rank_state, to_hf, to_mg
 
-import mm_rl.convert.hf2mg as hf2mg_module
-import mm_rl.convert.hf_writer as hf_writer_module
 from cli.main import main
 from mm_rl.config.loader import ConfigError
 from mm_rl.convert.errors import ConversionError
 from mm_rl.convert.layout import save_model_state
 from mm_rl.models.tiny import build_tiny_checkpoint
+
+hf2mg_module = importlib.import_module("mm_rl.convert.hf2mg")  # the package attribute is the function
+hf_writer_module = importlib.import_module("mm_rl.convert.hf_writer")
 
 torch.set_num_threads(1)
 

@@ -7,10 +7,17 @@
 - ``hf2mg`` / ``mg2hf``: the two conversions; ``model_config``: model.json from an HF config.json;
   ``cli``: ``ascendfactory-cli convert``.
 
-Entry points: ``mm_rl.convert.hf2mg.hf2mg``, ``mm_rl.convert.mg2hf.mg2hf`` (library, used by the trainer),
-``mm_rl.convert.mapping.merge_tp_shards`` / ``megatron_to_hf`` (weight sync) and
-``mm_rl.convert.model_config.model_config_from_hf``. Nothing is re-exported here, so each name stays its module.
+Entry points: ``hf2mg``, ``mg2hf`` (library, used by the trainer) and ``model_config_from_hf``, re-exported
+here; ``mm_rl.convert.mapping.merge_tp_shards`` / ``megatron_to_hf`` for the weight sync. The re-exported
+functions shadow their modules as attributes of this package: reach a module with ``importlib.import_module``.
 
 The conversions stream: they read exactly the rows or columns each output shard needs and hold one output file
 (hf2mg) or one tensor (mg2hf) in memory, never the whole model.
 """
+
+from mm_rl.convert.errors import ConversionError
+from mm_rl.convert.hf2mg import hf2mg
+from mm_rl.convert.mg2hf import mg2hf
+from mm_rl.convert.model_config import model_config_from_hf
+
+__all__ = ["ConversionError", "hf2mg", "mg2hf", "model_config_from_hf"]
