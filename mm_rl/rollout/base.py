@@ -49,14 +49,19 @@ class RolloutRequest:
     uid: int | str | None = None  # caller's id (row id), echoed in the output
 
     @classmethod
-    def from_item(cls, item: PromptItem) -> RolloutRequest:
-        """The request for a data-set item: its ids, text, images and processed pixels."""
+    def from_item(cls, item: PromptItem, pixels: bool = False) -> RolloutRequest:
+        """The request for a data-set item: its ids, text and images, and with ``pixels`` its processed pixels.
+
+        Pixels are left out by default: vLLM never reads them and the HF engine recomputes the same values from
+        the images, while they are ~8x the size of the decoded images (5 MB for 16 tiny prompts), which every
+        process boundary (Ray) would copy. Pass ``pixels=True`` for an engine in the same process.
+        """
         return cls(
             prompt_ids=item.input_ids.tolist(),
             prompt_text=item.prompt_text,
             images=list(item.images),
-            pixel_values=item.pixel_values,
-            image_grid_thw=item.image_grid_thw,
+            pixel_values=item.pixel_values if pixels else None,
+            image_grid_thw=item.image_grid_thw if pixels else None,
             uid=item.row_id,
         )
 
@@ -112,12 +117,15 @@ class SamplingSpec:
         """Read a config section (``n`` overrides its ``n``); a greedy section is normalised to one sample."""
         if isinstance(sampling, SamplingSpec) and n is None:
             return sampling
+        n = n if n is not None else sampling.n
+        if n is None or sampling.max_tokens is None:
+            raise ValueError("sampling n / max_tokens unset (an unresolved ${...} reference?): resolve the config")
         return cls(
             max_tokens=sampling.max_tokens,
             temperature=float(sampling.temperature),
             top_p=float(sampling.top_p),
             top_k=int(sampling.top_k) if sampling.top_k and sampling.top_k > 0 else -1,
-            n=int(n if n is not None else sampling.n),
+            n=int(n),
             logprobs=int(getattr(sampling, "logprobs", 0) or 0),
             seed=getattr(sampling, "seed", None),
         )
@@ -143,6 +151,17 @@ class RolloutSample:
     logprobs: torch.Tensor  # float32 [len(response_ids)]
     finish_reason: FinishReason
     top_logprobs: list[dict[int, float]] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle the log-probs as a numpy array: a torch tensor pickles ~15x slower, which made the Ray round
+        trip of a batch's outputs cost more than the sampling overhead of the engine."""
+        return self.__dict__ | {"logprobs": self.logprobs.detach().cpu().numpy()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        import torch
+
+        # a copy: arrays Ray maps from its object store are read-only
+        self.__dict__.update(state | {"logprobs": torch.tensor(state["logprobs"], dtype=torch.float32)})
 
 
 @dataclass

@@ -330,11 +330,18 @@ class VllmEngine(RolloutEngine):
         self.llm.wake_up()
 
     def close(self) -> None:
+        """Shut the engine down; in-process, also tear down the torch.distributed group vLLM created here, so
+        the hosting process can start another engine or its own process group afterwards."""
         llm = getattr(self, "llm", None)
-        if llm is not None:
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
-            self.llm = None
+        if llm is None:
+            return
+        self.llm = None
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        if self.in_process:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
 
 
 def _sample(completion: Any, spec: SamplingSpec) -> RolloutSample:
