@@ -1,0 +1,352 @@
+"""Weight sync: the Megatron actor's weights (TP x PP ranks) into the running rollout engine, in bounded buckets.
+
+Per pipeline stage (all stages at once, each independently):
+
+1. gather: every TP rank sends its shard of a tensor to the stage's TP-rank 0 (``torch.distributed.gather`` over
+   the TP group; replicated tensors such as norms are taken from rank 0 without communication). Only DP replica 0
+   takes part: the other replicas hold the same weights.
+2. merge + rename: ``mm_rl.convert.mapping.merge_tp_shards`` gives the TP-independent tensor and
+   ``megatron_to_hf`` the HF tensors (fused qkv / gate-up split back, the tied output-layer copy dropped: HF has
+   one embedding and no ``lm_head`` when tied). Vocab padding rows are cut first. No naming or layout rule
+   lives here; the mapping module is the one table.
+3. bucket: ``bucket_by_group`` packs whole layers into buckets of about ``sync_bucket_mb`` (a layer is never
+   split, because vLLM fuses q/k/v and gate/up per layer). Tensors are produced lazily, one at a time, so a
+   sender holds one bucket plus one tensor, never its whole stage.
+4. transport: a :class:`BucketSink` made on the sender by a picklable factory. On CPU it is
+   :class:`ObjectStoreSink`: each bucket goes into Ray's object store (shared memory on the node; tensors travel
+   as raw byte buffers, see :class:`SharedBucket`, so the engine maps them without a copy) and the rollout
+   worker's ``update_weights`` loads it in place (vLLM ``reload_weights``, then encoder and prefix caches reset).
+   At most ``max_in_flight`` buckets wait for the engine, so the engine loads bucket i while the sender gathers
+   bucket i + 1, and memory stays bounded by the bucket size, not the model. No disk round trip.
+
+On accelerators the intended transport is a device collective: the actor's sender ranks and the engine's ranks
+join one nccl / hccl group and each bucket is broadcast device to device into a receive buffer of the engine,
+which hands it to the same ``update_weights``. That is a second ``BucketSink`` (plus an engine-side receive
+loop); nothing else in this module changes. It is not implemented here (no such device on CPU machines).
+
+Colocated mode (:class:`RolloutSchedule`): before a rollout the engine wakes up, the weights are synced, then the
+actor offloads what ``offload_train_param / grad / optimizer`` name; before training the engine sleeps and the
+actor loads them back. On CPU those memory switches are no-ops, but they are called in that order, and the
+engine's and workers' call logs show it.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from mm_rl.rollout.base import bucket_by_group, tensor_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from mm_rl.config.schema import ActorConfig, GenerateConfig, ModelConfig
+    from mm_rl.convert.mapping import Bound
+    from mm_rl.convert.stages import Pipeline
+    from mm_rl.workers.group import WorkerGroup
+
+NamedTensor = tuple[str, "torch.Tensor"]
+Bucket = list[NamedTensor]
+
+
+# ------------------------------------------------------------------------------------------------- stats
+@dataclass
+class SinkResult:
+    """What a transport reports when closed: tensors the engine applied and where the sender waited."""
+
+    applied: int = 0
+    put_s: float = 0.0  # serialising buckets into the transport (object store: one copy into shared memory)
+    wait_s: float = 0.0  # blocked on the engine (loading earlier buckets)
+
+
+@dataclass
+class SyncStats:
+    """One stage's sender: what it sent and where the time went (seconds, wall clock on the sender)."""
+
+    pp_rank: int
+    tensors: int = 0
+    bytes: int = 0
+    buckets: int = 0
+    max_bucket_bytes: int = 0
+    applied: int = 0
+    gather_s: float = 0.0  # TP gathers (includes waiting for the other TP ranks)
+    merge_s: float = 0.0  # TP merge, HF renaming and bucketing
+    put_s: float = 0.0
+    wait_s: float = 0.0
+    total_s: float = 0.0
+    names: list[str] = field(default_factory=list)  # HF names sent, in order
+
+
+@dataclass
+class SyncReport:
+    """A whole sync: every stage's sender statistics and the wall time seen by the caller."""
+
+    stages: list[SyncStats] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def tensors(self) -> int:
+        return sum(s.tensors for s in self.stages)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.stages)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for s in self.stages for name in s.names]
+
+    @property
+    def applied(self) -> int:
+        return sum(s.applied for s in self.stages)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+# --------------------------------------------------------------------------------------------- transport
+class BucketSink(Protocol):
+    """The transport seam: takes buckets of HF-named tensors in order, then reports when closed."""
+
+    def send(self, bucket: Bucket) -> None: ...
+
+    def close(self) -> SinkResult: ...
+
+
+def _unpack_bucket(names: list[str], arrays: list[Any], meta: list[tuple[str, tuple[int, ...]]]) -> Bucket:
+    """Receiver side of :class:`SharedBucket`: tensors viewing the received byte buffers (no copy)."""
+    import torch
+
+    out = []
+    with warnings.catch_warnings():  # object-store buffers are read-only; the engine only reads them
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        for name, array, (dtype, shape) in zip(names, arrays, meta, strict=True):
+            out.append((name, torch.from_numpy(array).view(getattr(torch, dtype)).view(shape)))
+    return out
+
+
+class SharedBucket:
+    """A bucket that pickles each tensor as a raw uint8 numpy buffer and unpickles as a plain list of tensors.
+
+    torch pickles a tensor's storage in-band (a copy into the pickle and another out of it); a numpy array goes
+    out of band under pickle protocol 5, which Ray writes straight into its shared-memory object store and hands
+    to the reader as a view. Raw bytes also carry dtypes numpy lacks (bf16)."""
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        names, arrays, meta = [], [], []
+        for name, tensor in self.bucket:
+            flat = tensor.detach().cpu().contiguous()
+            names.append(name)
+            arrays.append(flat.reshape(-1).view(_uint8()).numpy())
+            meta.append((str(flat.dtype).removeprefix("torch."), tuple(flat.shape)))
+        return _unpack_bucket, (names, arrays, meta)
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+class ObjectStoreSink:
+    """Buckets through Ray's object store into a ``RolloutWorker`` actor's ``update_weights`` (CPU transport).
+
+    ``max_in_flight`` buckets may wait for the engine while the next one is built (memory: about
+    ``max_in_flight + 1`` buckets per sender)."""
+
+    def __init__(self, rollout: Any, max_in_flight: int = 1) -> None:
+        self.rollout, self.max_in_flight = rollout, max(1, max_in_flight)
+        self.pending: collections.deque[Any] = collections.deque()
+        self.result = SinkResult()
+
+    def send(self, bucket: Bucket) -> None:
+        import ray
+
+        start = time.perf_counter()
+        ref = ray.put(SharedBucket(bucket))
+        self.result.put_s += time.perf_counter() - start
+        self.pending.append(self.rollout.update_weights.remote(ref))
+        self._drain(self.max_in_flight)
+
+    def _drain(self, keep: int) -> None:
+        import ray
+
+        start = time.perf_counter()
+        while len(self.pending) > keep:
+            self.result.applied += int(ray.get(self.pending.popleft()))
+        self.result.wait_s += time.perf_counter() - start
+
+    def close(self) -> SinkResult:
+        self._drain(0)
+        return self.result
+
+
+# ------------------------------------------------------------------------------------------ sender side
+def stage_pipeline(model: ModelConfig, tp: int, pp: int) -> Pipeline:
+    """The converter's stage plan for this TP / PP layout (model.json's pipeline split)."""
+    from mm_rl.config.schema import ParallelConfig
+    from mm_rl.convert.stages import plan_pipeline
+
+    text, vit = model.text_decoder, model.image_encoder.vision_encoder
+    llm = list(text.pipeline_num_layers) if pp > 1 else [text.num_layers]
+    vision = list(vit.pipeline_num_layers) if pp > 1 else [vit.num_layers]
+    return plan_pipeline(model, ParallelConfig(tp_size=tp, llm_pp_layers=llm, vit_pp_layers=vision))
+
+
+def gather_shards(tensor: torch.Tensor, split: bool, group: Any) -> list[torch.Tensor] | None:
+    """Every TP rank's shard on TP-rank 0 (rank order), None on the others; a replicated tensor is not sent."""
+    import torch
+
+    size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    if size == 1 or not split:
+        return [tensor] if rank == 0 else None
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(size)] if rank == 0 else None
+    torch.distributed.gather(tensor, parts, group=group, group_dst=0)
+    return parts
+
+
+def strip_vocab_padding(bound: Bound, shards: list[torch.Tensor], model: ModelConfig) -> list[torch.Tensor]:
+    """Shards of the real vocabulary rows: Megatron pads the vocab to a multiple of ``divisible_by x TP`` (the
+    padding is at the end of the last shard); the mapping expects vocab / TP rows per shard."""
+    import torch
+
+    from mm_rl.convert.mapping import hf_shape, model_dims
+
+    if bound.entry.scope not in ("embedding", "output_layer"):
+        return shards
+    vocab = hf_shape(bound.entry, 0, model_dims(model))[0]
+    if sum(s.shape[0] for s in shards) == vocab:
+        return shards
+    return list(torch.cat(shards)[:vocab].chunk(len(shards)))
+
+
+class _Clock:
+    gather_s = 0.0
+
+
+def merged_stage(model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clock: _Clock) -> Iterator[NamedTensor]:
+    """(Megatron name, TP-merged tensor) of this rank's stage in the mapping's order (layer by layer).
+
+    Every TP rank of the stage must run it to the end (the gathers are collective); only TP-rank 0 gets items."""
+    import torch
+    from megatron.core import parallel_state
+
+    from mm_rl.convert.mapping import merge_tp_shards, stage_tensors
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    state = model.state_dict()
+    for bound in stage_tensors(model_cfg, pipeline.stages[parallel_state.get_pipeline_model_parallel_rank()]):
+        start = time.perf_counter()
+        with torch.no_grad():
+            shards = gather_shards(state[bound.mg].detach(), bound.entry.split is not None, group)
+        clock.gather_s += time.perf_counter() - start
+        if shards is not None:
+            yield bound.mg, merge_tp_shards(bound.mg, strip_vocab_padding(bound, shards, model_cfg), model_cfg)
+
+
+def push_stage(model: Any, model_cfg: ModelConfig, tp: int, sink_factory: Any, bucket_bytes: int) -> \
+        SyncStats | None:
+    """Run this rank's part of the sync: TP ranks gather; the sender (``sink_factory`` given) merges, renames,
+    buckets and sends, then closes the sink and returns its statistics."""
+    from megatron.core import parallel_state
+
+    from mm_rl.convert.mapping import megatron_to_hf
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pipeline = stage_pipeline(model_cfg, tp, parallel_state.get_pipeline_model_parallel_world_size())
+    clock, started = _Clock(), time.perf_counter()
+    merged = merged_stage(model, model_cfg, pipeline, clock)
+    if sink_factory is None:
+        for _ in merged:  # a non-sender TP rank: only its part of each gather
+            pass
+        return None
+    sink: BucketSink = sink_factory()
+    stats, produced, mark = SyncStats(pp_rank), 0.0, time.perf_counter()
+    for bucket in bucket_by_group(megatron_to_hf(merged, model_cfg, pipeline, pp_rank), bucket_bytes):
+        produced += time.perf_counter() - mark
+        size = sum(tensor_bytes(t) for _, t in bucket)
+        stats.tensors, stats.bytes, stats.buckets = stats.tensors + len(bucket), stats.bytes + size, stats.buckets + 1
+        stats.max_bucket_bytes = max(stats.max_bucket_bytes, size)
+        stats.names += [name for name, _ in bucket]
+        sink.send(bucket)
+        mark = time.perf_counter()
+    produced += time.perf_counter() - mark
+    result = sink.close()
+    stats.applied, stats.put_s, stats.wait_s = result.applied, result.put_s, result.wait_s
+    stats.gather_s, stats.merge_s = clock.gather_s, produced - clock.gather_s
+    stats.total_s = time.perf_counter() - started
+    return stats
+
+
+# ------------------------------------------------------------------------------------------ driver side
+def bucket_bytes_of(generate: GenerateConfig) -> int:
+    """``generate_config.sync_bucket_mb`` in bytes."""
+    return int(generate.sync_bucket_mb) << 20
+
+
+def sync_weights(group: WorkerGroup, rollout: Any, bucket_bytes: int, max_in_flight: int = 1) -> SyncReport:
+    """Push the actor group's current weights into the rollout worker actor ``rollout`` (all stages at once).
+
+    Raises when the engine applied fewer tensors than were sent (a layer it held back: a mapping / checkpoint
+    mismatch that would otherwise leave stale weights in the engine)."""
+    start = time.perf_counter()
+    factory = functools.partial(ObjectStoreSink, rollout, max_in_flight)
+    stats = [s for s in group.run("push_weights", factory, bucket_bytes) if s is not None]
+    report = SyncReport(sorted(stats, key=lambda s: s.pp_rank), time.perf_counter() - start)
+    if report.applied != report.tensors:
+        raise RuntimeError(f"weight sync: the engine applied {report.applied} of {report.tensors} tensors sent "
+                           "(an incomplete layer was held back: do the engine's checkpoint and model.json agree?)")
+    return report
+
+
+class RolloutSchedule:
+    """The order of the sync and the memory switches around each rollout (see the module docstring).
+
+    ``events`` records what the driver did, in order, for logs and tests."""
+
+    def __init__(self, group: WorkerGroup, rollout: Any, generate: GenerateConfig, actor: ActorConfig,
+                 sleep_level: int = 1) -> None:
+        self.group, self.rollout, self.generate, self.actor = group, rollout, generate, actor
+        self.sleep_level = sleep_level
+        self.events: list[str] = []
+
+    @property
+    def offload_switches(self) -> dict[str, bool]:
+        return {"params": self.actor.offload_train_param, "grads": self.actor.offload_train_grad,
+                "optimizer": self.actor.offload_train_optimizer}
+
+    def before_rollout(self) -> SyncReport:
+        """Wake the engine (colocated), sync the weights, offload the actor (colocated)."""
+        import ray
+
+        if self.generate.colocate:
+            ray.get(self.rollout.wake_up.remote())
+            self.events.append("engine.wake_up")
+        report = sync_weights(self.group, self.rollout, bucket_bytes_of(self.generate))
+        self.events.append("sync")
+        if self.generate.colocate:
+            self.group.run("offload", **self.offload_switches)
+            self.events.append("actor.offload")
+        return report
+
+    def before_training(self) -> None:
+        """Put the engine to sleep and bring the actor's offloaded state back (colocated; else nothing)."""
+        import ray
+
+        if not self.generate.colocate:
+            return
+        ray.get(self.rollout.sleep.remote(self.sleep_level))
+        self.events.append("engine.sleep")
+        self.group.run("onload", **self.offload_switches)
+        self.events.append("actor.onload")
+

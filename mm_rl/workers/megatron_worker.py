@@ -1,0 +1,311 @@
+"""One Megatron rank of the actor (or reference) model, hosted in a Ray actor.
+
+Life cycle (driven by :class:`mm_rl.workers.group.WorkerGroup`, every rank called together)::
+
+    worker = MegatronWorker(spec, rank)                  # light: thread budget and megatron's CPU bridges
+    addr, port = rank0.rendezvous_address()              # the caller picks the address / free port
+    worker.init_distributed(addr, port)                  # process group + megatron parallel state + RNG seed
+    worker.build(mm_dir)                                 # this rank's stage, loaded from its mp_rank file
+    worker.compute_log_probs(micro_batches)              # forward-only pipeline schedule (every rank runs it)
+    worker.push_weights(sink_factory, bucket_bytes)      # weight sync, see mm_rl.rollout.weight_sync
+
+Every collective method must be called on every rank of the group at the same time (the pipeline schedule and
+the TP gathers block until all ranks arrive); the group does that. Results come back from the ranks that have
+them (the last stage for log-probs, each stage's TP-rank 0 for the sync) and ``None`` from the others.
+
+Why a plain class: Ray makes it an actor (``ray.remote(MegatronWorker)``), and tests or a single-process tool
+can use it directly. Kept small so the trainer can add the optimizer and the update step beside
+``compute_log_probs``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import socket
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from mm_rl.config.schema import ActorConfig, ModelConfig, TrainingFlags
+    from mm_rl.rollout.weight_sync import BucketSink, SyncStats
+
+MicroBatch = dict[str, "torch.Tensor"]
+TIED_COPY = "text_decoder.output_layer.weight"
+WORD_EMBEDDINGS = "text_decoder.embedding.word_embeddings.weight"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank needs to build its stage: the model, the parallel grid and the thread budget.
+
+    ``tp * pp * dp`` ranks in megatron's default order (TP fastest, then DP, then PP).
+    ``model.text_decoder.pipeline_num_layers`` / the ViT's give the PP split, as for hf2mg.
+    """
+
+    model: ModelConfig
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    actor: ActorConfig | None = None
+    flags: TrainingFlags | None = None
+    seed: int = 1234
+    num_threads: int = 1
+    init_timeout_s: float = 300.0
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where a rank sits in the grid (from megatron's parallel state after init)."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    def is_sender(self) -> bool:
+        """The rank that streams its stage's merged weights (TP rank 0 of DP replica 0)."""
+        return self.tp_rank == 0 and self.dp_rank == 0
+
+
+class MegatronWorker:
+    """One Megatron rank; see the module docstring for the call order."""
+
+    def __init__(self, spec: WorkerSpec, rank: int) -> None:
+        from mm_rl.platform.device import setup_process
+
+        os.environ["OMP_NUM_THREADS"] = str(spec.num_threads)
+        setup_process(num_threads=spec.num_threads)
+        self.spec, self.rank = spec, rank
+        self.model: Any = None
+        self.coords: RankCoords | None = None
+        self._saved: dict[str, torch.Tensor] | None = None
+        self._events: list[tuple[str, Any]] = []
+
+    # ------------------------------------------------------------------------------------ set-up
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's address and a TCP port free a moment ago, for the group's rendezvous (called on rank 0)."""
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return address, int(sock.getsockname()[1])
+
+    def init_distributed(self, master_addr: str, master_port: int) -> RankCoords:
+        """Join the process group and initialise megatron's parallel state (all ranks at once)."""
+        import torch
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        from mm_rl.models.qwen2_5_vl.model import embedding_ranks
+        from mm_rl.platform.device import dist_backend
+
+        spec = self.spec
+        torch.distributed.init_process_group(
+            dist_backend(), init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+            world_size=spec.world_size, timeout=timedelta(seconds=spec.init_timeout_s))
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
+            get_embedding_ranks=embedding_ranks(spec.model))
+        model_parallel_cuda_manual_seed(spec.seed)
+        self.coords = RankCoords(self.rank, parallel_state.get_tensor_model_parallel_rank(),
+                                 parallel_state.get_pipeline_model_parallel_rank(),
+                                 parallel_state.get_data_parallel_rank())
+        return self.coords
+
+    def build(self, mm_dir: str | Path | None = None, iteration: int | str | None = None) -> None:
+        """Build this rank's stage; load its mp_rank file from ``mm_dir`` (latest iteration unless given)."""
+        import torch
+
+        from mm_rl.models.qwen2_5_vl.model import build_model
+
+        self.model = build_model(self.spec.model, self.spec.flags, self.spec.actor)
+        if mm_dir is not None:
+            state = torch.load(self._rank_file(Path(mm_dir), iteration), weights_only=True)["model"]
+            self.model.load_state_dict(state)
+        self._saved = None
+
+    def _rank_file(self, mm_dir: Path, iteration: int | str | None) -> Path:
+        from mm_rl.convert.layout import rank_file, resolve_iteration
+
+        coords = self._require_coords()
+        return rank_file(resolve_iteration(mm_dir, iteration), coords.tp_rank, coords.pp_rank, self.spec.pp)
+
+    def _require_coords(self) -> RankCoords:
+        if self.coords is None:
+            raise RuntimeError("call init_distributed() first")
+        return self.coords
+
+    def _require_model(self) -> Any:
+        if self.model is None:
+            raise RuntimeError("call build() first")
+        return self.model
+
+    # ------------------------------------------------------------------------------- log-probs
+    def compute_log_probs(self, micro_batches: Sequence[MicroBatch], temperature: float = 1.0) -> \
+            list[torch.Tensor] | None:
+        """Log-probs [B, S] of each micro-batch's ``labels`` (forward only, through the pipeline schedule).
+
+        A micro-batch holds ``input_ids``, ``attention_mask``, ``labels`` (labels[b, s]: the token position s
+        predicts) and optionally ``pixel_values`` / ``image_grid_thw``. Every rank must run this; the last
+        stage's TP-rank 0 of each DP replica returns the list, the others None.
+        """
+        import torch
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        model, coords = self._require_model(), self._require_coords()
+        captured: list[torch.Tensor] = []
+        model.eval()
+        with torch.no_grad():
+            get_forward_backward_func()(
+                forward_step_func=functools.partial(_forward_step, captured, temperature),
+                data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),
+                seq_length=max(int(b["input_ids"].shape[1]) for b in micro_batches),
+                micro_batch_size=max(int(b["input_ids"].shape[0]) for b in micro_batches), forward_only=True)
+        keep = model.layout.has_output and coords.tp_rank == 0
+        return captured if keep else None
+
+    # ------------------------------------------------------------------------- weights (tests)
+    def perturb_weights(self, scale: float, seed: int = 0) -> None:
+        """Add noise (``scale`` x the tensor's mean |value|) to every parameter, keeping the originals.
+
+        The noise of a tensor depends only on its name, this rank's TP shard (replicated tensors get the same
+        noise on every TP rank) and ``seed``, so the ranks stay consistent; the tied output-layer copy on the last
+        stage gets the word embeddings' noise, so it stays equal to them."""
+        import torch
+
+        from mm_rl.convert.mapping import entry_for
+
+        model, coords = self._require_model(), self._require_coords()
+        tied_copy = model.share_embeddings_and_output_weights and not model.layout.has_embedding
+        if self._saved is None:
+            self._saved = {name: p.detach().clone() for name, p in model.named_parameters()}
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                key = WORD_EMBEDDINGS if tied_copy and name == TIED_COPY else name
+                shard = coords.tp_rank if entry_for(name).split is not None else -1
+                generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}|{key}|{shard}".encode()))
+                noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+                param.add_((scale * param.detach().float().abs().mean() * noise).to(param.dtype))
+
+    def restore_weights(self) -> None:
+        """Put back the parameters saved by the first :meth:`perturb_weights`."""
+        import torch
+
+        if self._saved is None:
+            return
+        with torch.no_grad():
+            for name, param in self._require_model().named_parameters():
+                param.copy_(self._saved[name])
+        self._saved = None
+
+    # ---------------------------------------------------------------------------- weight sync
+    def push_weights(self, sink_factory: Callable[[], BucketSink], bucket_bytes: int) -> SyncStats | None:
+        """Stream this stage's weights, TP-merged and HF-named, in buckets of about ``bucket_bytes``.
+
+        Every rank calls it: TP ranks take part in the gathers, the stage's TP-rank 0 of DP replica 0 builds the
+        buckets and hands them to ``sink_factory()`` (the transport seam, see mm_rl.rollout.weight_sync).
+        Returns that rank's statistics, None elsewhere (other DP replicas hold the same weights: they do nothing).
+        """
+        from mm_rl.rollout.weight_sync import push_stage
+
+        coords = self._require_coords()
+        if coords.dp_rank != 0:
+            return None
+        stats = push_stage(self._require_model(), self.spec.model, self.spec.tp, sink_factory if coords.is_sender()
+                           else None, bucket_bytes)
+        self._events.append(("push_weights", stats.tensors if stats else 0))
+        return stats
+
+    # ------------------------------------------------------------------- colocated memory switches
+    def offload(self, params: bool, grads: bool, optimizer: bool) -> None:
+        """Move what the switches name to host memory for the rollout (no-op where the device is the host)."""
+        self._move(host=True, params=params, grads=grads, optimizer=optimizer)
+        self._events.append(("offload", {"params": params, "grads": grads, "optimizer": optimizer}))
+
+    def onload(self, params: bool, grads: bool, optimizer: bool) -> None:
+        """Bring back what :meth:`offload` moved, before training."""
+        self._move(host=False, params=params, grads=grads, optimizer=optimizer)
+        self._events.append(("onload", {"params": params, "grads": grads, "optimizer": optimizer}))
+
+    def _move(self, *, host: bool, params: bool, grads: bool, optimizer: bool) -> None:
+        """Point parameter / gradient storage at the host or the device. On CPU both are the same: nothing moves.
+
+        Optimizer state belongs to the trainer's optimizer (``self.optimizer`` once it exists)."""
+        import torch
+
+        from mm_rl.platform.device import current_device
+
+        target = torch.device("cpu") if host else current_device()
+        for tensor in self._offloadable(params, grads, optimizer):
+            if tensor.device != target:
+                tensor.data = tensor.data.to(target, non_blocking=True)
+
+    def _offloadable(self, params: bool, grads: bool, optimizer: bool) -> Iterator[torch.Tensor]:
+        import torch
+
+        model = self._require_model()
+        for param in model.parameters():
+            if params:
+                yield param
+            for attr in ("grad", "main_grad") if grads else ():
+                grad = getattr(param, attr, None)
+                if isinstance(grad, torch.Tensor):
+                    yield grad
+        state = getattr(getattr(self, "optimizer", None), "state", {}) if optimizer else {}
+        for values in state.values():
+            yield from (v for v in values.values() if isinstance(v, torch.Tensor))
+
+    # ------------------------------------------------------------------------------- bookkeeping
+    def events(self) -> list[tuple[str, Any]]:
+        """(method, detail) of the sync and memory switches in call order (what schedule tests check)."""
+        return list(self._events)
+
+    def ready(self) -> bool:
+        return True
+
+    def threads(self) -> int:
+        import torch
+
+        return torch.get_num_threads()
+
+    def shutdown(self) -> None:
+        """Leave the process group (all ranks together) so the actors can exit cleanly."""
+        import torch
+
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
+
+def _forward_step(captured: list[torch.Tensor], temperature: float, data: Iterator[MicroBatch],
+                  model: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """megatron's forward step: every stage gets the whole micro-batch; the last stage keeps its log-probs."""
+    batch = next(data)
+    output = model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                   pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
+                   labels=batch["labels"], temperature=temperature)
+
+    def loss_func(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        captured.append(out["log_probs"].detach().clone())
+        return out["log_probs"].sum() * 0.0, {}
+
+    return output, loss_func
+
+
+def threads_for(cpus: float) -> int:
+    """torch threads for a CPU reservation (at least one)."""
+    return max(1, math.floor(cpus))
+
