@@ -6,8 +6,10 @@ for two images of different sizes (several windows, partial windows, two full-at
 its outputs and the gradients of a fixed scalar loss. Spawned gloo ranks then load the same weights into
 ``Qwen2_5VisionModel`` and compare: TP=1 (one process) and TP=2 (two processes), each also with the ViT split
 over two pipeline stages (blocks 0 | block 1 + merger, hidden state handed over by hand), frozen and unfrozen
-ViT; the TP=2 gradients must also match the TP=1 ones. When ``mm_rl.convert`` is importable, its hf2mg output
-(TP=2, ViT stages [1, 1]) is loaded as well.
+ViT; the TP=2 gradients must also match the TP=1 ones. Weights and gradients go through ``mm_rl.convert`` only:
+each rank loads the ``image_encoder.*`` tensors of its rank file of an hf2mg conversion of the perturbed
+checkpoint (TP=1 / TP=2, ViT in one stage / over two), HF's gradients are mapped with ``hf_to_megatron`` and
+TP-sharded gradients are gathered with ``merge_tp_shards``.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import socket
 import warnings
 from datetime import timedelta
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -39,74 +41,24 @@ PROJECTOR_GRADS = (
     "projector.encoder.linear_fc2.weight",
     "projector.encoder.linear_fc2.bias",
 )
-_LAYER = re.compile(r"^encoder\.blocks\.layers\.(\d+)\.")
+PREFIX = "image_encoder."  # our vision model's tensors in the Megatron checkpoint
 
 
-# ------------------------------------------------------------------ HF -> ours (TODO: use mm_rl.convert)
-def hf_to_ours(hf: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
-    """HF ``model.visual`` tensors -> our TP=1 names: qkv re-laid per head, fc1 = cat(gate, up).
+def _model_config() -> Any:
+    from mm_rl.config.loader import load_section
+    from mm_rl.config.schema import ModelConfig
 
-    TODO: use mm_rl.convert's mapping once committed (it is cross-checked below when importable)."""
-
-    def per_head(t: torch.Tensor) -> torch.Tensor:  # [Q; K; V] -> [q_0, k_0, v_0, q_1, ...]
-        return t.reshape(3, heads, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-
-    out = {"encoder.patch_embed.proj.weight": hf["patch_embed.proj.weight"]}
-    layers = sorted({int(k.split(".")[1]) for k in hf if k.startswith("blocks.")})
-    for i in layers:
-        h, o = f"blocks.{i}.", f"encoder.blocks.layers.{i}."
-        out[o + "input_layernorm.weight"] = hf[h + "norm1.weight"]
-        out[o + "pre_mlp_layernorm.weight"] = hf[h + "norm2.weight"]
-        for s in ("weight", "bias"):
-            out[o + f"self_attention.linear_qkv.{s}"] = per_head(hf[h + f"attn.qkv.{s}"])
-            out[o + f"self_attention.linear_proj.{s}"] = hf[h + f"attn.proj.{s}"]
-            out[o + f"mlp.linear_fc1.{s}"] = torch.cat([hf[h + f"mlp.gate_proj.{s}"], hf[h + f"mlp.up_proj.{s}"]])
-            out[o + f"mlp.linear_fc2.{s}"] = hf[h + f"mlp.down_proj.{s}"]
-    out["projector.layernorm.weight"] = hf["merger.ln_q.weight"]
-    for s in ("weight", "bias"):
-        out[f"projector.encoder.linear_fc1.{s}"] = hf[f"merger.mlp.0.{s}"]
-        out[f"projector.encoder.linear_fc2.{s}"] = hf[f"merger.mlp.2.{s}"]
-    return out
+    return load_section(ModelConfig, json.loads(MODEL_JSON.read_text()))
 
 
-def tp_dim(name: str) -> int | None:
-    """The dimension TP splits a tensor on; None for replicated ones (norms, patch embed, row-parallel biases)."""
-    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias")):
-        return 0
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return 1
-    return None
+def _splits(model: Any) -> dict[str, tuple[list[int], list[int]]]:
+    """(vit_pp_layers, llm_pp_layers): the ViT in one stage, or blocks 0 | block 1 + merger (+ the LLM)."""
+    vit, llm = model.image_encoder.vision_encoder.num_layers, model.text_decoder.num_layers
+    return {"full": ([vit], [llm]), "pp2": ([1, vit - 1], [0, llm])}
 
 
-def _gated(name: str) -> bool:
-    return name.startswith("encoder.") and ".linear_fc1." in name  # the ViT MLP is SwiGLU, the merger's is not
-
-
-def tp_shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    dim = tp_dim(name)
-    if dim is None:
-        return full.clone()
-    if _gated(name):
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]])
-    return full.chunk(size, dim=dim)[rank].clone()
-
-
-def tp_unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    dim = tp_dim(name)
-    if dim is None:
-        return parts[0]
-    if _gated(name):
-        gates, ups = zip(*(part.chunk(2) for part in parts), strict=True)
-        return torch.cat([*gates, *ups])
-    return torch.cat(parts, dim=dim)
-
-
-def global_name(local: str, layer_offset: int) -> str:
-    match = _LAYER.match(local)
-    if match is None:
-        return local
-    return f"encoder.blocks.layers.{int(match.group(1)) + layer_offset}.{local[match.end():]}"
+def _strip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX)}
 
 
 # ---------------------------------------------------------------------------- HF reference (main process)
@@ -132,22 +84,32 @@ def _perturb(visual: torch.nn.Module) -> None:
                 param.copy_(noise * 0.2 + (1.0 if "norm" in name or "ln_q" in name else 0.0))
 
 
-def _try_convert(hf_model: torch.nn.Module, root: Path) -> str:
-    """hf2mg of the perturbed checkpoint at TP=2, ViT stages [1, 1]; the output dir, or 'error: ...'."""
-    try:
-        from mm_rl.config.loader import load_section
-        from mm_rl.config.schema import Hf2MgCfg, HfConfig, ModelConfig, ParallelConfig
-        from mm_rl.convert import hf2mg
-    except ImportError as error:
-        return f"skip: {error}"
-    try:
-        hf_model.save_pretrained(root / "hf")
-        model = load_section(ModelConfig, json.loads(MODEL_JSON.read_text()))
-        parallel = ParallelConfig(tp_size=2, llm_pp_layers=[0, model.text_decoder.num_layers], vit_pp_layers=[1, 1])
-        cfg = Hf2MgCfg(mm_dir=str(root / "mm"), hf_config=HfConfig(hf_dir=str(root / "hf")), parallel_config=parallel)
-        return str(hf2mg(cfg, model))
-    except Exception as error:  # the converter is another module's job: report, do not break the other tests
-        return f"error: {type(error).__name__}: {error}"
+def _convert(hf_dir: Path, root: Path, model: Any) -> dict[str, str]:
+    """hf2mg of the perturbed checkpoint at TP=1 / TP=2, each split as ``_splits`` gives; key 'tp{n}/{split}'."""
+    from mm_rl.config.schema import Hf2MgCfg, HfConfig, ParallelConfig
+    from mm_rl.convert import hf2mg
+
+    out = {}
+    for tp in (1, 2):
+        for split, (vit, llm) in _splits(model).items():
+            parallel = ParallelConfig(tp_size=tp, llm_pp_layers=llm, vit_pp_layers=vit)
+            cfg = Hf2MgCfg(mm_dir=str(root / f"tp{tp}_{split}"), hf_config=HfConfig(hf_dir=str(hf_dir)),
+                           parallel_config=parallel)
+            out[f"tp{tp}/{split}"] = str(hf2mg(cfg, model))
+    return out
+
+
+def _hf_grads_as_ours(grads: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
+    """HF ``model.visual`` gradients -> our TP=1 names and layouts (``hf_to_megatron`` of a ViT-only stage)."""
+    from mm_rl.config.schema import ParallelConfig
+    from mm_rl.convert.mapping import hf_to_megatron
+    from mm_rl.convert.stages import plan_pipeline
+
+    vit, llm = model.image_encoder.vision_encoder.num_layers, model.text_decoder.num_layers
+    pipeline = plan_pipeline(model, ParallelConfig(tp_size=1, llm_pp_layers=[0, llm], vit_pp_layers=[vit, 0]))
+    ours = hf_to_megatron({f"visual.{k}": v for k, v in grads.items()}, model, pipeline, pp_rank=0, tp_rank=0)
+    assert all(k.startswith(PREFIX) for k in ours), sorted(ours)
+    return _strip(ours)
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +127,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     hf_model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
     visual = hf_model.model.visual
     _perturb(visual)
-    heads = visual.config.num_heads
-    weights = hf_to_ours({k: v.detach().clone() for k, v in visual.state_dict().items()}, heads)
+    hf_model.save_pretrained(root / "hf")
+    model = _model_config()
+    mm_dirs = _convert(root / "hf", root / "mm", model)
 
     cases = {}
     for index, (case, sizes) in enumerate(IMAGES.items()):
@@ -176,13 +139,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
         out = visual(pixel_values, grid_thw).pooler_output
         probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(index)) / out.numel() ** 0.5
         (out * probe).sum().backward()
-        grads = hf_to_ours({n: p.grad.detach().clone() for n, p in visual.named_parameters()}, heads)
+        grads = _hf_grads_as_ours({n: p.grad.detach().clone() for n, p in visual.named_parameters()}, model)
         cases[case] = {"pixel_values": pixel_values, "grid_thw": grid_thw, "out": out.detach(), "probe": probe,
                        "grads": grads}
     assert cases["two"]["grid_thw"].tolist() == [[1, 12, 16], [1, 10, 8]]  # 2x2 and 3x2 windows, partial ones
 
     path = root / "reference.pt"
-    torch.save({"weights": weights, "cases": cases, "mm_dir": _try_convert(hf_model, root / "convert")}, path)
+    torch.save({"mm_dirs": mm_dirs, "cases": cases}, path)
     return str(path)
 
 
@@ -211,10 +174,7 @@ def _init(rank: int, world: int, port: int) -> None:
 
 
 def _configs(**encoder_changes: Any) -> tuple[Any, Any]:
-    from mm_rl.config.loader import load_section
-    from mm_rl.config.schema import ModelConfig
-
-    image = load_section(ModelConfig, json.loads(MODEL_JSON.read_text())).image_encoder
+    image = _model_config().image_encoder
     projector_changes = {k[len("projector_"):]: encoder_changes.pop(k) for k in list(encoder_changes)
                          if k.startswith("projector_")}
     return (dataclasses.replace(image.vision_encoder, **encoder_changes),
@@ -236,28 +196,37 @@ def _build(
     )
 
 
-def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor], layer_offset: int = 0) -> None:
+@cache
+def _rank_state(mm_dir: str, tp_rank: int, pp_rank: int, pp: int) -> dict[str, torch.Tensor]:
+    """The ``image_encoder.*`` tensors of one rank file of an hf2mg output, prefix stripped."""
+    from mm_rl.convert.layout import RELEASE, rank_file
+
+    return _strip(torch.load(rank_file(Path(mm_dir) / RELEASE, tp_rank, pp_rank, pp), weights_only=True)["model"])
+
+
+def _load(model: torch.nn.Module, mm_dir: str, pp_rank: int = 0, pp: int = 1) -> None:
+    """This TP rank's tensors of pipeline stage ``pp_rank`` (of ``pp``), exactly the model's (strict)."""
     from megatron.core import parallel_state
 
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    size = parallel_state.get_tensor_model_parallel_world_size()
-    state = {name: tp_shard(name, weights[global_name(name, layer_offset)], rank, size)
-             for name, value in model.state_dict().items() if isinstance(value, torch.Tensor)}
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(_rank_state(mm_dir, parallel_state.get_tensor_model_parallel_rank(), pp_rank, pp),
+                          strict=True)
 
 
 def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient, TP-gathered into the TP=1 layout."""
+    """Every parameter's gradient, TP-gathered into the TP=1 layout by ``merge_tp_shards``."""
     from megatron.core import parallel_state
 
+    from mm_rl.convert.mapping import merge_tp_shards
+
     group = parallel_state.get_tensor_model_parallel_group()
+    config = _model_config()
     grads = {}
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
         parts = [torch.empty_like(param.grad) for _ in range(torch.distributed.get_world_size(group))]
         torch.distributed.all_gather(parts, param.grad.contiguous(), group=group)
-        grads[name] = tp_unshard(name, parts)
+        grads[name] = merge_tp_shards(PREFIX + name, parts, config)
     return grads
 
 
@@ -272,12 +241,12 @@ def _run(model: torch.nn.Module, case: dict[str, torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def _parity(ref: dict[str, Any], result: dict[str, Any]) -> None:
+def _parity(ref: dict[str, Any], result: dict[str, Any], mm_dir: str) -> None:
     """Full model, frozen ViT (both cases) and unfrozen ViT ('two'): outputs and gradients vs HF."""
     diffs, checks, grads = result["diffs"], result["checks"], result["grads"]
     for name, case in ref["cases"].items():
         model = _build()
-        _load(model, ref["weights"])
+        _load(model, mm_dir)
         out = _run(model, case)
         diffs[f"{name}/out"] = _max_diff(out.detach(), case["out"])
         got = _full_grads(model)
@@ -290,7 +259,7 @@ def _parity(ref: dict[str, Any], result: dict[str, Any]) -> None:
 
     case = ref["cases"]["two"]
     model = _build(freeze_encoder=False)
-    _load(model, ref["weights"])
+    _load(model, mm_dir)
     diffs["two/unfrozen/out"] = _max_diff(_run(model, case).detach(), case["out"])
     got = _full_grads(model)
     checks["two/unfrozen: every param has a grad"] = len(got) == len(list(model.parameters()))
@@ -299,18 +268,13 @@ def _parity(ref: dict[str, Any], result: dict[str, Any]) -> None:
         grads[f"two/unfrozen/{key}"] = grad
 
 
-def _pipeline_split(ref: dict[str, Any], result: dict[str, Any], weights_by_stage: list[dict] | None = None) -> str:
-    """Stage 0 = patch embed + block 0, stage 1 = block 1 + merger; the hidden state is handed over by hand."""
-    case = ref["cases"]["two"]
+def _pipeline_split(ref: dict[str, Any], result: dict[str, Any], mm_dir: str) -> None:
+    """Stage 0 = patch embed + block 0, stage 1 = block 1 + merger, each loaded from its own pipeline rank's file
+    of the ViT-split conversion; the hidden state is handed over by hand."""
+    case, tag = ref["cases"]["two"], "pp2"
     stage0, stage1 = _build(layers=(0, 1)), _build(layers=(1, 2))
-    if weights_by_stage is None:
-        _load(stage0, ref["weights"], layer_offset=0)
-        _load(stage1, ref["weights"], layer_offset=1)
-        tag = "pp2"
-    else:
-        stage0.load_state_dict(weights_by_stage[0], strict=True)
-        stage1.load_state_dict(weights_by_stage[1], strict=True)
-        tag = "converted_pp2"
+    _load(stage0, mm_dir, pp_rank=0, pp=2)
+    _load(stage1, mm_dir, pp_rank=1, pp=2)
     hidden = stage0(case["pixel_values"], case["grid_thw"])
     result["checks"][f"{tag}: hidden [N, 1, vit_hidden], no grad when frozen"] = (
         tuple(hidden.shape) == (case["pixel_values"].size(0), 1, 64) and not hidden.requires_grad)
@@ -321,7 +285,6 @@ def _pipeline_split(ref: dict[str, Any], result: dict[str, Any], weights_by_stag
     got = _full_grads(stage1)
     for key in PROJECTOR_GRADS:
         result["diffs"][f"{tag}/grad_hf:{key}"] = _max_diff(got[key], case["grads"][key])
-    return tag
 
 
 def _switches(ref: dict[str, Any], result: dict[str, Any]) -> None:
@@ -349,28 +312,14 @@ def _worker(rank: int, world: int, port: int, ref_path: str, out_dir: str) -> No
     _init(rank, world, port)
     ref = torch.load(ref_path, weights_only=True)
     result: dict[str, Any] = {"diffs": {}, "checks": {}, "grads": {}}
-    _parity(ref, result)
-    _pipeline_split(ref, result)
+    _parity(ref, result, ref["mm_dirs"][f"tp{world}/full"])
+    _pipeline_split(ref, result, ref["mm_dirs"][f"tp{world}/pp2"])
     model = _build(freeze_projector=True)
     result["checks"]["freeze_projector: nothing trains"] = not any(p.requires_grad for p in model.parameters())
     if world == 1:
         _switches(ref, result)
-    mm_dir = ref["mm_dir"]
-    if world == 2 and not mm_dir.startswith(("skip", "error")):
-        result["converted"] = _pipeline_split(ref, result, _converted_stages(Path(mm_dir), rank))
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
-
-
-def _converted_stages(mm_dir: Path, tp_rank: int) -> list[dict[str, torch.Tensor]]:
-    """This TP rank's ``image_encoder.*`` tensors of both pipeline stages of the hf2mg output."""
-    prefix = "image_encoder."
-    stages = []
-    for pp_rank in range(2):
-        path = mm_dir / "release" / f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" / "model_optim_rng.pt"
-        state = torch.load(path, weights_only=True)["model"]
-        stages.append({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-    return stages
 
 
 def _spawn(ref_path: str, out_dir: Path, world: int) -> list[dict[str, Any]]:
@@ -435,12 +384,3 @@ def test_tp2_matches_hf_and_tp1(tp1: dict[str, Any], tp2: list[dict[str, Any]]) 
         print(f"rank {rank}: max grad diff TP2 vs TP1 {vs_tp1[worst]:.2e} ({worst})")
         assert all(v <= TOL_GRAD_TP for v in vs_tp1.values()), vs_tp1
 
-
-def test_converted_checkpoint_loads_and_matches_hf(reference: str, tp2: list[dict[str, Any]]) -> None:
-    mm_dir = torch.load(reference, weights_only=True)["mm_dir"]
-    if mm_dir.startswith("skip"):
-        pytest.skip(f"mm_rl.convert not available ({mm_dir})")
-    assert not mm_dir.startswith("error"), mm_dir
-    for result in tp2:
-        assert result.get("converted") == "converted_pp2"
-        _assert_diffs(result["diffs"], "converted_pp2/")
