@@ -182,24 +182,6 @@ def hf_reference(hf_dir: Path, batches: list[dict[str, torch.Tensor]]) -> dict[s
 
 
 # ------------------------------------------------------------------- TP shards and PP names (for grads)
-_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
-_COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
-                    "word_embeddings.weight", "output_layer.weight")
-
-
-def merge_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    """The TP1 tensor from every TP rank's shard (written independently of mm_rl.convert on purpose)."""
-    if len(parts) == 1 or not name.endswith(_ROW_PARALLEL + _COLUMN_PARALLEL):
-        return parts[0]
-    if name.endswith(_ROW_PARALLEL):
-        return torch.cat(parts, dim=1)
-    gated = ".mlp.linear_fc1." in name and not name.startswith("image_encoder.projector.")
-    if gated:  # cat(gate, up) per rank: gather the gates, then the ups
-        gates, ups = zip(*(part.chunk(2, dim=0) for part in parts), strict=True)
-        return torch.cat([*gates, *ups], dim=0)
-    return torch.cat(parts, dim=0)
-
-
 _LAYER = re.compile(r"^(text_decoder\.decoder\.layers|image_encoder\.encoder\.blocks\.layers)\.(\d+)\.")
 
 
@@ -278,8 +260,10 @@ def output_diffs(captured: list[dict[str, torch.Tensor]], reference: list[dict[s
 
 
 def tp1_grads(model: Any) -> dict[str, torch.Tensor]:
-    """This stage's parameter gradients, merged over TP and named as in the TP1 model."""
+    """This stage's parameter gradients, merged over TP (by the one mapping table) and named as in the TP1 model."""
     from megatron.core import parallel_state
+
+    from mm_rl.convert.mapping import merge_tp_shards
 
     layout = model.layout
     tied_copy = model.share_embeddings_and_output_weights and layout.first_llm != layout.pp_size - 1
@@ -294,7 +278,7 @@ def tp1_grads(model: Any) -> dict[str, torch.Tensor]:
             torch.distributed.all_reduce(grad, group=parallel_state.get_context_parallel_group())
             grad /= cp
     group = parallel_state.get_tensor_model_parallel_group()
-    return {tp1_name(name, layout, tied_copy): merge_tp(name, gather_list(grad, group))
+    return {tp1_name(name, layout, tied_copy): merge_tp_shards(name, gather_list(grad, group), model.model_cfg)
             for name, grad in grads.items()}
 
 
