@@ -221,6 +221,13 @@ def test_logprobs_equal_a_recomputation_from_hf_logits(request, name, tolerance,
             assert torch.allclose(sample.logprobs, expected, atol=tolerance), (sample.logprobs - expected).abs().max()
 
 
+def test_greedy_with_n2_gives_two_equal_samples(engine, requests_):
+    (output,) = engine.generate(requests_[:1], SamplingConfig(max_tokens=4, temperature=0.0, n=2))
+    first, second = output.samples
+    assert first is not second and first.response_ids == second.response_ids
+    assert torch.allclose(first.logprobs, second.logprobs)
+
+
 def test_top_logprobs_hold_the_sampled_token(engine, requests_):
     spec = SamplingSpec(max_tokens=4, temperature=1.0, n=1, logprobs=3)
     (output,) = engine.generate(requests_[:1], spec)

@@ -14,6 +14,7 @@ Outputs are index-aligned with the requests: a request that the bounds policy sk
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 import re
 import time
@@ -346,7 +347,7 @@ class RolloutEngine(abc.ABC):
         start = time.perf_counter()
         admitted, metrics = apply_bounds(requests, self.bounds, spec.max_tokens)
         kept = [item.request for item in admitted if item.request is not None]
-        results = iter(self._generate(kept, spec) if kept else [])
+        results = iter(self._sample_all(kept, spec) if kept else [])
         outputs = RolloutOutputs(metrics=metrics)
         timing = BatchTiming(0.0, 0)  # one object shared by the batch, filled in below
         for original, item in zip(requests, admitted, strict=True):
@@ -360,6 +361,14 @@ class RolloutEngine(abc.ABC):
         timing.wall_s, timing.generated_tokens = metrics.wall_s, metrics.generated_tokens
         self.call_log.append(("generate", {"prompts": len(requests), "n": spec.n}))
         return outputs
+
+    def _sample_all(self, requests: Sequence[RolloutRequest], spec: SamplingSpec) -> list[list[RolloutSample]]:
+        """Greedy with n > 1 decodes once and repeats the sample (vLLM refuses n > 1 without sampling, and n
+        greedy decodes are the same decode); copies, so a caller editing one sample leaves the others alone."""
+        if not spec.greedy or spec.n == 1:
+            return self._generate(requests, spec)
+        once = self._generate(requests, dataclasses.replace(spec, n=1))
+        return [[copy_sample(s) for s in group for _ in range(spec.n)] for group in once]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load HF-named tensors (an iterator is consumed lazily); returns how many were applied."""
@@ -381,6 +390,15 @@ class RolloutEngine(abc.ABC):
     def call_order(self) -> list[str]:
         """The method names of ``call_log`` in order (what a schedule check compares)."""
         return [name for name, _ in self.call_log]
+
+
+def copy_sample(sample: RolloutSample) -> RolloutSample:
+    return dataclasses.replace(
+        sample,
+        response_ids=list(sample.response_ids),
+        logprobs=sample.logprobs.clone(),
+        top_logprobs=None if sample.top_logprobs is None else [dict(p) for p in sample.top_logprobs],
+    )
 
 
 def _count_samples(outputs: Sequence[RolloutOutput], metrics: RolloutMetrics) -> None:

@@ -11,7 +11,7 @@ How it keeps the contract:
 * Sampling: the checkpoint's ``generation_config`` sampling defaults (Qwen ships top_k / top_p / repetition
   penalty there) are dropped; only its bos / eos / pad ids are kept, so the settings are exactly the request's.
   transformers applies temperature, then top-k, then top-p, as vLLM does; a log-prob is ``log_softmax`` of those
-  processed scores at the sampled token (greedy: of the raw logits). Greedy with n > 1 decodes once and repeats.
+  processed scores at the sampled token (greedy: of the raw logits).
 * Stopping: a response ends at the first of the checkpoint's eos ids (included, finish reason "stop") or after
   ``max_tokens`` ("length"); the padding after it is cut off.
 * Seeds: with a seed, call k samples under ``seed + k`` in a forked RNG, so runs repeat without touching the
@@ -146,19 +146,15 @@ class HfEngine(RolloutEngine):
             yield
 
     def _generate(self, requests: Sequence[RolloutRequest], spec: SamplingSpec) -> list[list[RolloutSample]]:
-        draws = 1 if spec.greedy else spec.n
-        per_chunk = max(1, self.max_num_seqs // draws)
+        per_chunk = max(1, self.max_num_seqs // spec.n)
         results: list[list[RolloutSample]] = []
         with self._rng():
             for start in range(0, len(requests), per_chunk):
-                samples = self._generate_chunk(requests[start : start + per_chunk], spec, draws)
-                results.extend(group * (spec.n // draws) for group in samples)
+                results.extend(self._generate_chunk(requests[start : start + per_chunk], spec))
         self.calls += 1
         return results
 
-    def _generate_chunk(
-        self, requests: Sequence[RolloutRequest], spec: SamplingSpec, draws: int
-    ) -> list[list[RolloutSample]]:
+    def _generate_chunk(self, requests: Sequence[RolloutRequest], spec: SamplingSpec) -> list[list[RolloutSample]]:
         import torch
 
         batch = self._batch(requests)
@@ -171,14 +167,14 @@ class HfEngine(RolloutEngine):
                 do_sample=not spec.greedy,
                 **sampling,
                 max_new_tokens=spec.max_tokens,
-                num_return_sequences=draws,
+                num_return_sequences=spec.n,
                 output_scores=True,
                 return_dict_in_generate=True,
             )
         new = out.sequences[:, batch["input_ids"].shape[1] :].cpu()
         picked, top = self._logprobs(out.scores, new, spec.logprobs)
         samples = [self._sample(new[row], picked[row], None if top is None else top[row]) for row in range(len(new))]
-        return [samples[i * draws : (i + 1) * draws] for i in range(len(requests))]
+        return [samples[i * spec.n : (i + 1) * spec.n] for i in range(len(requests))]
 
     @staticmethod
     def _logprobs(
