@@ -5,10 +5,10 @@ Per pipeline stage (all stages at once, each independently):
 1. gather: every TP rank sends its shard of a tensor to the stage's TP-rank 0 (``torch.distributed.gather`` over
    the TP group; replicated tensors such as norms are taken from rank 0 without communication). Only DP replica 0
    takes part: the other replicas hold the same weights.
-2. merge + rename: ``mm_rl.convert.mapping.merge_tp_shards`` gives the TP-independent tensor and
-   ``megatron_to_hf`` the HF tensors (fused qkv / gate-up split back, the tied output-layer copy dropped: HF has
-   one embedding and no ``lm_head`` when tied). Vocab padding rows are cut first. No naming or layout rule
-   lives here; the mapping module is the one table.
+2. merge + rename: ``mm_rl.convert.mapping.hf_from_shards`` turns the gathered shards into the HF tensors
+   (fused qkv / gate-up split back, TP pieces joined) and the mapping's table gives their HF names; the tied
+   output-layer copy is skipped (HF has one embedding and no ``lm_head`` when tied). Vocab padding rows are cut
+   first. No naming or layout rule lives here; the mapping module is the one table.
 3. bucket: ``bucket_by_group`` packs whole layers into buckets of about ``sync_bucket_mb`` (a layer is never
    split, because vLLM fuses q/k/v and gate/up per layer). Tensors are produced lazily, one at a time, so a
    sender holds one bucket plus one tensor, never its whole stage.
@@ -234,24 +234,33 @@ class _Clock:
     gather_s = 0.0
 
 
-def merged_stage(model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clock: _Clock) -> Iterator[NamedTensor]:
-    """(Megatron name, TP-merged tensor) of this rank's stage in the mapping's order (layer by layer).
+def stage_hf_tensors(model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clock: _Clock) -> \
+        Iterator[NamedTensor]:
+    """(HF name, tensor) of this rank's stage, TP shards merged, in the mapping's order (layer by layer).
 
-    Every TP rank of the stage must run it to the end (the gathers are collective); only TP-rank 0 gets items."""
+    Every TP rank of the stage must run it to the end (the gathers are collective); only TP-rank 0 gets items.
+    The mapping's ``hf_from_shards`` goes from the gathered shards straight to the HF tensors (views where the HF
+    tensor is one block of a shard, one concatenation otherwise): the same rules as ``merge_tp_shards`` followed
+    by ``megatron_to_hf``, without building the TP-merged Megatron tensor in between (measured: that round
+    allocated and copied every split tensor twice more). The tied output-layer copy is not even gathered: HF
+    has one embedding, which the embedding's stage sends."""
     import torch
     from megatron.core import parallel_state
 
-    from mm_rl.convert.mapping import merge_tp_shards, stage_tensors
+    from mm_rl.convert.mapping import hf_from_shards, model_dims, stage_tensors
 
     group = parallel_state.get_tensor_model_parallel_group()
-    state = model.state_dict()
+    dims, state = model_dims(model_cfg), model.state_dict()
     for bound in stage_tensors(model_cfg, pipeline.stages[parallel_state.get_pipeline_model_parallel_rank()]):
+        if bound.entry.duplicate:
+            continue
         start = time.perf_counter()
         with torch.no_grad():
             shards = gather_shards(state[bound.mg].detach(), bound.entry.split is not None, group)
         clock.gather_s += time.perf_counter() - start
         if shards is not None:
-            yield bound.mg, merge_tp_shards(bound.mg, strip_vocab_padding(bound, shards, model_cfg), model_cfg)
+            parts = hf_from_shards(bound, dims, strip_vocab_padding(bound, shards, model_cfg))
+            yield from zip(bound.hf, parts, strict=True)
 
 
 def push_stage(model: Any, model_cfg: ModelConfig, tp: int, sink_factory: Any, bucket_bytes: int) -> \
@@ -260,19 +269,17 @@ def push_stage(model: Any, model_cfg: ModelConfig, tp: int, sink_factory: Any, b
     buckets and sends, then closes the sink and returns its statistics."""
     from megatron.core import parallel_state
 
-    from mm_rl.convert.mapping import megatron_to_hf
-
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pipeline = stage_pipeline(model_cfg, tp, parallel_state.get_pipeline_model_parallel_world_size())
     clock, started = _Clock(), time.perf_counter()
-    merged = merged_stage(model, model_cfg, pipeline, clock)
+    named = stage_hf_tensors(model, model_cfg, pipeline, clock)
     if sink_factory is None:
-        for _ in merged:  # a non-sender TP rank: only its part of each gather
+        for _ in named:  # a non-sender TP rank: only its part of each gather
             pass
         return None
     sink: BucketSink = sink_factory()
     stats, produced, mark = SyncStats(pp_rank), 0.0, time.perf_counter()
-    for bucket in bucket_by_group(megatron_to_hf(merged, model_cfg, pipeline, pp_rank), bucket_bytes):
+    for bucket in bucket_by_group(named, bucket_bytes):
         produced += time.perf_counter() - mark
         size = sum(tensor_bytes(t) for _, t in bucket)
         stats.tensors, stats.bytes, stats.buckets = stats.tensors + len(bucket), stats.bytes + size, stats.buckets + 1
