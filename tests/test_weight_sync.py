@@ -215,6 +215,7 @@ def test_sync_sends_the_checkpoint_in_bounded_buckets(layout):
 
     with safe_open(str(layout.hf_dir / "model.safetensors"), "pt") as handle:
         sizes = {name: handle.get_slice(name).get_shape() for name in handle.keys()}  # noqa: SIM118
+    assert layout.group.run("threads") == [1] * len(layout.group.workers)  # each rank: its 0.5 CPU -> 1 thread
     report = sync(layout)
     assert sorted(report.names) == sorted(sizes)  # every checkpoint tensor once; tied: no lm_head
     assert ("lm_head.weight" in report.names) == (layout.name == "tp1")

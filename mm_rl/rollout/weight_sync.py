@@ -17,7 +17,9 @@ Per pipeline stage (all stages at once, each independently):
    as raw byte buffers, see :class:`SharedBucket`, so the engine maps them without a copy) and the rollout
    worker's ``update_weights`` loads it in place (vLLM ``reload_weights``, then encoder and prefix caches reset).
    At most ``max_in_flight`` buckets wait for the engine, so the engine loads bucket i while the sender gathers
-   bucket i + 1, and memory stays bounded by the bucket size, not the model. No disk round trip.
+   bucket i + 1, and memory stays bounded by the bucket size, not the model: per sender about
+   ``(max_in_flight + 1) x (sync_bucket_mb + one layer)`` (a bucket is cut only between layers, so it may exceed
+   the size by up to one layer). No disk round trip.
 
 On accelerators the intended transport is a device collective: the actor's sender ranks and the engine's ranks
 join one nccl / hccl group and each bucket is broadcast device to device into a receive buffer of the engine,

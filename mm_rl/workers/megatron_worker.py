@@ -167,6 +167,7 @@ class MegatronWorker:
 
         model, coords = self._require_model(), self._require_coords()
         captured: list[torch.Tensor] = []
+        was_training = model.training
         model.eval()
         with torch.no_grad():
             get_forward_backward_func()(
@@ -174,6 +175,7 @@ class MegatronWorker:
                 data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),
                 seq_length=max(int(b["input_ids"].shape[1]) for b in micro_batches),
                 micro_batch_size=max(int(b["input_ids"].shape[0]) for b in micro_batches), forward_only=True)
+        model.train(was_training)
         keep = model.layout.has_output and coords.tp_rank == 0
         return captured if keep else None
 
