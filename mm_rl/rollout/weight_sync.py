@@ -38,7 +38,7 @@ import collections
 import functools
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -233,7 +233,10 @@ def strip_vocab_padding(bound: Bound, shards: list[torch.Tensor], model: ModelCo
 
 
 class _Clock:
-    gather_s = 0.0
+    """Seconds spent in the TP gathers, accumulated while the lazy tensor stream is consumed."""
+
+    def __init__(self) -> None:
+        self.gather_s = 0.0
 
 
 def stage_hf_tensors(model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clock: _Clock) -> \
@@ -265,8 +268,8 @@ def stage_hf_tensors(model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clo
             yield from zip(bound.hf, parts, strict=True)
 
 
-def push_stage(model: Any, model_cfg: ModelConfig, tp: int, sink_factory: Any, bucket_bytes: int) -> \
-        SyncStats | None:
+def push_stage(model: Any, model_cfg: ModelConfig, tp: int, sink_factory: Callable[[], BucketSink] | None,
+               bucket_bytes: int) -> SyncStats | None:
     """Run this rank's part of the sync: TP ranks gather; the sender (``sink_factory`` given) merges, renames,
     buckets and sends, then closes the sink and returns its statistics."""
     from megatron.core import parallel_state
