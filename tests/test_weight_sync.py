@@ -179,34 +179,9 @@ def actor_gap(layout: Layout, prompts: list[Any], responses: list[tuple[list[int
 
 
 def sync(layout: Layout) -> Any:
-    import ray
-
     from mm_rl.rollout.weight_sync import sync_weights
 
-    report = sync_weights(layout.group, layout.engine, BUCKET_BYTES)
-    if not layout.model.text_decoder.untie_embeddings_and_output_weights:
-        ray.get(layout.engine.__ray_call__.remote(refresh_tied_lm_head()))
-    return report
-
-
-def refresh_tied_lm_head() -> Any:
-    """Work-around for vLLM on CPU (0.32), run inside the rollout worker actor after a sync.
-
-    On CPU vLLM packs the LM head's weight into a oneDNN matmul handle when weights are processed. With tied
-    embeddings the LM head shares the embedding parameter but receives no tensor of its own in
-    ``reload_weights``, so its layer is not re-processed and the handle keeps the OLD weights: logits go stale
-    (log-prob gaps of ~4 after a perturbed sync, measured). Re-processing the head fixes it; the engine's
-    ``reload_weights_on_worker`` should do this itself (reported to the rollout engine's owner).
-    A closure, so Ray ships it by value (the actor cannot import this test module)."""
-
-    def reprocess(worker: Any) -> None:
-        head = worker.model_runner.get_model().language_model.lm_head
-        head.quant_method.process_weights_after_loading(head)
-
-    def refresh(rollout_worker: Any) -> None:
-        rollout_worker.engine.llm.collective_rpc(reprocess)
-
-    return refresh
+    return sync_weights(layout.group, layout.engine, BUCKET_BYTES)
 
 
 # ------------------------------------------------------------------------------------------------------- tests

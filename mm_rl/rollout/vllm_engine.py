@@ -88,11 +88,30 @@ class WeightReceiver:
     """
 
     reload_weights: Any  # provided by the vLLM worker this class is mixed into
+    model_runner: Any
 
     def mm_rl_reload_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors in place through the worker's reload path (in-process: a lazy iterator)."""
         with _quiet_reload():
             self.reload_weights(weights_iterator=iter(weights))
+        self._mm_rl_refresh_tied_head()
+
+    def _mm_rl_refresh_tied_head(self) -> None:
+        """Re-pack a tied LM head after a reload (vLLM's CPU backend).
+
+        On CPU vLLM packs the LM head's weight into a oneDNN matmul handle when weights are processed. A tied
+        head shares the embedding's parameter and receives no tensor of its own in ``reload_weights``, so it is
+        not re-processed and keeps the old weights: stale logits (log-prob gaps of ~4.7 measured after a
+        perturbed sync). Untied heads are re-processed by the reload itself and are left alone.
+        """
+        if device_kind() != "cpu":
+            return
+        model = self.model_runner.get_model()
+        language = getattr(model, "language_model", model)
+        head = getattr(language, "lm_head", None)
+        embed = getattr(getattr(language, "model", None), "embed_tokens", None)
+        if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
+            head.quant_method.process_weights_after_loading(head)
 
     def mm_rl_reload_weights_file(self, path: str) -> None:
         """Load a bucket written by :func:`_write_bucket` (multiprocess engines: tensors cannot be RPC args)."""
