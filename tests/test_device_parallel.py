@@ -7,16 +7,13 @@ match the reference within TOL. The model is fp32 with SwiGLU and RMSNorm, like 
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from mp_utils import free_port, gather_cat, gather_list, init_megatron
 
 SEED = 1234
 NUM_LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB = 4, 64, 4, 2, 128, 128
@@ -71,33 +68,6 @@ def global_name(local: str, layer_offset: int, tied_output: bool) -> str:
 
 
 # ---------------------------------------------------------------- process set-up and model
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _init(rank: int, world: int, port: int, tp: int, pp: int) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    # Spawned ranks do not get pytest.ini's filters; keep a failure's output readable.
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from mm_rl.platform.device import dist_backend, setup_process
-
-    setup_process(num_threads=1)
-    torch.distributed.init_process_group(
-        dist_backend(),
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=120),
-    )
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    model_parallel_cuda_manual_seed(SEED)
-
-
 def _build(tied: bool) -> torch.nn.Module:
     import torch.nn.functional as F
     from megatron.core import parallel_state
@@ -177,7 +147,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ---------------------------------------------------------------- workers (run in spawned processes)
 def _reference_worker(rank: int, port: int, out: str) -> None:
-    _init(rank, 1, port, tp=1, pp=1)
+    init_megatron(rank, 1, port, tp=1, pp=1, seed=SEED)
     tokens, labels, positions = _batch()
     result = {}
     for tied in (False, True):
@@ -195,7 +165,7 @@ def _reference_worker(rank: int, port: int, out: str) -> None:
 def _tp2_worker(rank: int, port: int, ref_path: str, out_dir: str) -> None:
     from megatron.core import parallel_state
 
-    _init(rank, 2, port, tp=2, pp=1)
+    init_megatron(rank, 2, port, tp=2, pp=1, seed=SEED)
     ref = torch.load(ref_path, weights_only=True)[False]
     model = _build(tied=False)
     _load_from_reference(model, ref["state"], tied=False)
@@ -205,10 +175,10 @@ def _tp2_worker(rank: int, port: int, ref_path: str, out_dir: str) -> None:
     loss.backward()
 
     group = parallel_state.get_tensor_model_parallel_group()
-    diffs = {"logits": _max_diff(_gather(logits.detach(), group, dim=-1), ref["logits"])}
+    diffs = {"logits": _max_diff(gather_cat(logits.detach(), group, -1), ref["logits"])}
     diffs["loss"] = abs(loss.item() - ref["loss"].item())
     for name, param in model.named_parameters():
-        parts = _gather_list(param.grad.detach(), group)
+        parts = gather_list(param.grad.detach(), group)
         diffs[f"grad:{name}"] = _max_diff(tp_unshard(name, parts), ref["grads"][name])
     torch.save(diffs, Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
@@ -218,7 +188,7 @@ def _pp2_worker(rank: int, port: int, ref_path: str, out_dir: str) -> None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    _init(rank, 2, port, tp=1, pp=2)
+    init_megatron(rank, 2, port, tp=1, pp=2, seed=SEED)
     ref = torch.load(ref_path, weights_only=True)[True]
     model = _build(tied=True)
     _load_from_reference(model, ref["state"], tied=True)
@@ -267,26 +237,16 @@ def _pp2_worker(rank: int, port: int, ref_path: str, out_dir: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _gather_list(tensor: torch.Tensor, group: torch.distributed.ProcessGroup) -> list[torch.Tensor]:
-    parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
-    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
-    return parts
-
-
-def _gather(tensor: torch.Tensor, group: torch.distributed.ProcessGroup, dim: int) -> torch.Tensor:
-    return torch.cat(_gather_list(tensor, group), dim=dim)
-
-
 # ---------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("tp1") / "reference.pt"
-    mp.spawn(_reference_worker, args=(_free_port(), str(path)), nprocs=1, join=True)
+    mp.spawn(_reference_worker, args=(free_port(), str(path)), nprocs=1, join=True)
     return str(path)
 
 
 def _run_two_ranks(worker, reference: str, out_dir: Path) -> dict[str, float]:
-    mp.spawn(worker, args=(_free_port(), reference, str(out_dir)), nprocs=2, join=True)
+    mp.spawn(worker, args=(free_port(), reference, str(out_dir)), nprocs=2, join=True)
     diffs: dict[str, float] = {}
     for rank in range(2):
         for key, value in torch.load(out_dir / f"rank{rank}.pt", weights_only=True).items():
