@@ -120,7 +120,8 @@ def test_chunks_and_merge():
 
 
 def test_ray_reward_pool():
-    ray = pytest.importorskip("ray")
+    import ray
+
     from mm_rl.rewards.worker import RewardPool
 
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)

@@ -396,7 +396,8 @@ def test_hf_seed_repeats_samples(model_dir, config, requests_):
 
 # ------------------------------------------------------------------------------------------------------- Ray
 def test_ray_rollout_worker(model_dir, config, lean_requests, items, weights):
-    ray = pytest.importorskip("ray")
+    import ray
+
     from mm_rl.rollout.actor import rollout_worker_actor
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

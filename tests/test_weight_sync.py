@@ -48,7 +48,7 @@ GAPS: dict[str, dict[str, float]] = {}
 # --------------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def ray_session():
-    ray = pytest.importorskip("ray")
+    import ray
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
