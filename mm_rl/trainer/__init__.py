@@ -1,0 +1,1 @@
+"""The GRPO trainer: the loop, checkpoints, metrics."""
