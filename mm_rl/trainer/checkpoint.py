@@ -1,0 +1,340 @@
+"""The trainer's checkpoints: MindSpeed-MM / Megatron layout, published atomically, pruned, resumable.
+
+```
+save_dir/latest_checkpointed_iteration.txt     the step number, rewritten atomically after the directory exists
+save_dir/iter_{step:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt   one per rank (see mm_rl.convert.layout)
+save_dir/iter_{step:07d}/trainer_state.pt      sampler position, metrics history, KL controller, ...
+save_dir/iter_{step:07d}/complete              JSON marker written last: the layout and every file's size
+```
+An iteration is built in ``save_dir/.iter_{step:07d}.tmp-<uuid>`` (every file fsync'd), closed by the marker,
+renamed into place, and only then named by the latest file; a crash at any point leaves the previous
+checkpoint as the latest loadable one. Multi-process trainers call ``stage`` (one rank; share the path),
+``write_rank`` (every rank, its own file), then ``commit`` (one rank, after a barrier); ``save`` is the same in
+one process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mm_rl.convert.errors import ConversionError
+from mm_rl.convert.layout import (
+    CHECKPOINT_VERSION,
+    LATEST,
+    RANK_FILE,
+    iteration_name,
+    rank_file,
+    read_latest,
+    write_latest,
+)
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE = "trainer_state.pt"
+COMPLETE = "complete"
+OPTIM_KEYS = ("optimizer", "opt_param_scheduler")
+RNG_KEYS = ("rng_state",)
+_ITER_RE = re.compile(r"iter_(\d{7})")
+_STAGING_RE = re.compile(r"\.iter_(\d{7})\.tmp-[0-9a-f]+")
+_RANK_DIR_RE = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or resumed from; the message names the path and what is wrong."""
+
+
+class CheckpointManager:
+    """Saves, finds, loads and prunes the trainer's checkpoints under ``save_dir``.
+
+    ``keep_last``: how many complete iterations to keep after each save (0 keeps all)."""
+
+    def __init__(self, save_dir: str | os.PathLike[str], keep_last: int) -> None:
+        if keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+        self.save_dir = Path(save_dir)
+        self.keep_last = keep_last
+        self._staging: dict[int, Path] = {}
+
+    # ------------------------------------------------------------------------------------------- saving
+    def save(self, step: int, rank_states: Mapping[tuple[int, int], Mapping[str, Any]],
+             trainer_state: Mapping[str, Any]) -> Path:
+        """Write every rank's state and the trainer state as iteration ``step``; returns its directory.
+
+        On an error the temporary directory is left behind, as a crash would leave it: ``cleanup_stale``
+        removes it, and ``latest`` never returns it."""
+        if not rank_states:
+            raise CheckpointError(f"save of step {step} got no rank states")
+        pp_size = 1 + max(pp for _, pp in rank_states)
+        staging = self.stage(step)
+        for (tp, pp), state in sorted(rank_states.items()):
+            self.write_rank(staging, tp, pp, state, pp_size=pp_size)
+        self.write_trainer_state(staging, trainer_state)
+        return self.commit(staging, step, expected=set(rank_states))
+
+    def stage(self, step: int) -> Path:
+        """The temporary directory of ``step``'s save, created on the first call (later calls return it), so
+        one rank can create it and hand the path to the others."""
+        if step in self._staging and self._staging[step].is_dir():
+            return self._staging[step]
+        iteration_name(step)  # validates the step
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        staging = self.save_dir / f".{iteration_name(step)}.tmp-{uuid.uuid4().hex}"
+        staging.mkdir()
+        self._staging[step] = staging
+        return staging
+
+    def write_rank(self, staging: Path, tp: int, pp: int, state: Mapping[str, Any], *, pp_size: int = 1) -> Path:
+        """Write one rank's ``model_optim_rng.pt`` (``state`` plus version and iteration), flushed to disk.
+
+        ``pp_size`` (the pipeline size) decides the file name: ``mp_rank_TT`` when 1, ``mp_rank_TT_PPP`` above."""
+        if not 0 <= pp < pp_size:
+            raise CheckpointError(f"pp rank {pp} is outside pipeline size {pp_size}")
+        path = rank_file(staging, tp, pp, pp_size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {**state, "checkpoint_version": CHECKPOINT_VERSION, "iteration": _staging_step(staging)}
+        _save_synced(payload, path)
+        return path
+
+    def write_trainer_state(self, staging: Path, trainer_state: Mapping[str, Any]) -> Path:
+        """Write ``trainer_state.pt`` (whatever the trainer needs to resume: sampler, metrics, KL, ...)."""
+        path = staging / TRAINER_STATE
+        _save_synced(dict(trainer_state), path)
+        return path
+
+    def commit(self, staging: Path, step: int, expected: set[tuple[int, int]] | None = None) -> Path:
+        """Close ``staging`` with the marker, rename it to ``iter_NNNNNNN``, then point the latest file at it, then
+        prune. ``expected`` (the (tp, pp) ranks) is checked when given; the ranks found must form a full grid."""
+        target = self.save_dir / iteration_name(step)
+        self._write_marker(staging, step, expected)
+        _fsync_tree(staging)
+        if target.exists():  # re-saving a step: the latest file may name it, so it must never be half-replaced
+            old = self.save_dir / f".{target.name}.tmp-{uuid.uuid4().hex}"
+            target.rename(old)
+            staging.rename(target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            staging.rename(target)
+        _fsync(self.save_dir)
+        self._staging.pop(step, None)
+        write_latest(self.save_dir, step)
+        self.prune(keep=step)
+        return target
+
+    def _write_marker(self, staging: Path, step: int, expected: set[tuple[int, int]] | None) -> None:
+        """The marker is the last file written: its presence means every file it lists was flushed whole."""
+        ranks = _rank_dirs(staging)
+        if expected is not None and set(ranks.values()) != expected:
+            raise CheckpointError(f"{staging} holds ranks {sorted(ranks.values())}, expected {sorted(expected)}")
+        tp_size, pp_size = _grid_shape(staging, ranks)
+        files = {f"{name}/{RANK_FILE}": (staging / name / RANK_FILE).stat().st_size for name in ranks}
+        if (staging / TRAINER_STATE).is_file():
+            files[TRAINER_STATE] = (staging / TRAINER_STATE).stat().st_size
+        marker = {"step": step, "tp": tp_size, "pp": pp_size, "files": files}
+        path = staging / COMPLETE
+        with open(path, "w") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    # ------------------------------------------------------------------------------------------ pruning
+    def prune(self, keep: int | None = None) -> list[int]:
+        """Delete all but the newest ``keep_last`` complete iterations (never ``keep``); returns the deleted
+        steps. A directory is renamed away before its removal so that no half-deleted iteration remains."""
+        if self.keep_last == 0:
+            return []
+        doomed = [s for s in self.complete_steps()[:-self.keep_last] if s != keep]
+        for step in doomed:
+            trash = self.save_dir / f".{iteration_name(step)}.tmp-{uuid.uuid4().hex}"
+            (self.save_dir / iteration_name(step)).rename(trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        return doomed
+
+    def cleanup_stale(self) -> list[Path]:
+        """Remove temporary directories (and latest-file temporaries) left by killed saves or prunes, except the
+        ones this manager is writing.
+        Call it on one rank at startup, before any rank saves."""
+        if not self.save_dir.is_dir():
+            return []
+        mine = set(self._staging.values())
+        stale = [p for p in self.save_dir.iterdir() if _STAGING_RE.fullmatch(p.name) and p not in mine]
+        stale += [p for p in self.save_dir.iterdir() if p.name.startswith(f".{LATEST}.") and p.is_file()]
+        for path in stale:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        return stale
+
+    # ----------------------------------------------------------------------------------------- finding
+    def complete_steps(self) -> list[int]:
+        """The steps of every complete ``iter_NNNNNNN`` directory, oldest first."""
+        if not self.save_dir.is_dir():
+            return []
+        steps = [int(m.group(1)) for p in self.save_dir.iterdir() if (m := _ITER_RE.fullmatch(p.name))]
+        return sorted(s for s in steps if self.incomplete_reason(s) is None)
+
+    def incomplete_reason(self, step: int) -> str | None:
+        """Why iteration ``step`` cannot be loaded, or None when it is complete."""
+        return _incomplete_reason(self.save_dir / iteration_name(step))
+
+    def latest(self) -> int | None:
+        """The step the latest file names if complete; otherwise (warning) the newest complete one, or None."""
+        try:
+            named = read_latest(self.save_dir)
+        except ConversionError as err:
+            named, problem = None, str(err)
+        else:
+            problem = None if named is None else self._latest_problem(named)
+        if named is not None and problem is None:
+            return int(named)
+        steps = self.complete_steps()
+        if problem is not None or (named is None and steps):
+            why = problem or f"{self.save_dir / LATEST} is missing"
+            logger.warning("%s; falling back to %s", why,
+                           iteration_name(steps[-1]) if steps else "no checkpoint (none is complete)")
+        return steps[-1] if steps else None
+
+    def _latest_problem(self, named: int | str) -> str | None:
+        if not isinstance(named, int):
+            return f"the latest file in {self.save_dir} names {named!r}, not a training step"
+        reason = self.incomplete_reason(named)
+        return None if reason is None else f"the latest file names step {named}, but {reason}"
+
+    def resolve_resume(self, resume_mode: str) -> int | None:
+        """The step to resume from: "auto" (latest complete, or None), "disable" (None), or the path of an
+        ``iter_NNNNNNN`` directory inside ``save_dir`` that must be complete."""
+        if resume_mode == "auto":
+            return self.latest()
+        if resume_mode == "disable":
+            return None
+        path = Path(resume_mode)
+        match = _ITER_RE.fullmatch(path.name)
+        if match is None:
+            raise CheckpointError(f"resume {resume_mode!r} is neither 'auto', 'disable' nor an iter_NNNNNNN "
+                                  "checkpoint directory")
+        if path.parent.resolve() != self.save_dir.resolve():
+            raise CheckpointError(f"resume checkpoint {path} is not inside the save directory {self.save_dir}")
+        reason = _incomplete_reason(path)
+        if reason is not None:
+            raise CheckpointError(f"resume checkpoint {path} is not a complete checkpoint: {reason}")
+        return int(match.group(1))
+
+    # ----------------------------------------------------------------------------------------- loading
+    def load(self, step: int, tp: int, pp: int, load_optim: bool = True, load_rng: bool = True) -> dict[str, Any]:
+        """Rank (tp, pp)'s state of iteration ``step``, without optimizer / RNG entries when not wanted
+        (Megatron's --no-load-optim / --no-load-rng: e.g. resuming with another optimizer or seed)."""
+        marker = self._complete_marker(step)
+        path = rank_file(self.save_dir / iteration_name(step), tp, pp, marker["pp"])
+        if not (tp < marker["tp"] and pp < marker["pp"]):
+            raise CheckpointError(f"{path}: rank (tp={tp}, pp={pp}) is outside the checkpoint's "
+                                  f"TP={marker['tp']} x PP={marker['pp']}")
+        state = _load(path)
+        dropped = (OPTIM_KEYS if not load_optim else ()) + (RNG_KEYS if not load_rng else ())
+        return {k: v for k, v in state.items() if k not in dropped}
+
+    def load_trainer_state(self, step: int) -> dict[str, Any]:
+        """The ``trainer_state`` passed to ``save`` for ``step``."""
+        self._complete_marker(step)
+        path = self.save_dir / iteration_name(step) / TRAINER_STATE
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing: that checkpoint was saved without a trainer state")
+        return _load(path)
+
+    def _complete_marker(self, step: int) -> dict[str, Any]:
+        directory = self.save_dir / iteration_name(step)
+        reason = _incomplete_reason(directory)
+        if reason is not None:
+            raise CheckpointError(f"cannot load step {step}: {reason}")
+        return json.loads((directory / COMPLETE).read_text())
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _incomplete_reason(directory: Path) -> str | None:
+    """A directory is complete when its marker exists and every file it lists has the recorded size (the marker
+    is written after the files are flushed, so a size match means the whole file reached the disk)."""
+    if not directory.is_dir():
+        return f"{directory} does not exist"
+    try:
+        marker = json.loads((directory / COMPLETE).read_text())
+        files = marker["files"]
+        _ = marker["tp"], marker["pp"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{directory} has no valid '{COMPLETE}' marker (a save that did not finish)"
+    for name, size in files.items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != size:
+            return f"{path} is missing or truncated"
+    return None
+
+
+def _rank_dirs(staging: Path) -> dict[str, tuple[int, int]]:
+    """``mp_rank_*`` directory name -> (tp, pp) for every rank file in ``staging``."""
+    ranks: dict[str, tuple[int, int]] = {}
+    for path in staging.iterdir():
+        match = _RANK_DIR_RE.fullmatch(path.name)
+        if match and (path / RANK_FILE).is_file():
+            ranks[path.name] = (int(match.group(1)), int(match.group(2) or 0))
+    return ranks
+
+
+def _grid_shape(staging: Path, ranks: dict[str, tuple[int, int]]) -> tuple[int, int]:
+    """(TP, PP) of the rank files, which must be the full grid: a missing rank means a rank did not finish."""
+    if not ranks:
+        raise CheckpointError(f"{staging} holds no rank files")
+    tp_size = 1 + max(t for t, _ in ranks.values())
+    pp_size = 1 + max(p for _, p in ranks.values())
+    suffixed = {"_" in name[len("mp_rank_"):] for name in ranks}
+    if suffixed == {True} and pp_size == 1:
+        raise CheckpointError(f"{staging} lacks rank files of pipeline stages after 0 (its names carry a stage)")
+    if len(suffixed) > 1:
+        raise CheckpointError(f"{staging} mixes rank directories with and without a pipeline stage")
+    missing = {(t, p) for t in range(tp_size) for p in range(pp_size)} - set(ranks.values())
+    if missing:
+        raise CheckpointError(f"{staging} lacks rank files of (tp, pp) {sorted(missing)}")
+    return tp_size, pp_size
+
+
+def _staging_step(staging: Path) -> int:
+    match = _STAGING_RE.fullmatch(staging.name)
+    if match is None:
+        raise CheckpointError(f"{staging} is not a staging directory made by CheckpointManager.stage")
+    return int(match.group(1))
+
+
+def _save_synced(obj: object, path: Path) -> None:
+    """torch.save then fsync: the marker must only ever be written after the data is on disk."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """Full unpickling: these are the trainer's own files, and optimizer / RNG states hold numpy and Python
+    objects that ``weights_only`` refuses."""
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a directory entry (layout's equivalent is private)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush the directories under ``root`` (files were flushed when written) so the rename publishes them."""
+    for path in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [root]:
+        _fsync(path)
