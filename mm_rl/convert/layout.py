@@ -80,7 +80,7 @@ def write_latest(root: Path, iteration: Iteration) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync(root)
+    fsync_path(root)
 
 
 def remove_latest_if(root: Path, iteration: Iteration) -> None:
@@ -184,7 +184,7 @@ def staged_dir(target: Path, before_swap: Callable[[], None] | None = None) -> I
     try:
         yield staging
         staging.chmod(0o755)
-        _fsync_tree(staging)
+        fsync_tree(staging)
         if before_swap is not None:
             before_swap()
         if target.exists():
@@ -200,14 +200,14 @@ def staged_dir(target: Path, before_swap: Callable[[], None] | None = None) -> I
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
     """Flush every file and directory under ``root`` to disk before it is renamed into place: otherwise a crash
     soon after could leave a complete-looking directory (and a latest file naming it) with empty files."""
     for path in sorted(root.rglob("*"), key=lambda p: -len(p.parts)) + [root]:
-        _fsync(path)
+        fsync_path(path)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

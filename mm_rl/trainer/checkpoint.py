@@ -32,6 +32,8 @@ from mm_rl.convert.layout import (
     CHECKPOINT_VERSION,
     LATEST,
     RANK_FILE,
+    fsync_path,
+    fsync_tree,
     iteration_name,
     rank_file,
     read_latest,
@@ -116,7 +118,7 @@ class CheckpointManager:
         prune. ``expected`` (the (tp, pp) ranks) is checked when given; the ranks found must form a full grid."""
         target = self.save_dir / iteration_name(step)
         self._write_marker(staging, step, expected)
-        _fsync_tree(staging)
+        fsync_tree(staging)
         if target.exists():  # re-saving a step: the latest file may name it, so it must never be half-replaced
             old = self.save_dir / f".{target.name}.tmp-{uuid.uuid4().hex}"
             target.rename(old)
@@ -124,7 +126,7 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
         else:
             staging.rename(target)
-        _fsync(self.save_dir)
+        fsync_path(self.save_dir)
         self._staging.pop(step, None)
         write_latest(self.save_dir, step)
         self.prune(keep=step)
@@ -323,18 +325,3 @@ def _load(path: Path) -> dict[str, Any]:
     """Full unpickling: these are the trainer's own files, and optimizer / RNG states hold numpy and Python
     objects that ``weights_only`` refuses."""
     return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def _fsync(path: Path) -> None:
-    """Flush a directory entry (layout's equivalent is private)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush the directories under ``root`` (files were flushed when written) so the rename publishes them."""
-    for path in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [root]:
-        _fsync(path)
