@@ -1,4 +1,5 @@
-"""`ascendfactory-cli`: write a job yaml (config), check it (check)."""
+"""`ascendfactory-cli`: write a job yaml (config), check it (check), convert checkpoints (convert), run the job
+(train) or submit it to a Ray cluster (submit)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_config(commands)
     _add_check(commands)
     _add_convert(commands)
+    _add_train(commands)
+    _add_submit(commands)
     args, extra = parser.parse_known_args(argv)
     try:
         return args.run(args, extra)
@@ -127,6 +130,53 @@ def _run_convert(args: argparse.Namespace, overrides: list[str]) -> int:
         return 1
     print(f"wrote {path}")
     return 0
+
+
+def _add_train(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("train", help="run the job: hf2mg, the GRPO loop, mg2hf", epilog=EPILOG)
+    p.add_argument("job", help="job yaml")
+    p.set_defaults(run=_run_train)
+
+
+def _run_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from mm_rl.config.loader import load_job
+    from mm_rl.config.validate import validate
+    from mm_rl.convert.errors import ConversionError
+    from mm_rl.trainer.checkpoint import CheckpointError
+    from mm_rl.trainer.grpo import TrainingStopped
+    from mm_rl.trainer.job import run_job, summary
+    from mm_rl.workers.group import WorkerError
+
+    job = load_job(args.job, overrides)
+    problems = validate(job)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        result = run_job(job)
+    except (TrainingStopped, WorkerError, CheckpointError, ConversionError) as err:
+        print(f"error: {err}\nthe last complete checkpoint is kept; run the same command again to resume from it",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; run the same command again to resume from the last checkpoint", file=sys.stderr)
+        return 130
+    print(summary(result, args.job))
+    return 0
+
+
+def _add_submit(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("submit", help="submit the job to a running Ray cluster (Ray job submission)",
+                            epilog=EPILOG)
+    p.add_argument("job", help="job yaml")
+    p.add_argument("--address", required=True, help="the cluster's dashboard address, e.g. http://HEAD:8265")
+    p.add_argument("--no-wait", action="store_true", help="return once submitted instead of streaming the logs")
+    p.set_defaults(run=_run_submit)
+
+
+def _run_submit(args: argparse.Namespace, overrides: list[str]) -> int:
+    from mm_rl.trainer.submit import submit
+
+    return submit(args.job, overrides, args.address, wait=not args.no_wait)
 
 
 if __name__ == "__main__":

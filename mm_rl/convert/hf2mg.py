@@ -11,7 +11,10 @@ was.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,7 +24,9 @@ from mm_rl.convert.errors import ConversionError, listing
 from mm_rl.convert.hf_reader import HfReader
 from mm_rl.convert.layout import (
     RELEASE,
+    check_rank_dirs,
     rank_file,
+    read_latest,
     remove_latest_if,
     save_model_state,
     staged_dir,
@@ -30,6 +35,7 @@ from mm_rl.convert.layout import (
 from mm_rl.convert.mapping import Bound, hf_layer_index, hf_shape, model_dims, shard_from_hf, stage_tensors
 from mm_rl.convert.stages import Pipeline, plan_pipeline
 
+SOURCE_RECORD = "hf2mg_source.json"  # in release/: what it was converted from, to reuse it only when that matches
 LAYER_KEYS = {"vit_layer": "model.image_encoder.vision_encoder.num_layers",
               "llm_layer": "model.text_decoder.num_layers"}
 
@@ -46,8 +52,42 @@ def hf2mg(cfg: Hf2MgCfg, model: ModelConfig, zip_crc32: bool = False) -> Path:
     reader = HfReader(hf_dir)
     plan = [stage_tensors(model, stage) for stage in pipeline.stages]
     check_checkpoint(reader, model, [b for stage in plan for b in stage])
-    write_release(reader, model, pipeline, plan, mm_dir, zip_crc32)
+    write_release(reader, model, pipeline, plan, mm_dir, zip_crc32, source_record(cfg, model))
     return mm_dir
+
+
+def source_record(cfg: Hf2MgCfg, model: ModelConfig) -> dict[str, Any]:
+    """What a conversion depends on: the source files (name, size, mtime), model.json and the layout."""
+    hf_dir = Path(cfg.hf_config.hf_dir).resolve()
+    files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(hf_dir.iterdir())
+             if p.suffix == ".safetensors" or p.name in ("config.json", "model.safetensors.index.json")}
+    parallel = cfg.parallel_config
+    return {"hf_dir": str(hf_dir), "files": files, "model": dataclasses.asdict(model), "tp": parallel.tp_size,
+            "llm_pp_layers": list(parallel.llm_pp_layers), "vit_pp_layers": list(parallel.vit_pp_layers)}
+
+
+def reusable_conversion(cfg: Hf2MgCfg, model: ModelConfig) -> str | None:
+    """None when ``cfg.mm_dir`` holds a complete conversion of the same source with the same model.json and
+    layout (checked from the record hf2mg writes and the rank files present); else why it cannot be reused."""
+    release = Path(cfg.mm_dir) / RELEASE
+    try:
+        recorded = json.loads((release / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        return f"{release} holds no complete conversion"
+    if read_latest(Path(cfg.mm_dir)) != RELEASE:
+        return f"{cfg.mm_dir}'s latest file does not name the release conversion"
+    current = source_record(cfg, model)
+    changed = [key for key in current if recorded.get(key) != current[key]]
+    if changed:
+        return f"the conversion in {release} was made with other {', '.join(changed)}"
+    pipeline = plan_pipeline(model, cfg.parallel_config)
+    try:
+        check_rank_dirs(release, pipeline.tp, pipeline.pp)
+    except ConversionError as error:
+        return str(error)
+    missing = [str(rank_file(release, t, s.pp_rank, pipeline.pp)) for s in pipeline.stages for t in range(pipeline.tp)
+               if not rank_file(release, t, s.pp_rank, pipeline.pp).is_file()]
+    return f"rank files are missing: {missing}" if missing else None
 
 
 def check_checkpoint(reader: HfReader, model: ModelConfig, bounds: list[Bound]) -> None:
@@ -109,7 +149,7 @@ def _dropped_layer(name: str, model: ModelConfig) -> bool:
 
 
 def write_release(reader: HfReader, model: ModelConfig, pipeline: Pipeline, plan: list[list[Bound]],
-                  mm_dir: Path, zip_crc32: bool = False) -> None:
+                  mm_dir: Path, zip_crc32: bool = False, record: dict[str, Any] | None = None) -> None:
     """Write every rank file into a staging directory, rename it to ``release``, then write the latest file."""
     dims = model_dims(model)
     mm_dir.mkdir(parents=True, exist_ok=True)
@@ -122,4 +162,6 @@ def write_release(reader: HfReader, model: ModelConfig, pipeline: Pipeline, plan
                 reader.release()
                 save_model_state(rank_file(staging, tp_rank, stage.pp_rank, pipeline.pp), state, zip_crc32)
                 del state
+        if record is not None:
+            (staging / SOURCE_RECORD).write_text(json.dumps(record, indent=1))
     write_latest(mm_dir, RELEASE)

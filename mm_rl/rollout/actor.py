@@ -102,6 +102,9 @@ class RolloutWorker:
     def update_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         return self.engine.update_weights(named_tensors)
 
+    def reseed(self, seed: int) -> None:
+        self.engine.reseed(seed)
+
     def sleep(self, level: int = 1) -> None:
         self.engine.sleep(level)
 

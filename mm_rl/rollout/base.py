@@ -334,6 +334,10 @@ class RolloutEngine(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the engine's resources."""
 
+    @abc.abstractmethod
+    def _reseed(self, seed: int) -> None:
+        """Restart the sampling RNG from ``seed``."""
+
     # ---- the contract
     def generate(
         self, requests: Sequence[RolloutRequest], sampling: SamplingLike | SamplingSpec, n: int | None = None
@@ -375,6 +379,13 @@ class RolloutEngine(abc.ABC):
         count = self._load_weights(named_tensors)
         self.call_log.append(("update_weights", count))
         return count
+
+    def reseed(self, seed: int) -> None:
+        """Restart sampling from ``seed``: the same requests after the same seed give the same samples. The
+        trainer reseeds before every rollout from (seed, step), so a resumed run samples what an uninterrupted
+        one did."""
+        self._reseed(seed)
+        self.call_log.append(("reseed", seed))
 
     def sleep(self, level: int = 1) -> None:
         """Free device memory for training (level 1: keep weights in host memory; 2: drop them)."""

@@ -145,6 +145,9 @@ class HfEngine(RolloutEngine):
             torch.manual_seed(self.seed + self.calls)
             yield
 
+    def _reseed(self, seed: int) -> None:
+        self.seed, self.calls = seed, 0
+
     def _generate(self, requests: Sequence[RolloutRequest], spec: SamplingSpec) -> list[list[RolloutSample]]:
         per_chunk = max(1, self.max_num_seqs // spec.n)
         results: list[list[RolloutSample]] = []

@@ -113,6 +113,16 @@ class WeightReceiver:
         if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
             head.quant_method.process_weights_after_loading(head)
 
+    def mm_rl_reseed(self, seed: int) -> None:
+        """Restart the sampler's RNG (vLLM samples from the device's default generator when requests carry no
+        seed of their own; per-request seeds crash batches on CPU)."""
+        import random
+
+        import torch
+
+        random.seed(seed)
+        torch.manual_seed(seed)
+
     def mm_rl_reload_weights_file(self, path: str) -> None:
         """Load a bucket written by :func:`_write_bucket` (multiprocess engines: tensors cannot be RPC args)."""
         import torch
@@ -361,6 +371,9 @@ class VllmEngine(RolloutEngine):
             self.llm.collective_rpc("mm_rl_reload_weights_file", args=(path,))
         finally:
             os.unlink(path)
+
+    def _reseed(self, seed: int) -> None:
+        self.llm.collective_rpc("mm_rl_reseed", args=(seed,))
 
     # -------------------------------------------------------------------------------------------- memory
     def _sleep(self, level: int) -> None:

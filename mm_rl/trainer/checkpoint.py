@@ -138,9 +138,9 @@ class CheckpointManager:
         if expected is not None and set(ranks.values()) != expected:
             raise CheckpointError(f"{staging} holds ranks {sorted(ranks.values())}, expected {sorted(expected)}")
         tp_size, pp_size = _grid_shape(staging, ranks)
-        files = {f"{name}/{RANK_FILE}": (staging / name / RANK_FILE).stat().st_size for name in ranks}
-        if (staging / TRAINER_STATE).is_file():
-            files[TRAINER_STATE] = (staging / TRAINER_STATE).stat().st_size
+        fsync_tree(staging)  # files written by others (megatron's distrib_optim.pt) are flushed before the marker
+        files = {path.relative_to(staging).as_posix(): path.stat().st_size
+                 for path in sorted(staging.rglob("*")) if path.is_file() and path.name != COMPLETE}
         marker = {"step": step, "tp": tp_size, "pp": pp_size, "files": files}
         path = staging / COMPLETE
         with open(path, "w") as f:

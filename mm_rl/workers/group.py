@@ -14,24 +14,38 @@ from typing import Any
 from mm_rl.workers.megatron_worker import MegatronWorker, RankCoords, WorkerSpec, threads_for
 
 
+class WorkerError(RuntimeError):
+    """A rank's call failed (its exception, or its process died); the message names the role, rank and grid spot."""
+
+
 class WorkerGroup:
     """Megatron ranks as Ray actors; ``cpus_per_worker`` (fractions allowed) is each rank's thread budget too.
 
-    ``resources_per_worker`` adds bundle resources (e.g. ``{"GPU": 1}`` or an NPU resource) on accelerators."""
+    ``resources_per_worker`` adds bundle resources (e.g. ``{"GPU": 1}`` or an NPU resource) on accelerators.
+    ``placement``: an existing placement group with one bundle per rank, shared with other groups (the
+    reference model colocated with the actor takes a share of the same bundles); by default the group makes
+    its own. ``worker_cls`` is the rank class (:class:`MegatronWorker` or a subclass), ``role`` names the group
+    in errors; ``num_threads`` overrides the thread budget (ranks whose phases never overlap may share cores)."""
 
     def __init__(self, spec: WorkerSpec, *, cpus_per_worker: float = 1.0,
-                 resources_per_worker: dict[str, float] | None = None, strategy: str = "PACK") -> None:
+                 resources_per_worker: dict[str, float] | None = None, strategy: str = "PACK",
+                 placement: Any = None, worker_cls: type = MegatronWorker, role: str = "actor",
+                 num_threads: int | None = None) -> None:
         import dataclasses
 
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.spec = dataclasses.replace(spec, num_threads=threads_for(cpus_per_worker))
+        self.spec = dataclasses.replace(spec, num_threads=num_threads or threads_for(cpus_per_worker))
+        self.role = role
         extra = dict(resources_per_worker or {})
-        self.placement = placement_group([{"CPU": cpus_per_worker, **extra}] * spec.world_size, strategy=strategy)
+        self.owns_placement = placement is None
+        if placement is None:
+            placement = placement_group([{"CPU": cpus_per_worker, **extra}] * spec.world_size, strategy=strategy)
+        self.placement = placement
         ray.get(self.placement.ready())
-        actor = ray.remote(MegatronWorker)
+        actor = ray.remote(worker_cls)
         gpus = extra.pop("GPU", 0)
         self.workers = [
             actor.options(num_cpus=cpus_per_worker, num_gpus=gpus, resources=extra or None,
@@ -39,8 +53,9 @@ class WorkerGroup:
                 self.spec, rank)
             for rank in range(spec.world_size)
         ]
-        address, port = ray.get(self.workers[0].rendezvous_address.remote())
-        self.coords: list[RankCoords] = self.run("init_distributed", address, port)
+        self.coords: list[RankCoords] = []
+        address, port = self._get([self.workers[0].rendezvous_address.remote()], "rendezvous_address")[0]
+        self.coords = self.run("init_distributed", address, port)
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """``method(*args, **kwargs)`` started on every rank; returns the object refs in rank order.
@@ -53,9 +68,55 @@ class WorkerGroup:
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """``method`` on every rank at once; the results in rank order."""
+        return self._get(self.submit(method, *args, **kwargs), method)
+
+    def run_sharded(self, method: str, shards: Sequence[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``method(shards[dp], *args)`` on every rank, ``dp`` being the rank's data-parallel replica."""
         import ray
 
-        return list(ray.get(self.submit(method, *args, **kwargs)))
+        if len(shards) != self.spec.dp:
+            raise ValueError(f"{len(shards)} shards for {self.spec.dp} data-parallel replicas")
+        refs = [ray.put(shard) for shard in shards]
+        args = tuple(ray.put(a) if _large(a) else a for a in args)
+        futures = [getattr(worker, method).remote(refs[coords.dp_rank], *args, **kwargs)
+                   for worker, coords in zip(self.workers, self.coords, strict=True)]
+        return self._get(futures, method)
+
+    def _get(self, futures: Sequence[Any], method: str) -> list[Any]:
+        """The results, or a :class:`WorkerError` naming the first rank that failed (Ray's error chained)."""
+        import ray
+
+        try:
+            return list(ray.get(list(futures)))
+        except (ray.exceptions.RayError, KeyboardInterrupt):
+            for rank, future in enumerate(futures):
+                try:
+                    ray.get(future, timeout=0)
+                except ray.exceptions.GetTimeoutError:
+                    continue
+                except ray.exceptions.RayError as error:
+                    raise WorkerError(f"{self.role} rank {rank}{self._where(rank)} failed in {method}: "
+                                      f"{_first_line(error)}") from error
+            raise
+
+    def _where(self, rank: int) -> str:
+        if rank >= len(self.coords):
+            return ""
+        c = self.coords[rank]
+        return f" (tp {c.tp_rank}, pp {c.pp_rank}, dp {c.dp_rank})"
+
+    def compute_log_probs_sharded(self, shards: Sequence[Sequence[dict[str, Any]]],
+                                  temperature: float = 1.0) -> list[Any]:
+        """Each DP replica scores its own shard of micro-batches; the last stage's results per replica."""
+        return self.per_replica(self.run_sharded("compute_log_probs", list(map(list, shards)), temperature))
+
+    def per_replica(self, results: Sequence[Any]) -> list[Any]:
+        """The last stage's TP-rank-0 result of every DP replica, in DP order."""
+        out: list[Any] = [None] * self.spec.dp
+        for coords, result in zip(self.coords, results, strict=True):
+            if coords.pp_rank == self.spec.pp - 1 and coords.tp_rank == 0:
+                out[coords.dp_rank] = result
+        return out
 
     def build(self, mm_dir: str | None, iteration: int | str | None = None) -> None:
         """Every rank builds its stage and loads its mp_rank file from ``mm_dir``."""
@@ -73,17 +134,26 @@ class WorkerGroup:
                 return result
         raise RuntimeError("no last-stage rank in the group")
 
-    def shutdown(self) -> None:
-        """Leave the process group on every rank, then end the actors and free the placement group."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Leave the process group on every rank (``graceful``; skip it after a failure, a dead rank would block
+        the others' barrier), then end the actors and free the placement group when this group made it."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
         try:
-            self.run("shutdown")
+            if graceful:
+                self.run("shutdown")
         finally:
             for worker in self.workers:
                 ray.kill(worker)
-            remove_placement_group(self.placement)
+            if self.owns_placement:
+                remove_placement_group(self.placement)
+
+
+def _first_line(error: BaseException) -> str:
+    """The useful line of a Ray error: the remote exception's last line rather than Ray's banner."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(error).__name__
 
 
 def _large(value: Any) -> bool:

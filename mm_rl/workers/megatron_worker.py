@@ -59,6 +59,7 @@ class WorkerSpec:
     seed: int = 1234
     num_threads: int = 1
     init_timeout_s: float = 300.0
+    bf16: bool = False  # bf16 parameters (accelerators); CPU trains in fp32
 
     @property
     def world_size(self) -> int:
@@ -131,7 +132,8 @@ class MegatronWorker:
 
         from mm_rl.models.qwen2_5_vl.model import build_model
 
-        self.model = build_model(self.spec.model, self.spec.flags, self.spec.actor)
+        dtype = torch.bfloat16 if self.spec.bf16 else torch.float32
+        self.model = build_model(self.spec.model, self.spec.flags, self.spec.actor, params_dtype=dtype)
         if mm_dir is not None:
             state = torch.load(self._rank_file(Path(mm_dir), iteration), weights_only=True)["model"]
             self.model.load_state_dict(state)

@@ -1,0 +1,96 @@
+"""The step's samples on the driver, and the micro-batches the Megatron ranks consume.
+
+A :class:`Sample` is one response with everything the step learns about it: the prompt it answers (data-set
+index and group), its ids, reward, and then the actor's old log-probs, the reference log-probs and the
+advantages, all as 1-D tensors over the response tokens. Micro-batches are right-padded prompt + response
+ids with ``labels`` shifted by one (``labels[s]`` is the token position ``s`` predicts), so the response
+token ``i`` sits at position ``len(prompt) - 1 + i`` of the log-prob rows; :func:`micro_batches` scatters
+the per-sample tensors there and :func:`response_values` reads them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from mm_rl.data.dataset import PromptItem
+
+PER_TOKEN = ("old_log_probs", "ref_log_probs", "advantages")
+
+
+@dataclass
+class Sample:
+    """One rollout response; the fields below ``reward`` are filled as the step goes."""
+
+    index: int  # data-set index of the prompt
+    group: int  # the prompt's position among the step's prompts (the GRPO group)
+    prompt_ids: list[int]
+    response_ids: list[int]
+    finish_reason: str
+    text: str = ""
+    ground_truth: str = ""
+    reward: float = 0.0
+    components: dict[str, float] = field(default_factory=dict)
+    old_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
+
+
+def micro_batches(samples: Sequence[Sample], items: dict[int, PromptItem], size: int, pad_id: int,
+                  fields: Sequence[str] = ()) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of ``size`` samples as model inputs, plus ``response_mask`` and the named per-token
+    ``fields`` of the samples (see the module docstring for the alignment)."""
+    return [_micro_batch(samples[i:i + size], items, pad_id, fields) for i in range(0, len(samples), size)]
+
+
+def _micro_batch(samples: Sequence[Sample], items: dict[int, PromptItem], pad_id: int,
+                 fields: Sequence[str]) -> dict[str, torch.Tensor]:
+    width = max(len(s.prompt_ids) + s.response_len for s in samples)
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    response_mask = torch.zeros(len(samples), width, dtype=torch.float32)
+    extra = {name: torch.zeros(len(samples), width, dtype=torch.float32) for name in fields}
+    for row, sample in enumerate(samples):
+        prompt, length = len(sample.prompt_ids), len(sample.prompt_ids) + sample.response_len
+        ids[row, :length] = torch.tensor(sample.prompt_ids + sample.response_ids, dtype=torch.long)
+        mask[row, :length] = 1
+        span = slice(prompt - 1, length - 1)
+        response_mask[row, span] = 1.0
+        for name in fields:
+            extra[name][row, span] = getattr(sample, name)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.roll(ids, -1, dims=1),
+             "response_mask": response_mask, **extra}
+    images = [items[s.index] for s in samples if items[s.index].image_grid_thw.numel()]
+    if images:
+        batch["pixel_values"] = torch.cat([item.pixel_values for item in images])
+        batch["image_grid_thw"] = torch.cat([item.image_grid_thw for item in images])
+    return batch
+
+
+def response_values(samples: Sequence[Sample], rows: Sequence[torch.Tensor], size: int) -> list[torch.Tensor]:
+    """Each sample's response slice of the per-micro-batch [B, S] ``rows`` (in the order of ``micro_batches``)."""
+    out = []
+    for i, sample in enumerate(samples):
+        row = rows[i // size][i % size]
+        start = len(sample.prompt_ids) - 1
+        out.append(row[start:start + sample.response_len].float().clone())
+    return out
+
+
+def padded(samples: Sequence[Sample], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[batch, max_response_len]`` of a per-token field and the response mask."""
+    width = max(s.response_len for s in samples)
+    values = torch.zeros(len(samples), width)
+    mask = torch.zeros(len(samples), width)
+    for row, sample in enumerate(samples):
+        values[row, :sample.response_len] = getattr(sample, name)
+        mask[row, :sample.response_len] = 1.0
+    return values, mask

@@ -1,0 +1,414 @@
+"""The GRPO loop: a single controller (this process) driving Ray actors for every heavy part.
+
+Per step::
+
+    sync       actor weights -> rollout engine (wake it first when colocated)
+    rollout    rollout_batch_size prompts x n samples (dynamic sampling: more batches until enough groups vary)
+    reward     rule reward per response (reward worker actors)
+    old_logp   actor log-probs of the sampled tokens (before any update of this step)
+    ref_logp   reference log-probs (when a KL term needs them)
+    advantages group-normalised (GRPO / Dr.GRPO), RLOO or REINFORCE++; KL in reward when asked
+    update     ppo_epochs x mini-batches; one optimizer step per mini-batch of micro-batches over DP ranks
+    metrics    jsonl + TensorBoard + one console line; checkpoint every save_interval steps and at the end
+
+Determinism (what makes a resumed run repeat an uninterrupted one): the prompt order is a pure function of
+(seed, epoch) and its position is checkpointed; the engine's sampler is reseeded from (seed, step, batch)
+before every generate; the actor trains in fp32 on CPU with fixed thread counts, and its model, optimizer,
+LR schedule and RNG states are checkpointed; the engine gets the actor's weights at the start of every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mm_rl.config.schema import JobConfig
+from mm_rl.trainer.batch import Sample, micro_batches, padded, response_values
+
+logger = logging.getLogger(__name__)
+
+TIMED_PHASES = ("sync", "rollout", "reward", "old_logp", "ref_logp", "advantages", "update", "validation")
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (too many non-finite steps, a failed worker); the message says why and what to do."""
+
+
+@dataclass
+class PhaseTimer:
+    """Wall time per phase of one step."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing/{phase}": value for phase, value in self.seconds.items()}
+
+
+def sampling_seed(seed: int, step: int, batch: int) -> int:
+    """The engine seed of generate call ``batch`` of ``step`` (validation uses batch -1)."""
+    return (seed * 1_000_003 + step * 1_009 + batch + 1) % (2**31 - 1)
+
+
+class GRPOTrainer:
+    """Builds the roles from a validated job, then :meth:`fit` runs the loop; :meth:`close` frees everything."""
+
+    def __init__(self, job: JobConfig, mm_dir: str | Path, *, say: Callable[[str], None] = print) -> None:
+        from mm_rl.trainer.roles import Roles
+
+        self.job, self.say = job, say
+        b = job.backend_config
+        self.rl, self.generate_cfg, self.training = b.rl_config, b.generate_config, b.training
+        self.out_dir = Path(job.af_output_dir)
+        self.seed = int(b.training.seed)
+        self.roles = Roles(job, Path(mm_dir), say)
+        self.step = 0
+        self.nonfinite_in_a_row = 0
+
+    # ------------------------------------------------------------------------------------------------ loop
+    def fit(self) -> list[dict[str, float]]:
+        """Train from the current step to ``train_iters``; returns the metrics of the steps run here."""
+        from mm_rl.trainer.metrics import MetricsLogger, step_line
+
+        total = self.job.backend_config.megatron_training.train_iters
+        save_every = self.job.backend_config.megatron_training.save_interval
+        history: list[dict[str, float]] = []
+        with MetricsLogger(self.out_dir, run_name=self.job.exp_name) as sink:
+            if self.rl.val_before_train and self.step == 0:
+                metrics = self.validate(0)
+                sink.log(0, metrics)
+                self.say(f"validation before training: {_val_line(metrics)}")
+            while self.step < total:
+                step = self.step + 1
+                metrics = self.train_step(step)
+                if self.rl.val_freq > 0 and step % self.rl.val_freq == 0:
+                    metrics.update(self.validate(step))
+                self.step = step
+                sink.log(step, metrics)
+                history.append(metrics)
+                self.say(step_line(step, total, metrics))
+                if step % save_every == 0 or step == total:
+                    self.save()
+        return history
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One GRPO step (see the module docstring); returns its metrics."""
+        roles, timer = self.roles, PhaseTimer()
+        start = time.perf_counter()
+        with timer("sync"):
+            sync = roles.schedule.before_rollout()
+        roles.items.clear()
+        samples, metrics = self.collect(step, timer)
+        roles.schedule.before_training()
+        with timer("old_logp"):
+            self._log_probs(roles.actor, samples, "old_log_probs")
+        if roles.ref is not None:
+            with timer("ref_logp"):
+                self._log_probs(roles.ref, samples, "ref_log_probs")
+        with timer("advantages"):
+            metrics.update(self.compute_advantages(samples))
+        with timer("update"):
+            metrics.update(self.update(samples))
+        timer.seconds["step"] = time.perf_counter() - start
+        metrics.update(timer.metrics())
+        metrics.update(_throughput(samples, timer.seconds, sync.gb_per_s))
+        return metrics
+
+    # ------------------------------------------------------------------------------------------- rollout
+    def collect(self, step: int, timer: PhaseTimer) -> tuple[list[Sample], dict[str, float]]:
+        """Rollout + reward, with dynamic sampling (drop groups whose rewards are all equal, draw more batches,
+        at most ``max_num_gen_batches``; short of groups, the dropped ones fill the batch back up)."""
+        from mm_rl.algorithms.reward_shaping import filter_zero_variance_groups
+
+        dynamic = self.rl.dynamic_sampling
+        wanted = self.rl.rollout_batch_size
+        kept: list[list[Sample]] = []
+        dropped: list[list[Sample]] = []
+        metrics: dict[str, float] = {}
+        batches = 0
+        while batches < (dynamic.max_num_gen_batches if dynamic.enable else 1):
+            groups, batch_metrics = self.generate_batch(step, batches, timer)
+            batches += 1
+            _accumulate(metrics, batch_metrics)
+            if not dynamic.enable:
+                kept = groups
+                break
+            scores = torch.tensor([s.reward for g in groups for s in g], dtype=torch.float64)
+            ids = torch.tensor([i for i, g in enumerate(groups) for _ in g])
+            keep, _ = filter_zero_variance_groups(scores, ids) if len(scores) else (torch.zeros(0, dtype=torch.bool),
+                                                                                   {})
+            start = 0
+            for group in groups:
+                (kept if bool(keep[start]) else dropped).append(group)
+                start += len(group)
+            if len(kept) >= wanted:
+                break
+        if dynamic.enable:
+            metrics["dynamic_sampling/gen_batches"] = float(batches)
+            metrics["dynamic_sampling/groups_varying"] = float(min(len(kept), wanted))
+            kept = (kept + dropped)[:wanted]
+        samples = [s for group in kept for s in group]
+        if not samples:
+            raise TrainingStopped("every prompt of the step was skipped by the rollout bounds (see rollout/* "
+                                  "counts): check max_prompt_length, seq-length and the pixel bounds")
+        for position, group in enumerate(kept):
+            for sample in group:
+                sample.group = position
+        metrics.update(_sample_metrics(samples, self.generate_cfg.sampling_config.max_tokens))
+        return samples, metrics
+
+    def generate_batch(self, step: int, batch: int, timer: PhaseTimer) -> tuple[list[list[Sample]], dict[str, float]]:
+        """One rollout batch scored: the groups (one per admitted prompt) and the batch's metrics."""
+        import ray
+
+        from mm_rl.rollout.base import sampling_for
+
+        roles = self.roles
+        indices = next(roles.sampler)
+        with timer("rollout"):
+            requests = roles.requests(indices)
+            ray.get(roles.rollout.reseed.remote(sampling_seed(self.seed, step, batch)))
+            outputs = ray.get(roles.rollout.generate.remote(requests, sampling_for(self.generate_cfg)))
+        groups = [[self.sample(index, out.prompt_ids, s.response_ids, s.finish_reason) for s in out.samples]
+                  for index, out in zip(indices, outputs, strict=True) if out.samples]
+        with timer("reward"):
+            reward_metrics = self.score([s for g in groups for s in g])
+        cut = sum(s.finish_reason == "vision_token" for g in groups for s in g)
+        return groups, outputs.metrics.as_dict() | reward_metrics | {"rollout/vision_token_cut": float(cut)}
+
+    def sample(self, index: int, prompt_ids: Sequence[int], response_ids: Sequence[int], finish_reason: str,
+               split: str = "train") -> Sample:
+        """A Sample, its response cut before the first vision special token (image pad, vision start / end).
+
+        A response may sample those ids as text; the actor's model splices images wherever the image pad id
+        appears and counts images from vision starts, so such a response cannot be scored as is. The cut
+        treats the sample as if it had stopped there (counted as ``rollout/vision_token_cut``)."""
+        dataset = self.roles.train_set if split == "train" else self.roles.val_set
+        response = list(response_ids)
+        cut = next((i for i, token in enumerate(response) if token in self.roles.vision_token_ids), None)
+        if cut is not None:
+            response, finish_reason = response[:cut], "vision_token"
+        return Sample(index, 0, list(prompt_ids), response, finish_reason, ground_truth=dataset.ground_truth(index))
+
+    def score(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """Decode and score the samples (rewards written into them); the batch's reward metrics."""
+        if not samples:
+            return {}
+        texts = self.roles.decode([s.response_ids for s in samples])
+        result = self.roles.rewards.score(texts, [s.ground_truth for s in samples])
+        for i, (sample, text, value) in enumerate(zip(samples, texts, result.scores, strict=True)):
+            sample.text, sample.reward = text, float(value)
+            sample.components = {name: float(values[i]) for name, values in result.components.items()}
+        metrics = result.metrics
+        metrics["reward/std"] = float(torch.tensor(result.scores, dtype=torch.float64).std(unbiased=False))
+        return metrics
+
+    # --------------------------------------------------------------------------------------- log-probs
+    def _log_probs(self, group: Any, samples: list[Sample], name: str) -> None:
+        """``name`` of every sample from ``group`` (the actor or the reference), DP replicas sharing the work."""
+        size = self.job.backend_config.actor_config.micro_batch_size
+        shards = _split(samples, group.spec.dp)
+        batches = [micro_batches(shard, self.roles.items, size, self.roles.pad_id) for shard in shards]
+        temperature = self.generate_cfg.sampling_config.temperature or 1.0
+        results = group.compute_log_probs_sharded(batches, temperature)
+        for shard, rows in zip(shards, results, strict=True):
+            for sample, values in zip(shard, response_values(shard, rows, size), strict=True):
+                setattr(sample, name, values)
+
+    # ------------------------------------------------------------------------------------------ advantages
+    def compute_advantages(self, samples: list[Sample]) -> dict[str, float]:
+        from mm_rl.algorithms.advantages import advantage_stats, compute_advantages
+        from mm_rl.algorithms.kl import apply_kl_in_reward
+        from mm_rl.algorithms.reward_shaping import overlong_penalty
+        from mm_rl.algorithms.token_level import scores_to_token_level
+
+        rl, metrics = self.rl, {}
+        scores = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        lengths = torch.tensor([s.response_len for s in samples])
+        if rl.overlong_buffer.enable:
+            penalty = overlong_penalty(lengths, self.generate_cfg.sampling_config.max_tokens,
+                                       rl.overlong_buffer.len, rl.overlong_buffer.penalty_factor)
+            scores = scores + penalty
+            metrics["reward/overlong_penalty"] = float(penalty.mean())
+        old, mask = padded(samples, "old_log_probs")
+        rewards: torch.Tensor = scores
+        if rl.use_kl_in_reward:
+            ref, _ = padded(samples, "ref_log_probs")
+            kl_ctrl = self.roles.kl_ctrl
+            rewards, kl_metrics = apply_kl_in_reward(scores_to_token_level(scores, mask), old, ref, mask,
+                                                     kl_ctrl.value, rl.kl_ctrl.kl_penalty)
+            kl_ctrl.update(float(kl_metrics["kl"]), n_steps=len(samples))
+            metrics.update({f"kl_in_reward/{k}": float(v) for k, v in kl_metrics.items()})
+        group_ids = torch.tensor([s.group for s in samples])
+        advantages = compute_advantages(rl.adv_estimator, rewards, mask, group_ids, epsilon=rl.adv_epsilon,
+                                        norm_by_std=rl.norm_adv_by_std, gamma=rl.gamma)
+        for row, sample in enumerate(samples):
+            sample.advantages = advantages[row, :sample.response_len].float().clone()
+        metrics.update({k: float(v) for k, v in advantage_stats(advantages, mask).items()})
+        return metrics
+
+    # ---------------------------------------------------------------------------------------------- update
+    def update(self, samples: list[Sample]) -> dict[str, float]:
+        """ppo_epochs passes of one optimizer step per mini-batch; metrics averaged over the steps."""
+        from mm_rl.workers.training import LossSpec
+
+        actor_cfg, roles = self.job.backend_config.actor_config, self.roles
+        mini = self.rl.mini_batch_size
+        usable = len(samples) - len(samples) % mini
+        loss = LossSpec(self.rl, self.generate_cfg.sampling_config.max_tokens,
+                        self.generate_cfg.sampling_config.temperature or 1.0)
+        fields = ("old_log_probs", "advantages") + (("ref_log_probs",) if roles.ref is not None else ())
+        steps: list[dict[str, float]] = []
+        for _ in range(self.rl.ppo_epochs):
+            for start in range(0, usable, mini):
+                batch = samples[start:start + mini]
+                shards = [micro_batches(shard, roles.items, actor_cfg.micro_batch_size, roles.pad_id, fields)
+                          for shard in _split(batch, roles.actor.spec.dp)]
+                results = roles.actor.run_sharded("train_mini_batch", shards, loss, self._denominator(batch),
+                                                  roles.actor.spec.dp)
+                steps.append(roles.actor.from_last_stage(results))
+        metrics = {f"actor/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
+        skipped = sum(s["skipped"] for s in steps)
+        metrics["actor/skipped_updates"] = float(skipped)
+        metrics["actor/samples_unused"] = float(len(samples) - usable)
+        self._track_nonfinite(skipped > 0)
+        return metrics
+
+    def _denominator(self, batch: Sequence[Sample]) -> float:
+        """The mini-batch's loss denominator: valid tokens (token-mean) or non-empty responses (seq-mean-*)."""
+        if self.rl.loss_agg_mode == "token-mean":
+            return float(sum(s.response_len for s in batch))
+        return float(sum(1 for s in batch if s.response_len > 0))
+
+    def _track_nonfinite(self, bad: bool) -> None:
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if bad else 0
+        if bad:
+            self.say(f"warning: non-finite loss or grad norm; the update was skipped (weights untouched), "
+                     f"{self.nonfinite_in_a_row} step(s) in a row")
+        limit = self.rl.max_consecutive_nonfinite
+        if self.nonfinite_in_a_row >= limit:
+            raise TrainingStopped(
+                f"{self.nonfinite_in_a_row} steps in a row had a NaN/inf loss or grad norm "
+                f"(rl_config.max_consecutive_nonfinite = {limit}); the run stops rather than train on garbage. "
+                "Lower backend_config.actor_config.lr, set backend_config.training.clip-grad, or check the "
+                "data; resume from the last checkpoint with the same command.")
+
+    # ------------------------------------------------------------------------------------------ validation
+    def validate(self, step: int) -> dict[str, float]:
+        """Greedy (val_sampling_config) rollouts on the validation split: ``val/...`` metrics."""
+        import ray
+
+        from mm_rl.rollout.base import sampling_for
+
+        roles = self.roles
+        if roles.val_set is None:
+            return {}
+        roles.schedule.before_rollout()  # the engine still holds the weights from before this step's update
+        start = time.perf_counter()
+        indices = list(range(len(roles.val_set)))
+        requests = roles.requests(indices, split="val")
+        ray.get(roles.rollout.reseed.remote(sampling_seed(self.seed, step, -1)))
+        outputs = ray.get(roles.rollout.generate.remote(requests, sampling_for(self.generate_cfg, validation=True)))
+        roles.schedule.before_training()
+        samples = [self.sample(index, out.prompt_ids, s.response_ids, s.finish_reason, split="val")
+                   for index, out in zip(indices, outputs, strict=True) for s in out.samples]
+        metrics = self.score(samples)
+        metrics.update(_sample_metrics(samples, self.generate_cfg.val_sampling_config.max_tokens))
+        out = {f"val/{k}": v for k, v in metrics.items() if k.startswith(("reward/", "response_length/"))}
+        out["timing/validation"] = time.perf_counter() - start
+        return out
+
+    # -------------------------------------------------------------------------------------- checkpoints
+    def save(self) -> Path:
+        """Checkpoint the current step: every rank writes its file, then this process commits the iteration."""
+        from mm_rl.trainer.metrics import METRICS_FILE, read_metrics
+
+        roles, step = self.roles, self.step
+        staging = roles.checkpoints.stage(step)
+        roles.actor.run("save_checkpoint", str(staging))
+        state = {"step": step, "sampler": roles.sampler.state_dict(), "kl_ctrl": roles.kl_ctrl.state_dict(),
+                 "nonfinite_in_a_row": self.nonfinite_in_a_row, "seed": self.seed,
+                 "metrics_history": read_metrics(self.out_dir / METRICS_FILE)}
+        roles.checkpoints.write_trainer_state(staging, state)
+        path = roles.checkpoints.commit(staging, step)
+        self.say(f"checkpoint: {path}")
+        return path
+
+    def resume(self) -> int | None:
+        """Load the checkpoint that ``resume_mode`` names (auto: the latest complete one); returns its step."""
+        from mm_rl.trainer.metrics import METRICS_FILE, truncate_after
+
+        mt, roles = self.job.backend_config.megatron_training, self.roles
+        roles.checkpoints.cleanup_stale()
+        step = roles.checkpoints.resolve_resume(mt.resume_mode)
+        if step is None:
+            return None
+        roles.check_checkpoint_grid(step)
+        roles.actor.run("load_checkpoint", str(roles.checkpoints.save_dir), step,
+                        not self.training.no_load_optim, not self.training.no_load_rng)
+        state = roles.checkpoints.load_trainer_state(step)
+        roles.sampler.load_state_dict(state["sampler"])
+        roles.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+        truncate_after(self.out_dir / METRICS_FILE, step)
+        self.step = step
+        self.say(f"resumed from step {step} ({roles.checkpoints.save_dir})")
+        return step
+
+    def close(self, graceful: bool = True) -> None:
+        self.roles.close(graceful)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _split(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
+    """``parts`` contiguous, equal shards (the caller keeps the count divisible where it matters)."""
+    size = math.ceil(len(samples) / parts)
+    return [list(samples[i * size:(i + 1) * size]) for i in range(parts)]
+
+
+def _accumulate(total: dict[str, float], batch: dict[str, float]) -> None:
+    """Counts add up over the generate calls of a step; reward means are the last batch's (overwritten)."""
+    for key, value in batch.items():
+        total[key] = total.get(key, 0.0) + value if key.startswith("rollout/") else value
+
+
+def _sample_metrics(samples: Sequence[Sample], max_tokens: int) -> dict[str, float]:
+    """Reward and response-length statistics over the samples actually trained on."""
+    lengths = torch.tensor([s.response_len for s in samples], dtype=torch.float64)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    components = {f"reward/{name}": sum(s.components.get(name, 0.0) for s in samples) / len(samples)
+                  for name in samples[0].components}
+    return components | {"reward/score": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
+            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/clip_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "batch/samples": float(len(samples)), "batch/groups": float(len({s.group for s in samples}))}
+
+
+def _throughput(samples: Sequence[Sample], seconds: dict[str, float], sync_gb_per_s: float) -> dict[str, float]:
+    tokens = sum(len(s.prompt_ids) + s.response_len for s in samples)
+    generated = sum(s.response_len for s in samples)
+
+    def rate(count: float, phase: str) -> float:
+        return count / seconds[phase] if seconds.get(phase) else 0.0
+
+    return {"throughput/tok_per_s": rate(tokens, "step"), "throughput/update_tok_per_s": rate(tokens, "update"),
+            "throughput/rollout_tok_per_s": rate(generated, "rollout"), "throughput/sync_gb_per_s": sync_gb_per_s}
+
+
+def _val_line(metrics: dict[str, float]) -> str:
+    return " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("val/reward"))

@@ -1,0 +1,270 @@
+"""The trained actor rank: a :class:`MegatronWorker` plus megatron's DDP, optimizer, LR schedule and the update.
+
+Beside what every rank does (log-probs, weight export), the actor rank
+
+- wraps its stage in megatron-core's ``DistributedDataParallel`` (contiguous fp32 grad buffers, DP all-reduce or
+  reduce-scatter with the distributed optimizer) and builds ``get_megatron_optimizer`` (Adam; weight decay
+  skipped on biases and 1-D parameters through megatron's standard overrides; the ViT on its own peak LR when it
+  is unfrozen) with an ``OptimizerParamScheduler`` (warm-up, constant / linear / cosine decay);
+- runs one optimizer step per mini-batch (:meth:`TrainingWorker.train_mini_batch`): the pipeline schedule
+  over the micro-batches with the GRPO actor loss, then the grad norm; a NaN/inf loss or grad norm on any rank
+  skips the step with the weights and optimizer state untouched;
+- gives and takes its checkpoint state (model in MindSpeed-MM names, optimizer, scheduler, RNG).
+
+Loss scaling: each micro-batch's loss is aggregated with the WHOLE mini-batch's denominator (valid tokens or
+sequences over every DP rank, see ``mm_rl.algorithms.aggregation``), so the summed micro-batch losses are the
+mini-batch loss. megatron's schedule divides each loss by the number of micro-batches and DDP averages the
+gradients over DP ranks, so the loss handed to megatron is multiplied by both to undo that.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mm_rl.workers.megatron_worker import MegatronWorker, MicroBatch
+
+if TYPE_CHECKING:
+    import torch
+
+    from mm_rl.config.schema import RLConfig
+
+VISION_ENCODER_PARAMS = "*image_encoder.encoder.*"
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The optimizer and LR schedule of the actor, in optimizer steps (one per mini-batch)."""
+
+    lr: float
+    min_lr: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    clip_grad: float
+    lr_decay_style: str
+    warmup_steps: int
+    total_steps: int
+    vision_encoder_lr: float | None = None
+    bf16: bool = False
+    use_distributed_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What the actor loss needs beside the batch: the RL settings, the response horizon and the temperature."""
+
+    rl: RLConfig
+    max_response_len: int
+    temperature: float = 1.0
+
+
+class TrainingWorker(MegatronWorker):
+    """An actor rank: call :meth:`setup_training` after ``build``; see the module docstring."""
+
+    ddp: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+
+    def setup_training(self, spec: OptimizerSpec) -> None:
+        """Wrap the built stage in DDP and create the optimizer and its LR schedule."""
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        model = self._require_model()
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=spec.use_distributed_optimizer)
+        self.ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        model.config.finalize_model_grads_func = finalize_model_grads
+        model.config.no_sync_func = self.ddp.no_sync
+        config = OptimizerConfig(optimizer="adam", lr=spec.lr, min_lr=spec.min_lr, weight_decay=spec.weight_decay,
+                                 adam_beta1=spec.adam_beta1, adam_beta2=spec.adam_beta2, clip_grad=spec.clip_grad,
+                                 bf16=spec.bf16, params_dtype=model.config.params_dtype,
+                                 use_distributed_optimizer=spec.use_distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(config, [self.ddp], config_overrides=_overrides(config, spec))
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if spec.warmup_steps else spec.lr, max_lr=spec.lr, min_lr=spec.min_lr,
+            lr_warmup_steps=spec.warmup_steps, lr_decay_steps=max(1, spec.total_steps),
+            lr_decay_style=spec.lr_decay_style, start_wd=spec.weight_decay, end_wd=spec.weight_decay,
+            wd_incr_steps=max(1, spec.total_steps), wd_incr_style="constant")
+        self.spec_optim = spec
+
+    # ------------------------------------------------------------------------------------------- update
+    def train_mini_batch(self, micro_batches: Sequence[MicroBatch], loss: LossSpec, denominator: float,
+                         dp_size: int) -> dict[str, float] | None:
+        """One optimizer step over this rank's micro-batches of a mini-batch (every rank calls it).
+
+        A micro-batch holds the log-prob inputs (see ``compute_log_probs``) plus ``response_mask``,
+        ``old_log_probs``, ``advantages`` and (with a KL loss) ``ref_log_probs``, all [B, S] aligned with
+        ``labels``. Returns the metrics (loss terms averaged over micro-batches, ``grad_norm``, ``lr``,
+        ``skipped``) on the last stage's TP-rank 0 of DP replica 0, None elsewhere.
+        """
+        import torch
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        model, coords = self._require_model(), self._require_coords()
+        model.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        scale = len(micro_batches) * dp_size  # undo the schedule's 1/num_microbatches and DDP's 1/dp
+        collected: list[dict[str, torch.Tensor]] = []
+        get_forward_backward_func()(
+            forward_step_func=functools.partial(_train_step, collected, loss, denominator, scale),
+            data_iterator=iter(micro_batches), model=[self.ddp], num_microbatches=len(micro_batches),
+            seq_length=max(int(b["input_ids"].shape[1]) for b in micro_batches),
+            micro_batch_size=max(int(b["input_ids"].shape[0]) for b in micro_batches), forward_only=False)
+        loss_finite = all(bool(torch.isfinite(m["loss"])) for m in collected)
+        metrics = self._step(loss_finite)
+        metrics.update(_sum_metrics(collected) if collected else {})
+        keep = model.layout.has_output and coords.tp_rank == 0 and coords.dp_rank == 0
+        return metrics if keep else None
+
+    def _step(self, loss_finite: bool) -> dict[str, float]:
+        """Grad norm, NaN/inf check over every rank, then the clipped step or a skip."""
+        import torch
+
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        bad = torch.tensor([0.0 if loss_finite and math.isfinite(grad_norm) else 1.0])
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if bad.item() > 0:
+            self.optimizer.zero_grad()
+            return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
+        if self.spec_optim.clip_grad > 0:
+            self.optimizer.clip_grad_norm(self.spec_optim.clip_grad)
+        self.optimizer.step_with_ready_grads()
+        self.scheduler.step(increment=1)
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0}
+
+    def poison_next_step(self) -> None:
+        """Make the next update's gradients NaN on this rank (tests of the non-finite skip)."""
+        import torch
+
+        param = next(p for p in self._require_model().parameters() if p.requires_grad)
+        param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+
+    def parameter_checksum(self) -> float:
+        """Sum of this rank's parameters in float64 (tests: did an update change the weights?)."""
+        import torch
+
+        with torch.no_grad():
+            return float(sum(p.detach().double().sum() for p in self._require_model().parameters()))
+
+    # -------------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, staging: str) -> None:
+        """Write this rank's ``model_optim_rng.pt`` into the staging iteration (every rank calls it together).
+
+        Model (MindSpeed-MM names, what mg2hf reads), optimizer, LR schedule and RNG come from DP replica 0 (the
+        other replicas hold the same); with the distributed optimizer the sharded Adam state is gathered to
+        DP rank 0 and written beside it as Megatron's ``distrib_optim.pt``."""
+        from mm_rl.trainer.checkpoint import CheckpointManager
+
+        coords, path = self._require_coords(), Path(staging)
+        rank_dir = self._checkpoint_rank_dir(path)
+        if self.spec_optim.use_distributed_optimizer:
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            self.optimizer.save_parameter_state(str(rank_dir / DISTRIB_OPTIM_FILE) if coords.dp_rank == 0 else None)
+        if coords.dp_rank == 0:
+            state = {"model": self._require_model().state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "opt_param_scheduler": self.scheduler.state_dict(), "rng_state": rng_state()}
+            CheckpointManager(path.parent, 0).write_rank(path, coords.tp_rank, coords.pp_rank, state,
+                                                         pp_size=self.spec.pp)
+
+    def load_checkpoint(self, save_dir: str, step: int, load_optim: bool, load_rng: bool) -> None:
+        """Load iteration ``step`` of ``save_dir`` into this rank (``no-load-optim`` / ``no-load-rng`` honoured)."""
+        import torch
+
+        from mm_rl.convert.layout import iteration_name
+        from mm_rl.trainer.checkpoint import CheckpointManager
+
+        coords = self._require_coords()
+        state = CheckpointManager(save_dir, 0).load(step, coords.tp_rank, coords.pp_rank, load_optim, load_rng)
+        self._require_model().load_state_dict(state["model"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.spec_optim.use_distributed_optimizer:
+                rank_dir = self._checkpoint_rank_dir(Path(save_dir) / iteration_name(step))
+                self.optimizer.load_parameter_state(str(rank_dir / DISTRIB_OPTIM_FILE))
+        if "opt_param_scheduler" in state:
+            self.scheduler.load_state_dict(state["opt_param_scheduler"])
+        if "rng_state" in state:
+            set_rng_state(state["rng_state"])
+        torch.distributed.barrier()
+
+    def _checkpoint_rank_dir(self, iteration_dir: Path) -> Path:
+        from mm_rl.convert.layout import rank_file
+
+        coords = self._require_coords()
+        return rank_file(iteration_dir, coords.tp_rank, coords.pp_rank, self.spec.pp).parent
+
+
+def _overrides(config: Any, spec: OptimizerSpec) -> dict[Any, Any]:
+    """megatron's standard overrides (no weight decay on biases and 1-D params) plus the ViT's own LR."""
+    from megatron.core.optimizer import ParamKey, get_standard_config_overrides
+
+    overrides = get_standard_config_overrides(config)
+    if spec.vision_encoder_lr is not None:
+        overrides[ParamKey(name=VISION_ENCODER_PARAMS)] = {"max_lr": spec.vision_encoder_lr,
+                                                         "min_lr": min(spec.min_lr, spec.vision_encoder_lr)}
+    return overrides
+
+
+def _train_step(collected: list[dict[str, torch.Tensor]], loss: LossSpec, denominator: float, scale: float,
+                data: Iterator[MicroBatch], model: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """megatron's forward step for the update: the actor loss of one micro-batch on the last stage."""
+    from mm_rl.algorithms.policy_loss import actor_loss
+
+    batch = next(data)
+    output = model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                   pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
+                   labels=batch["labels"], temperature=loss.temperature)
+
+    def loss_func(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        value, metrics = actor_loss(out["log_probs"], batch["old_log_probs"], batch.get("ref_log_probs"),
+                                    batch["advantages"], batch["response_mask"], out["entropy"], loss.rl,
+                                    loss.max_response_len, denominator=denominator)
+        collected.append(metrics)
+        return value * scale, {}
+
+    return output, loss_func
+
+
+def _sum_metrics(collected: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Loss terms are sums over micro-batches (each carries the mini-batch denominator); ratios are averaged."""
+    summed = {"loss", "pg_loss", "kl_loss"}
+    keys = collected[0].keys()
+    return {key: float(sum(float(m[key]) for m in collected) / (1 if key in summed else len(collected)))
+            for key in keys}
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a rank draws from: Python, numpy, torch (and the device), megatron's tracker."""
+    import numpy as np
+    import torch
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
