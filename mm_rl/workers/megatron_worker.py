@@ -285,6 +285,12 @@ class MegatronWorker:
 
         return torch.get_num_threads()
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (where a multi-node placement put it)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def shutdown(self) -> None:
         """Leave the process group (all ranks together) so the actors can exit cleanly."""
         import torch
