@@ -1,0 +1,135 @@
+"""Where a GRPO step's time goes: per-phase wall time and throughput of ``GRPOTrainer`` steps on the tiny job.
+
+The job (default ``output/tiny_grpo/job.yaml``, written by ``make demo``) runs with its outputs in a temporary
+``af_output_dir`` (hf2mg there too; no checkpoint is written): ``--steps`` calls of ``GRPOTrainer.train_step``,
+the first one a warm-up that is not counted. Printed: per phase (the trainer's ``timing/*``: sync, rollout,
+reward, old_logp, ref_logp, advantages, update) the median seconds and share of the step, the time no phase
+accounts for, the medians of ``throughput/*``, and one baseline from the same run: the last step's prompts
+generated again straight on the rollout engine (same sampling and seed, ``--repeat`` times, median), whose
+tokens per second the rollout phase's are compared with (1.00x = the trainer adds nothing around the engine).
+
+    python bench/step.py [--job output/tiny_grpo/job.yaml] [--steps 5] [--repeat 3] [--json] [a.b.c=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PHASES = ("sync", "rollout", "reward", "old_logp", "ref_logp", "advantages", "update")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", type=Path, default=Path("output/tiny_grpo/job.yaml"))
+    parser.add_argument("--steps", type=int, default=5, help="GRPO steps, the first one not counted")
+    parser.add_argument("--repeat", type=int, default=3, help="raw engine generate calls of the baseline")
+    parser.add_argument("--json", action="store_true", help="also print the results as one json line")
+    args, overrides = parser.parse_known_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first step is a warm-up)")
+    return args, overrides
+
+
+def load(job_path: Path, out_dir: Path, overrides: list[str]) -> Any:
+    """The job with its outputs in ``out_dir`` and its model and data where the job yaml points."""
+    from mm_rl.config.loader import ConfigError, load_job
+    from mm_rl.config.validate import validate
+
+    if not job_path.is_file():
+        sys.exit(f"{job_path} not found: run `make demo` (or `ascendfactory-cli config --af_model_name tiny "
+                 f"--output_file_path {job_path}`) first")
+    b = load_job(job_path, overrides).backend_config
+    sources = {"backend_config.megatron_training.tokenizer_name_or_path": b.megatron_training.tokenizer_name_or_path,
+               "backend_config.data.dataset_param.basic_parameters.dataset_dir":
+                   b.data.dataset_param.basic_parameters.dataset_dir}
+    job = load_job(job_path, [*overrides, f"af_output_dir={out_dir}",
+                              *(f"{key}={Path(value).resolve()}" for key, value in sources.items())])
+    problems = validate(job)
+    if problems:
+        raise ConfigError(problems)
+    return job
+
+
+def raw_generate(trainer: Any, step: int, repeat: int) -> float:
+    """Tokens per second of the engine alone on the last step's prompts (same sampling, same seed)."""
+    import ray
+
+    from mm_rl.rollout.base import RolloutRequest, sampling_for
+    from mm_rl.trainer.grpo import sampling_seed
+
+    roles = trainer.roles
+    requests = [RolloutRequest.from_item(item) for item in roles.items.values()]
+    sampling = sampling_for(trainer.generate_cfg)
+    roles.schedule.before_rollout()  # wake the engine and give it the weights, untimed
+    rates = []
+    for _ in range(repeat):
+        ray.get(roles.rollout.reseed.remote(sampling_seed(trainer.seed, step, 0)))
+        start = time.perf_counter()
+        outputs = ray.get(roles.rollout.generate.remote(requests, sampling))
+        seconds = time.perf_counter() - start
+        rates.append(sum(len(s.response_ids) for out in outputs for s in out.samples) / seconds)
+    roles.schedule.before_training()
+    return statistics.median(rates)
+
+
+def report(rows: list[dict[str, float]], raw_tok_per_s: float) -> dict[str, float]:
+    """Print the table; returns the numbers printed."""
+    def median(key: str) -> float:
+        return statistics.median(row.get(key, 0.0) for row in rows)
+
+    step = median("timing/step")
+    phases = {phase: median(f"timing/{phase}") for phase in PHASES if any(f"timing/{phase}" in r for r in rows)}
+    phases["(in no phase)"] = max(0.0, step - sum(phases.values()))
+    print(f"\n{len(rows)} steps counted (first step skipped); medians")
+    print(f"{'phase':<16}{'seconds':>10}{'% of step':>12}")
+    for phase, seconds in phases.items():
+        print(f"{phase:<16}{seconds:>10.3f}{100 * seconds / step:>11.1f}%")
+    print(f"{'step':<16}{step:>10.3f}{100.0:>11.1f}%")
+    top = max(PHASES, key=lambda p: phases.get(p, 0.0))
+    print(f"dominant phase: {top} ({100 * phases[top] / step:.0f}% of the step)\n")
+    throughput = {key: median(key) for key in sorted({k for r in rows for k in r if k.startswith("throughput/")})}
+    for key, value in throughput.items():
+        print(f"{key:<32}{value:>12.2f}")
+    rollout = throughput.get("throughput/rollout_tok_per_s", 0.0)
+    print(f"\nbaseline: rollout phase {rollout:.1f} generated tok/s vs raw engine generate of the same prompts "
+          f"{raw_tok_per_s:.1f} tok/s -> {rollout / raw_tok_per_s:.2f}x")
+    return ({f"timing/{k}": v for k, v in phases.items()} | {"timing/step": step} | throughput
+            | {"baseline/raw_generate_tok_per_s": raw_tok_per_s, "baseline/rollout_vs_raw": rollout / raw_tok_per_s})
+
+
+def main(argv: list[str]) -> int:
+    import ray
+
+    from mm_rl.trainer.grpo import GRPOTrainer
+    from mm_rl.trainer.job import convert_in
+    from mm_rl.trainer.metrics import step_line
+
+    args, overrides = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench_step_") as folder:
+        job = load(args.job, Path(folder), overrides)
+        trainer = GRPOTrainer(job, convert_in(job, print))
+        try:
+            rows = []
+            for step in range(1, args.steps + 1):
+                metrics = trainer.train_step(step)
+                print(step_line(step, args.steps, metrics) + f" | {metrics['timing/step']:.2f} s")
+                rows.append(metrics)
+            raw = raw_generate(trainer, args.steps, args.repeat)
+        finally:
+            trainer.close()
+            ray.shutdown()
+    results = report(rows[1:], raw)
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
