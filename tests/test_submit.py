@@ -104,7 +104,8 @@ def ray_head():
     head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=4",
                              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--temp-dir={temp_dir}",
                              "--disable-usage-stats", *(f"{k}={v}" for k, v in ports.items())],
-                            stdout=log, stderr=subprocess.STDOUT, env=cli_env(), start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=cli_env() | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})  # no 30 s drain
     address = f"http://127.0.0.1:{dashboard}"
     try:
         deadline = time.monotonic() + 120
