@@ -23,7 +23,7 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(BIN)/ascendfactory-cli config --af_model_name tiny --exp_name tiny_grpo --output_file_path $(DEMO)/job.yaml
 	$(BIN)/ascendfactory-cli check $(DEMO)/job.yaml
-	$(BIN)/ascendfactory-cli convert hf2mg --job $(DEMO)/job.yaml
+	$(BIN)/ascendfactory-cli train $(DEMO)/job.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -174,9 +174,13 @@ def _add_submit(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_submit(args: argparse.Namespace, overrides: list[str]) -> int:
-    from mm_rl.trainer.submit import submit
+    from mm_rl.trainer.submit import SubmitError, submit
 
-    return submit(args.job, overrides, args.address, wait=not args.no_wait)
+    try:
+        return submit(args.job, overrides, args.address, wait=not args.no_wait)
+    except SubmitError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

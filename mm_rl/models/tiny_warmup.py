@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mm_rl.models import tiny
+from mm_rl.models.qwen2_5_vl.rope_index import hf_token_types
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     from mm_rl.data.dataset import PromptItem, PromptProcessor
 
 MARKER = "tiny_warmup.json"
-_VERSION = 1
+_VERSION = 2  # 2: transformers gets the image token types, so it uses the 3D positions vLLM and the actor use
 _WEIGHTS = "model.safetensors"
 _IGNORE = -100
 _NOT_REASONING = {"system", "user", "assistant", "you", "are", "helpful"}  # chat-template words
@@ -176,6 +177,7 @@ def _batch(items: list[PromptItem], responses: list[list[int]]) -> dict[str, tor
     return {
         "input_ids": ids,
         "attention_mask": mask,
+        "mm_token_type_ids": hf_token_types(ids, tiny.IMAGE_TOKEN_ID),
         "labels": labels,
         "pixel_values": torch.cat([item.pixel_values for item in items]),
         "image_grid_thw": torch.cat([item.image_grid_thw for item in items]),
@@ -213,6 +215,7 @@ def sample_responses(model: Any, item: PromptItem, processor: PromptProcessor, a
         out = model.generate(
             input_ids=item.input_ids[None],
             attention_mask=torch.ones_like(item.input_ids)[None],
+            mm_token_type_ids=hf_token_types(item.input_ids[None], tiny.IMAGE_TOKEN_ID),
             pixel_values=item.pixel_values,
             image_grid_thw=item.image_grid_thw,
             do_sample=True,

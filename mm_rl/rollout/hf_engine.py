@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mm_rl.config.schema import GenerateConfig
+from mm_rl.models.qwen2_5_vl.rope_index import hf_token_types
 from mm_rl.platform.device import current_device, device_kind
 from mm_rl.rollout.base import RolloutEngine, RolloutRequest, RolloutSample, SamplingSpec
 from mm_rl.rollout.bounds import image_runs, policy_from_config
@@ -125,7 +126,8 @@ class HfEngine(RolloutEngine):
             if values is not None:
                 pixels.append(values)
                 grids.append(grid)
-        batch: dict[str, Any] = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+        batch: dict[str, Any] = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device),
+                                 "mm_token_type_ids": hf_token_types(ids, self.bounds.image_token_id).to(self.device)}
         if pixels:
             batch["pixel_values"] = torch.cat(pixels).to(self.device, self.model.dtype)
             batch["image_grid_thw"] = torch.cat(grids).to(self.device)

@@ -33,6 +33,7 @@ class Sample:
     finish_reason: str
     text: str = ""
     ground_truth: str = ""
+    engine_log_probs: torch.Tensor | None = None  # what the rollout engine reported for the sampled tokens
     reward: float = 0.0
     components: dict[str, float] = field(default_factory=dict)
     old_log_probs: torch.Tensor | None = None

@@ -117,6 +117,7 @@ class GRPOTrainer:
         roles.schedule.before_training()
         with timer("old_logp"):
             self._log_probs(roles.actor, samples, "old_log_probs")
+        metrics.update(_engine_gap(samples))
         if roles.ref is not None:
             with timer("ref_logp"):
                 self._log_probs(roles.ref, samples, "ref_log_probs")
@@ -174,7 +175,6 @@ class GRPOTrainer:
 
     def generate_batch(self, step: int, batch: int, timer: PhaseTimer) -> tuple[list[list[Sample]], dict[str, float]]:
         """One rollout batch scored: the groups (one per admitted prompt) and the batch's metrics."""
-        import ray
 
         from mm_rl.rollout.base import sampling_for
 
@@ -182,9 +182,10 @@ class GRPOTrainer:
         indices = next(roles.sampler)
         with timer("rollout"):
             requests = roles.requests(indices)
-            ray.get(roles.rollout.reseed.remote(sampling_seed(self.seed, step, batch)))
-            outputs = ray.get(roles.rollout.generate.remote(requests, sampling_for(self.generate_cfg)))
-        groups = [[self.sample(index, out.prompt_ids, s.response_ids, s.finish_reason) for s in out.samples]
+            roles.get(roles.rollout.reseed.remote(sampling_seed(self.seed, step, batch)), "rollout engine")
+            outputs = roles.get(roles.rollout.generate.remote(requests, sampling_for(self.generate_cfg)),
+                                "rollout engine")
+        groups = [[self.sample(index, out.prompt_ids, s.response_ids, s.finish_reason, s.logprobs) for s in out.samples]
                   for index, out in zip(indices, outputs, strict=True) if out.samples]
         with timer("reward"):
             reward_metrics = self.score([s for g in groups for s in g])
@@ -192,7 +193,7 @@ class GRPOTrainer:
         return groups, outputs.metrics.as_dict() | reward_metrics | {"rollout/vision_token_cut": float(cut)}
 
     def sample(self, index: int, prompt_ids: Sequence[int], response_ids: Sequence[int], finish_reason: str,
-               split: str = "train") -> Sample:
+               engine_log_probs: torch.Tensor | None = None, split: str = "train") -> Sample:
         """A Sample, its response cut before the first vision special token (image pad, vision start / end).
 
         A response may sample those ids as text; the actor's model splices images wherever the image pad id
@@ -203,7 +204,9 @@ class GRPOTrainer:
         cut = next((i for i, token in enumerate(response) if token in self.roles.vision_token_ids), None)
         if cut is not None:
             response, finish_reason = response[:cut], "vision_token"
-        return Sample(index, 0, list(prompt_ids), response, finish_reason, ground_truth=dataset.ground_truth(index))
+        logprobs = engine_log_probs[:len(response)] if engine_log_probs is not None else None
+        return Sample(index, 0, list(prompt_ids), response, finish_reason, ground_truth=dataset.ground_truth(index),
+                      engine_log_probs=logprobs)
 
     def score(self, samples: Sequence[Sample]) -> dict[str, float]:
         """Decode and score the samples (rewards written into them); the batch's reward metrics."""
@@ -311,7 +314,6 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------ validation
     def validate(self, step: int) -> dict[str, float]:
         """Greedy (val_sampling_config) rollouts on the validation split: ``val/...`` metrics."""
-        import ray
 
         from mm_rl.rollout.base import sampling_for
 
@@ -322,10 +324,11 @@ class GRPOTrainer:
         start = time.perf_counter()
         indices = list(range(len(roles.val_set)))
         requests = roles.requests(indices, split="val")
-        ray.get(roles.rollout.reseed.remote(sampling_seed(self.seed, step, -1)))
-        outputs = ray.get(roles.rollout.generate.remote(requests, sampling_for(self.generate_cfg, validation=True)))
+        roles.get(roles.rollout.reseed.remote(sampling_seed(self.seed, step, -1)), "rollout engine")
+        outputs = roles.get(roles.rollout.generate.remote(requests, sampling_for(self.generate_cfg, validation=True)),
+                            "rollout engine")
         roles.schedule.before_training()
-        samples = [self.sample(index, out.prompt_ids, s.response_ids, s.finish_reason, split="val")
+        samples = [self.sample(index, out.prompt_ids, s.response_ids, s.finish_reason, None, split="val")
                    for index, out in zip(indices, outputs, strict=True) for s in out.samples]
         metrics = self.score(samples)
         metrics.update(_sample_metrics(samples, self.generate_cfg.val_sampling_config.max_tokens))
@@ -408,6 +411,17 @@ def _throughput(samples: Sequence[Sample], seconds: dict[str, float], sync_gb_pe
 
     return {"throughput/tok_per_s": rate(tokens, "step"), "throughput/update_tok_per_s": rate(tokens, "update"),
             "throughput/rollout_tok_per_s": rate(generated, "rollout"), "throughput/sync_gb_per_s": sync_gb_per_s}
+
+
+def _engine_gap(samples: Sequence[Sample]) -> dict[str, float]:
+    """How far the engine's log-probs of the sampled tokens are from the actor's recomputation (a mismatch of
+    weights, tokens or positions shows here first); mean and max absolute difference over response tokens."""
+    pairs = [(s.engine_log_probs, s.old_log_probs) for s in samples
+             if s.engine_log_probs is not None and s.old_log_probs is not None and s.response_len]
+    if not pairs:
+        return {}
+    gaps = torch.cat([(engine - old).abs() for engine, old in pairs])
+    return {"rollout/logprob_gap_mean": float(gaps.mean()), "rollout/logprob_gap_max": float(gaps.max())}
 
 
 def _val_line(metrics: dict[str, float]) -> str:

@@ -7,6 +7,7 @@ loop reads as the algorithm and this module as the deployment.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -54,12 +55,33 @@ class Roles:
         self.kl_ctrl = make_kl_controller(b.rl_config.kl_ctrl)
         self.checkpoints = CheckpointManager(b.megatron_training.save, b.megatron_training.max_keep_ckpts)
         self.resources = plan_resources(self.job)
+        self._notices()
         self.say(f"ray: {connect(self.job, self.resources)}")
         self.placement = make_placement(self.resources)
         self._start_actor(mm_dir)
         self._start_reference(mm_dir)
         self._start_rollout()
         self._start_rewards()
+
+    def _notices(self) -> None:
+        """Flags this device cannot honour are said once, not silently dropped."""
+        t, device = self.job.backend_config.training, self.resources.device
+        if t.use_flash_attn and device == "cpu":
+            self.say("notice: use-flash-attn has no CPU kernel; attention runs through torch's SDPA")
+        if t.bf16 and device == "cpu":
+            self.say("notice: bf16 is for accelerators; on CPU the actor trains in fp32 (oneDNN bf16 is slower)")
+
+    def get(self, future: Any, role: str) -> Any:
+        """``ray.get`` of a call to a single-actor role; its failure is raised naming the role."""
+        import ray
+
+        from mm_rl.workers.group import WorkerError
+
+        try:
+            return ray.get(future)
+        except ray.exceptions.RayError as error:
+            lines = [line for line in str(error).strip().splitlines() if line.strip()]
+            raise WorkerError(f"{role} failed: {lines[-1] if lines else type(error).__name__}") from error
 
     # ------------------------------------------------------------------------------------------- workers
     def worker_spec(self, trained: bool) -> Any:
@@ -137,7 +159,9 @@ class Roles:
         import ray
 
         ray.get(self.rollout.ready.remote())
-        self.schedule = RolloutSchedule(self.actor, self.rollout, b.generate_config, b.actor_config)
+        # On CPU the engine and the actor share host memory: sleeping and offloading would free nothing.
+        schedule = dataclasses.replace(b.generate_config, colocate=b.generate_config.colocate and res.device != "cpu")
+        self.schedule = RolloutSchedule(self.actor, self.rollout, schedule, b.actor_config)
         self.say(f"rollout: {b.generate_config.backend} engine ready")
 
     def _start_rewards(self) -> None:
@@ -152,10 +176,20 @@ class Roles:
         from mm_rl.rollout.base import RolloutRequest
 
         dataset = self.train_set if split == "train" else self.val_set
-        items = [dataset[i] for i in indices]
+        items = self._load(dataset, indices)
         if split == "train":
             self.items.update(zip(indices, items, strict=True))
         return [RolloutRequest.from_item(item) for item in items]
+
+    def _load(self, dataset: Any, indices: Sequence[int]) -> list[Any]:
+        """Decode and process the rows (images, pixels), with ``num-workers`` threads when asked."""
+        workers = self.job.backend_config.training.num_workers
+        if workers <= 0:
+            return [dataset[i] for i in indices]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(dataset.__getitem__, indices))
 
     def decode(self, responses: Sequence[Sequence[int]]) -> list[str]:
         return self.processor.tokenizer.batch_decode([list(r) for r in responses], skip_special_tokens=True)

@@ -75,7 +75,10 @@ def connect(job: JobConfig, resources: Resources) -> str:
     if ray.is_initialized():
         return "the Ray cluster this process already joined"
     address = job.env.RAY_ADDRESS or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                                # the per-step lines are the progress report; the engines' INFO lines would bury them
+                                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                                "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning")}}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return f"Ray cluster at {address}"

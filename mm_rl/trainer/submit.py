@@ -8,6 +8,7 @@ streamed until the job ends, unless ``--no-wait``.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -53,16 +54,38 @@ def submit(job_path: str, overrides: Sequence[str], address: str, *, wait: bool 
     if problems:
         raise ConfigError(problems)
     absolute_paths(node, Path.cwd())
-    client = JobSubmissionClient(address)
-    with tempfile.TemporaryDirectory(prefix="mm_rl-submit-") as folder:
-        write_job_yaml(node, Path(folder) / "job.yaml", header="submitted by ascendfactory-cli submit")
-        job_id = client.submit_job(entrypoint="ascendfactory-cli train job.yaml",
-                                   runtime_env={"working_dir": folder})
+    _use_token_if_present()
+    try:
+        client = JobSubmissionClient(address)
+        with tempfile.TemporaryDirectory(prefix="mm_rl-submit-") as folder:
+            write_job_yaml(node, Path(folder) / "job.yaml", header="submitted by ascendfactory-cli submit")
+            job_id = client.submit_job(entrypoint="ascendfactory-cli train job.yaml",
+                                       runtime_env={"working_dir": folder})
+    except Exception as error:  # Ray raises ConnectionError, RuntimeError or its own auth errors here
+        raise SubmitError(f"could not submit to {address}: {_last_line(error)}. Is the head's dashboard at that "
+                          "address (ray start --head prints it; default port 8265), and, with token "
+                          "authentication on, is RAY_AUTH_MODE=token set with the cluster's token?") from error
     say(f"submitted {job_id} to {address}")
     if not wait:
         say(f"follow it with: ray job logs --address {address} --follow {job_id}")
         return 0
     return follow(client, job_id, say, poll_s)
+
+
+class SubmitError(RuntimeError):
+    """The cluster could not be reached or refused the job; the message says what to check."""
+
+
+def _use_token_if_present() -> None:
+    """Ray's token authentication: a head started where ``~/.ray/auth_token`` exists requires the token, and
+    the client only sends it in token mode; turn that on when the token file exists and nothing says otherwise."""
+    if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def _last_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def follow(client: object, job_id: str, say: Callable[[str], None], poll_s: float) -> int:

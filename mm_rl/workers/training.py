@@ -155,12 +155,12 @@ class TrainingWorker(MegatronWorker):
         param = next(p for p in self._require_model().parameters() if p.requires_grad)
         param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
 
-    def parameter_checksum(self) -> float:
-        """Sum of this rank's parameters in float64 (tests: did an update change the weights?)."""
+    def parameter_sums(self) -> dict[str, float]:
+        """Each parameter's sum in float64 (tests: which weights did an update change?)."""
         import torch
 
         with torch.no_grad():
-            return float(sum(p.detach().double().sum() for p in self._require_model().parameters()))
+            return {name: float(p.detach().double().sum()) for name, p in self._require_model().named_parameters()}
 
     # -------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, staging: str) -> None:

@@ -1,0 +1,115 @@
+"""The actor rank's update on its own (one TrainingWorker in a Ray actor, tiny model, text-only batches):
+a step changes the weights and a NaN step leaves them (and the optimizer) untouched; weight decay spares
+biases and norms; the LR schedule warms up and decays; a dead rank fails the call with a message naming it."""
+
+import math
+
+import pytest
+import torch
+
+from mm_rl.config.schema import Hf2MgCfg, HfConfig, ParallelConfig, RLConfig
+from mm_rl.workers.training import LossSpec, OptimizerSpec
+
+SPEC = OptimizerSpec(lr=1e-3, min_lr=1e-4, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, clip_grad=1.0,
+                     lr_decay_style="cosine", warmup_steps=2, total_steps=6)
+LOSS = LossSpec(RLConfig(kl_loss_coef=0.0, use_kl_loss=False), max_response_len=4)
+
+
+@pytest.fixture(scope="module")
+def mm_dir(tmp_path_factory):
+    from mm_rl.convert import hf2mg, model_config_from_hf
+    from mm_rl.models.tiny import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    hf_dir = build_tiny_checkpoint(root / "hf", seed=0)
+    model = model_config_from_hf(hf_dir)
+    parallel = ParallelConfig(tp_size=1, llm_pp_layers=[4], vit_pp_layers=[2])
+    hf2mg(Hf2MgCfg(mm_dir=str(root / "mm"), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel),
+          model)
+    return root / "mm", model
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _group(ray_session, mm_dir, spec: OptimizerSpec):
+    from mm_rl.workers.group import WorkerGroup
+    from mm_rl.workers.megatron_worker import WorkerSpec
+    from mm_rl.workers.training import TrainingWorker
+
+    path, model = mm_dir
+    group = WorkerGroup(WorkerSpec(model), cpus_per_worker=1.0, worker_cls=TrainingWorker)
+    group.build(str(path))
+    group.run("setup_training", spec)
+    return group
+
+
+def _batch(group, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Two rows of random tokens; the last 4 positions are the response, half the rows with advantage +1."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1000, (2, 12), generator=generator)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.roll(ids, -1, dims=1)}
+    old = group.compute_log_probs([batch])[0]
+    mask = torch.zeros(2, 12)
+    mask[:, 7:11] = 1.0
+    return [batch | {"response_mask": mask, "old_log_probs": old, "advantages": torch.tensor([[1.0], [-1.0]]) * mask}]
+
+
+def test_update_and_non_finite_skip(ray_session, mm_dir):
+    group = _group(ray_session, mm_dir, SPEC)
+    try:
+        batch = _batch(group)
+        before = group.run("parameter_sums")[0]
+        metrics = group.run("train_mini_batch", batch, LOSS, 8.0, 1)[0]
+        assert metrics["skipped"] == 0.0 and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+        after = group.run("parameter_sums")[0]
+        changed = {k for k in before if before[k] != after[k]}
+        assert changed and not any(k.startswith("image_encoder.encoder.") for k in changed)  # ViT frozen
+
+        group.run("poison_next_step")
+        skipped = group.run("train_mini_batch", _batch(group, 1), LOSS, 8.0, 1)[0]
+        assert skipped["skipped"] == 1.0 and not math.isfinite(skipped["grad_norm"])
+        assert group.run("parameter_sums")[0] == after  # weights untouched by the NaN step
+        healthy = group.run("train_mini_batch", _batch(group, 2), LOSS, 8.0, 1)[0]
+        assert healthy["skipped"] == 0.0 and math.isfinite(healthy["grad_norm"])  # no NaN left behind
+        assert group.run("parameter_sums")[0] != after
+    finally:
+        group.shutdown()
+
+
+def test_weight_decay_spares_biases_and_norms_and_lr_follows_the_schedule(ray_session, mm_dir):
+    spec = OptimizerSpec(**{**SPEC.__dict__, "weight_decay": 0.5})
+    group = _group(ray_session, mm_dir, spec)
+    try:
+        batch = _batch(group)
+        batch[0]["advantages"] = torch.zeros_like(batch[0]["advantages"])  # zero loss: only the decay moves weights
+        lrs = []
+        for _ in range(6):
+            before = group.run("parameter_sums")[0]
+            lrs.append(group.run("train_mini_batch", batch, LOSS, 8.0, 1)[0]["lr"])
+        after = group.run("parameter_sums")[0]
+        moved = {k for k in after if after[k] != before[k]}
+        assert any(k.endswith("linear_qkv.weight") for k in moved)  # matrices decay
+        assert not any(k.endswith((".bias", "layernorm.weight", "final_layernorm.weight")) for k in moved)
+        assert lrs[0] < lrs[1] < lrs[2] and lrs[2] == pytest.approx(1e-3)  # warm-up over 2 steps
+        assert lrs[2] > lrs[3] > lrs[4] > lrs[5] >= 1e-4  # cosine decay towards min_lr
+    finally:
+        group.shutdown()
+
+
+def test_a_dead_rank_fails_the_call_naming_role_and_rank(ray_session, mm_dir):
+    from mm_rl.workers.group import WorkerError
+
+    group = _group(ray_session, mm_dir, SPEC)
+    try:
+        ray_session.kill(group.workers[0])
+        with pytest.raises(WorkerError, match=r"actor rank 0 \(tp 0, pp 0, dp 0\) failed in ready"):
+            group.run("ready")
+    finally:
+        group.shutdown(graceful=False)

@@ -1,0 +1,64 @@
+"""Shared set-up of the trainer tests: one tiny model + synthetic data set per session, short job yamls."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from mm_rl.config.loader import load_job
+from mm_rl.config.schema import JobConfig
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+CLI = [sys.executable, "-m", "cli.main"]
+
+# A short run: 4 prompts x 8 samples, GBS 16 (two optimizer steps per GRPO step), 24-token answers.
+SHORT = (
+    "backend_config.rl_config.rollout_batch_size=4",
+    "backend_config.megatron_training.global_batch_size=16",
+    "backend_config.generate_config.sampling_config.max_tokens=24",
+    "backend_config.actor_config.lr=2e-4",
+)
+
+
+def build_assets(root: Path) -> Path:
+    """The tiny job yaml with its checkpoint (format warm-up done) and data, built once; returns the yaml."""
+    job = root / "job.yaml"
+    if not job.is_file():
+        result = subprocess.run([*CLI, "config", "--af_model_name", "tiny", "--exp_name", "t",
+                                 "--output_file_path", str(job), f"af_output_dir={root}"],
+                                cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return job
+
+
+def overrides(assets: Path, out: Path, *extra: str) -> list[str]:
+    """Point a run at its own output directory while sharing the assets (checkpoint, data)."""
+    return [f"af_output_dir={out}",
+            f"backend_config.megatron_training.tokenizer_name_or_path={assets / 'tiny_hf'}",
+            f"backend_config.data.dataset_param.basic_parameters.dataset_dir={assets / 'geo3k_synthetic'}",
+            *SHORT, *extra]
+
+
+def job_for(job_yaml: Path, assets: Path, out: Path, *extra: str) -> JobConfig:
+    return load_job(job_yaml, overrides(assets, out, *extra))
+
+
+def train_cli(job_yaml: Path, assets: Path, out: Path, *extra: str, **popen: Any) -> subprocess.Popen[str]:
+    """``ascendfactory-cli train`` in a child process (its own Ray instance)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.Popen([*CLI, "train", str(job_yaml), *overrides(assets, out, *extra)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+DETERMINISTIC_PREFIXES = ("reward/", "actor/", "advantages/", "response_length/", "batch/", "val/reward",
+                          "rollout/logprob_gap")
+
+
+def deterministic(record: dict[str, Any]) -> dict[str, Any]:
+    """The metrics that must repeat exactly (everything but wall times and rates)."""
+    return {k: v for k, v in record.items() if k.startswith(DETERMINISTIC_PREFIXES)}
