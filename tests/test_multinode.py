@@ -12,13 +12,13 @@ what they ask in a real run; nothing is patched but a probe of where the ranks r
 
 import re
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from mp_utils import free_port
+from trainer_utils import write_job
 
 pytestmark = pytest.mark.slow
 
@@ -33,24 +33,6 @@ SHORT_RUN = [
 ]
 NODE_CPUS = (1, 1, 1, 1)  # the head first
 OBJECT_STORE = 200 * 1024 * 1024
-
-
-@pytest.fixture(scope="session")
-def tiny_base(tmp_path_factory) -> Path:
-    """The tiny HF checkpoint, synthetic data and job yaml, built once per pytest session (~25-40 s)."""
-    base = tmp_path_factory.getbasetemp() / "tiny_base"
-    if not (base / ".built").exists():
-        subprocess.run([str(BIN / "ascendfactory-cli"), "config", "--af_model_name", "tiny", "--exp_name",
-                        "tiny_test", "--output_file_path", str(base / "job.yaml"), f"af_output_dir={base}"],
-                       check=True, capture_output=True, text=True)
-        (base / ".built").touch()
-    return base
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -77,21 +59,6 @@ def cluster():
             ray.shutdown()
             nodes.shutdown()
             shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def write_job(base: Path, folder: Path) -> Path:
-    """A job yaml in ``folder`` (outputs there) on the session's tiny checkpoint and data."""
-    from omegaconf import OmegaConf
-
-    node = OmegaConf.load(base / "job.yaml")
-    for key, value in {"af_output_dir": str(folder / "out"),
-                       "backend_config.megatron_training.tokenizer_name_or_path": str(base / "tiny_hf"),
-                       "backend_config.data.dataset_param.basic_parameters.dataset_dir":
-                           str(base / "geo3k_synthetic")}.items():
-        OmegaConf.update(node, key, value)
-    path = folder / "job.yaml"
-    OmegaConf.save(node, path)
-    return path
 
 
 def test_job_ranks_run_on_two_nodes(cluster, tiny_base, tmp_path, monkeypatch):

@@ -18,7 +18,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,8 @@ import time
 from pathlib import Path
 
 import pytest
+from mp_utils import free_port
+from trainer_utils import write_job
 
 pytestmark = pytest.mark.slow
 
@@ -58,39 +59,6 @@ def cli_env() -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="session")
-def tiny_base(tmp_path_factory) -> Path:
-    """The tiny HF checkpoint, synthetic data and job yaml, built once per pytest session (~25-40 s)."""
-    base = tmp_path_factory.getbasetemp() / "tiny_base"
-    if not (base / ".built").exists():
-        subprocess.run([CLI, "config", "--af_model_name", "tiny", "--exp_name", "tiny_test",
-                        "--output_file_path", str(base / "job.yaml"), f"af_output_dir={base}"],
-                       check=True, capture_output=True, text=True)
-        (base / ".built").touch()
-    return base
-
-
-def write_job(base: Path, folder: Path) -> Path:
-    """A job yaml in ``folder`` (outputs there) on the session's tiny checkpoint and data."""
-    from omegaconf import OmegaConf
-
-    node = OmegaConf.load(base / "job.yaml")
-    for key, value in {"af_output_dir": str(folder / "out"),
-                       "backend_config.megatron_training.tokenizer_name_or_path": str(base / "tiny_hf"),
-                       "backend_config.data.dataset_param.basic_parameters.dataset_dir":
-                           str(base / "geo3k_synthetic")}.items():
-        OmegaConf.update(node, key, value)
-    path = folder / "job.yaml"
-    OmegaConf.save(node, path)
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ray_head():
     """A Ray head with the dashboard (job submission API); yields its http address."""

@@ -19,17 +19,16 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from trainer_utils import TESTS, deterministic, job_for, train_cli  # noqa: E402
 
 from mm_rl.trainer.metrics import read_metrics  # noqa: E402
-from trainer_utils import TESTS, build_assets, deterministic, job_for, train_cli  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_assets")
-    return build_assets(root), root
+def assets(tiny_base):
+    return tiny_base / "job.yaml", tiny_base
 
 
 def _run_job(job):
@@ -152,7 +151,8 @@ def test_grpo_raises_the_reward_it_is_given(assets, tmp_path, monkeypatch):
     out = tmp_path / "run"
     job = job_for(job_yaml, root, out, "backend_config.megatron_training.train_iters=40",
                   "backend_config.megatron_training.save_interval=40",
-                  "backend_config.rl_config.rollout_batch_size=8", "backend_config.megatron_training.global_batch_size=32",
+                  "backend_config.rl_config.rollout_batch_size=8",
+                  "backend_config.megatron_training.global_batch_size=32",
                   "backend_config.actor_config.lr=3e-4",
                   "backend_config.rl_config.reward.function=target_digit_reward:compute_score")
     _run_job(job)

@@ -15,6 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 CLI = [sys.executable, "-m", "cli.main"]
 
+ASSET_KEYS = ("af_output_dir", "backend_config.megatron_training.tokenizer_name_or_path",
+              "backend_config.data.dataset_param.basic_parameters.dataset_dir")
 # A short run: 4 prompts x 8 samples, GBS 16 (two optimizer steps per GRPO step), 24-token answers.
 SHORT = (
     "backend_config.rl_config.rollout_batch_size=4",
@@ -24,23 +26,23 @@ SHORT = (
 )
 
 
-def build_assets(root: Path) -> Path:
-    """The tiny job yaml with its checkpoint (format warm-up done) and data, built once; returns the yaml."""
-    job = root / "job.yaml"
-    if not job.is_file():
-        result = subprocess.run([*CLI, "config", "--af_model_name", "tiny", "--exp_name", "t",
-                                 "--output_file_path", str(job), f"af_output_dir={root}"],
-                                cwd=REPO, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-    return job
+def write_job(base: Path, folder: Path) -> Path:
+    """A job yaml in ``folder`` (outputs in ``folder/out``) on the session's tiny checkpoint and data."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(base / "job.yaml")
+    for key, value in zip(ASSET_KEYS, (str(folder / "out"), str(base / "tiny_hf"), str(base / "geo3k_synthetic")),
+                          strict=True):
+        OmegaConf.update(node, key, value)
+    path = folder / "job.yaml"
+    OmegaConf.save(node, path)
+    return path
 
 
 def overrides(assets: Path, out: Path, *extra: str) -> list[str]:
     """Point a run at its own output directory while sharing the assets (checkpoint, data)."""
-    return [f"af_output_dir={out}",
-            f"backend_config.megatron_training.tokenizer_name_or_path={assets / 'tiny_hf'}",
-            f"backend_config.data.dataset_param.basic_parameters.dataset_dir={assets / 'geo3k_synthetic'}",
-            *SHORT, *extra]
+    values = (str(out), str(assets / "tiny_hf"), str(assets / "geo3k_synthetic"))
+    return [f"{key}={value}" for key, value in zip(ASSET_KEYS, values, strict=True)] + [*SHORT, *extra]
 
 
 def job_for(job_yaml: Path, assets: Path, out: Path, *extra: str) -> JobConfig:
