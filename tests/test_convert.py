@@ -163,7 +163,7 @@ def test_on_disk_layout_tp2_pp2(tiny_untied, tmp_path):
     assert (mm_dir / "latest_checkpointed_iteration.txt").read_bytes() == b"release"
     assert sorted(p.name for p in mm_dir.iterdir()) == ["latest_checkpointed_iteration.txt", "release"]
     assert sorted(p.name for p in (mm_dir / "release").iterdir()) == [
-        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+        "hf2mg_source.json", "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     stage0 = ({"image_encoder.encoder.patch_embed.proj.weight", "text_decoder.embedding.word_embeddings.weight"}
               | vit_keys(0) | vit_keys(1) | MERGER | llm_keys(0))
     stage1 = (llm_keys(0) | llm_keys(1) | llm_keys(2)
@@ -410,3 +410,29 @@ def test_model_config_from_hf_matches_the_presets(tiny_untied):
                           "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2}}
     preset = json.loads((MODEL_DIR / "qwen2_5_vl_7b.json").read_text())
     assert model_config_from_hf(published_7b) == load_section(ModelConfig, preset)
+
+
+def test_a_conversion_is_reused_only_when_source_model_and_layout_match(tiny_untied, tmp_path):
+    """``train`` skips hf2mg only when the recorded source files, model.json and layout are the current ones."""
+    import os
+
+    from mm_rl.convert.hf2mg import reusable_conversion
+
+    mm_dir = tmp_path / "mm"
+    cfg = Hf2MgCfg(mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(tiny_untied)),
+                   parallel_config=parallel(2, [2, 0], [1, 3]))
+    model = model_for(tiny_untied, [2, 0], [1, 3])
+    assert "no complete conversion" in reusable_conversion(cfg, model)
+    hf2mg(cfg, model)
+    assert reusable_conversion(cfg, model) is None
+    other_layout = Hf2MgCfg(mm_dir=str(mm_dir), hf_config=cfg.hf_config, parallel_config=parallel(1, [2, 0], [1, 3]))
+    assert "other tp" in reusable_conversion(other_layout, model)
+    weights = sorted(tiny_untied.glob("*.safetensors"))[0]
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # the checkpoint was rewritten
+    try:
+        assert "other files" in reusable_conversion(cfg, model)
+    finally:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    (mm_dir / "release" / "mp_rank_01_001").rename(mm_dir / "release" / "gone")
+    assert "mp_rank_01_001" in reusable_conversion(cfg, model)

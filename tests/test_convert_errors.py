@@ -134,7 +134,8 @@ def test_interrupted_hf2mg_leaves_the_previous_conversion(tiny, tmp_path, monkey
     with pytest.raises(OSError, match="disk full"):
         to_mg(tiny, mm_dir, 2, [2, 0], [2, 2])
     assert sorted(p.name for p in mm_dir.iterdir()) == ["latest_checkpointed_iteration.txt", "release"]
-    assert sorted(p.name for p in (mm_dir / "release").iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert sorted(p.name for p in (mm_dir / "release").iterdir()) == [
+        "hf2mg_source.json", "mp_rank_00_000", "mp_rank_00_001"]
     assert all(torch.equal(before[k], v) for k, v in rank_state(mm_dir, 0, 1, 2)["model"].items())
     with pytest.raises(OSError, match="disk full"):  # and into a fresh directory: nothing at all
         calls.clear()

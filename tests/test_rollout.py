@@ -117,11 +117,14 @@ def engine(request):
 # ----------------------------------------------------------------------------------------------------- helpers
 def recompute(reference, request, response_ids, temperature):
     """Log-probs of ``response_ids`` after the prompt, from one full forward pass (logits / temperature)."""
+    from mm_rl.models.qwen2_5_vl.rope_index import hf_token_types
+
     ids = torch.tensor([request.prompt_ids + list(response_ids)])
     with torch.no_grad():
         logits = reference(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
+            mm_token_type_ids=hf_token_types(ids, tiny.IMAGE_TOKEN_ID),
             pixel_values=request.pixel_values,
             image_grid_thw=request.image_grid_thw,
         ).logits[0]
