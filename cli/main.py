@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from collections.abc import Sequence
 
@@ -69,17 +70,40 @@ def _materialise_embedded(job: JobConfig) -> None:
     digits drawn at random): GRPO then starts, like a real run from an instruct model, with the format mostly
     right and accuracy at chance.
     """
-    from mm_rl.data.synthetic import write_synthetic_geo3k
+    from mm_rl.data.synthetic import DEMO_TEMPLATES, write_synthetic_geo3k
     from mm_rl.models.tiny import build_tiny_checkpoint
     from mm_rl.models.tiny_warmup import warm_up_format
 
     b = job.backend_config
     hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir)
-    data_dir = write_synthetic_geo3k(b.data.dataset_param.basic_parameters.dataset_dir, seed=b.training.seed)
+    data_dir = write_synthetic_geo3k(b.data.dataset_param.basic_parameters.dataset_dir, seed=b.training.seed,
+                                     templates=DEMO_TEMPLATES)
     print(f"embedded synthetic geo3k data: {data_dir}")
-    warm = warm_up_format(hf_dir, data_dir)
+    try:
+        warm = warm_up_format(hf_dir, data_dir)
+    except ValueError:  # warmed up by another mm_rl version: the tiny checkpoint is derived data, rebuild it
+        _start_over(job)
+        hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir)
+        warm = warm_up_format(hf_dir, data_dir)
     print(f"embedded tiny model: {hf_dir} (format warm-up: format rate {warm['before']['format']:.2f} -> "
           f"{warm['after']['format']:.2f}, accuracy {warm['after']['accuracy']:.2f})")
+
+
+def _start_over(job: JobConfig) -> None:
+    """Remove an embedded model built by another mm_rl version, with the checkpoints and metrics trained from it
+    (resuming them onto the rebuilt model would mix two runs)."""
+    from pathlib import Path
+
+    b = job.backend_config
+    stale = [Path(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir), Path(b.megatron_training.save),
+             Path(job.af_output_dir) / "metrics.jsonl", Path(job.af_output_dir) / "tensorboard"]
+    print(f"the embedded tiny model in {stale[0]} was built by another mm_rl version: rebuilding it and removing "
+          "the checkpoints and metrics trained from it")
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def _add_check(commands: argparse._SubParsersAction) -> None:

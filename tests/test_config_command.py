@@ -120,13 +120,12 @@ def test_bad_cli_value_is_an_error_not_a_traceback(tmp_path, capsys):
         create_job("tiny", "x", ClusterSpec(), overrides=["--env.NNODES"])
 
 
-def test_tiny_config_builds_its_model_and_data_and_passes_check(tmp_path, capsys):
-    out = tmp_path / "job.yaml"
-    assert main(["config", "--af_model_name", "tiny", "--output_file_path", str(out),
-                 f"--af_output_dir={tmp_path / 'run'}"]) == 0
-    assert (tmp_path / "run" / "tiny_hf" / "model.safetensors").is_file()
-    assert (tmp_path / "run" / "geo3k_synthetic" / "train.parquet").is_file()
-    assert (tmp_path / "run" / "tiny_hf" / "tiny_warmup.json").is_file()
+def test_tiny_config_builds_its_model_and_data_and_passes_check(tiny_base, capsys):
+    """The session's ``config --af_model_name tiny`` (conftest) built everything the job names."""
+    out = tiny_base / "job.yaml"
+    assert (tiny_base / "tiny_hf" / "model.safetensors").is_file()
+    assert (tiny_base / "geo3k_synthetic" / "train.parquet").is_file()
+    assert (tiny_base / "tiny_hf" / "tiny_warmup.json").is_file()
     assert main(["check", str(out)]) == 0  # includes the tiny model.json vs the checkpoint's config.json
     assert "world 1 = TP 1 x PP 1 x DP 1" in capsys.readouterr().out
     cfg = load_job(out)

@@ -17,6 +17,8 @@ from mm_rl.models.tiny import build_tiny_checkpoint  # noqa: E402
 from mm_rl.models.tiny_warmup import MARKER, target_response, warm_up_format  # noqa: E402
 from mm_rl.rewards.geo3k import compute_score  # noqa: E402
 
+STEPS = 120  # the mechanics need a short warm-up; the default one is checked on the session's tiny job
+
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
@@ -29,16 +31,16 @@ def warmed(tmp_path_factory, data_dir):
     hf_dir = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
     before = {p.name: p.read_bytes() for p in hf_dir.iterdir()}
     threads, rng = torch.get_num_threads(), torch.random.get_rng_state()
-    metrics = warm_up_format(hf_dir, data_dir, seed=0)
+    metrics = warm_up_format(hf_dir, data_dir, seed=0, steps=STEPS)
     state = (threads, rng, torch.get_num_threads(), torch.random.get_rng_state())
     return hf_dir, before, metrics, state
 
 
 def test_target_responses_have_the_format_and_vary():
     rng = random.Random(0)
-    responses = [target_response(rng, ["side", "angle", "find"]) for _ in range(50)]
+    responses = [target_response(rng, ["14", "3"]) for _ in range(50)]
     assert all(compute_score(r, "5")["format"] == 1.0 for r in responses)
-    assert len(set(responses)) > 25
+    assert all(r.startswith("<think> 14 3 </think>") for r in responses)  # the givens restated
     assert {r[-2] for r in responses} == set("123456789")  # digits drawn at random, all of 1..9
 
 
@@ -83,18 +85,18 @@ def test_second_call_is_a_no_op_and_other_arguments_are_refused(warmed, data_dir
     hf_dir, _, metrics, _ = warmed
     weights, marker = hf_dir / "model.safetensors", hf_dir / MARKER
     stamps = weights.stat().st_mtime_ns, marker.stat().st_mtime_ns
-    assert warm_up_format(hf_dir, data_dir, seed=0) == metrics
+    assert warm_up_format(hf_dir, data_dir, seed=0, steps=STEPS) == metrics
     assert (weights.stat().st_mtime_ns, marker.stat().st_mtime_ns) == stamps
     assert json.loads(marker.read_text())["metrics"] == metrics
     with pytest.raises(ValueError, match="other arguments"):
-        warm_up_format(hf_dir, data_dir, seed=1)
+        warm_up_format(hf_dir, data_dir, seed=1, steps=STEPS)
     assert weights.stat().st_mtime_ns == stamps[0]
 
 
 def test_same_seed_gives_identical_weights(warmed, data_dir, tmp_path):
     hf_dir, _, metrics, _ = warmed
     again = build_tiny_checkpoint(tmp_path / "again", seed=0)
-    repeat = warm_up_format(again, data_dir, seed=0)
+    repeat = warm_up_format(again, data_dir, seed=0, steps=STEPS)
     assert (again / "model.safetensors").read_bytes() == (hf_dir / "model.safetensors").read_bytes()
     measured = ("before", "after", "losses")
     assert {k: repeat[k] for k in measured} == {k: metrics[k] for k in measured}
@@ -104,3 +106,10 @@ def test_refuses_a_directory_that_is_not_a_tiny_checkpoint(tmp_path, data_dir):
     with pytest.raises(ValueError, match="not a tiny checkpoint"):
         warm_up_format(tmp_path, data_dir)
     assert tiny_warmup.WarmupArgs().max_new_tokens == 64
+
+
+def test_the_default_warm_up_reads_the_givens_but_not_the_answer(tiny_base):
+    """The session's tiny job (default warm-up, demo data): format learned, the question's numbers restated in
+    the reasoning, the boxed digit still at chance, so GRPO has the rest to learn."""
+    after = json.loads((tiny_base / "tiny_hf" / MARKER).read_text())["metrics"]["after"]
+    assert after["format"] >= 0.9 and after["restates"] >= 0.6 and after["accuracy"] < 0.35

@@ -12,7 +12,6 @@ from mm_rl.config.loader import load_job
 from mm_rl.config.schema import JobConfig
 
 REPO = Path(__file__).resolve().parents[1]
-TESTS = REPO / "tests"
 CLI = [sys.executable, "-m", "cli.main"]
 
 ASSET_KEYS = ("af_output_dir", "backend_config.megatron_training.tokenizer_name_or_path",

@@ -36,18 +36,21 @@ _REAL_RUN: dict[str, Any] = {
 }
 
 # The embedded default: small images and short answers so that a GRPO run on 2 CPU cores takes minutes.
+# lr 2e-4 with cosine decay and a KL weight of 0.05: measured on 2 cores, the reward goes from ~0.2 to 0.8-0.9
+# within ~25 steps and stays there; at 3e-4 constant with KL 0.01 it rose as fast, then responses ran to the
+# length limit and the reward collapsed.
 _TINY_RUN: dict[str, Any] = {
     "af_output_dir": "./output/${exp_name}",
     "backend_config": {
-        "training": {"seq-length": 320, "seed": 1234},
-        "actor_config": {"lr": 5e-4, "min_lr": 5e-5, "micro_batch_size": 8},
-        "megatron_training": {"tokenizer_name_or_path": "${af_output_dir}/tiny_hf", "train_iters": 30,
-                              "save_interval": 10},
+        "training": {"seq-length": 320, "seed": 1234, "lr-decay-style": "cosine"},
+        "actor_config": {"lr": 2e-4, "min_lr": 2e-5, "micro_batch_size": 8},
+        "megatron_training": {"tokenizer_name_or_path": "${af_output_dir}/tiny_hf", "train_iters": 60,
+                              "save_interval": 20},
         "data": {"dataset_param": {
             "basic_parameters": {"dataset_dir": "${af_output_dir}/geo3k_synthetic"},
             "preprocess_parameters": {"max_prompt_length": 256, "min_pixels": 56 * 56, "max_pixels": 224 * 224},
         }},
-        "rl_config": {"n_samples_per_prompt": 8},
+        "rl_config": {"n_samples_per_prompt": 8, "kl_loss_coef": 0.05, "val_freq": 10},
         "generate_config": {"sampling_config": {"max_tokens": 64}, "gpu_memory_utilization": 0.3},
     }
 }

@@ -390,13 +390,21 @@ TEMPLATES: tuple[Template, ...] = (
 # ------------------------------------------------------------------------------------------------------- rows
 
 
-def _templates_for(answer: int) -> list[Template]:
-    return [t for t in TEMPLATES if answer in t.answers]
+# The embedded GRPO demo's problems: the question states the answer (one side of a square, one leg of an isosceles
+# triangle), so a 4-layer model that learned to restate the givens can learn by RL, in minutes on 2 CPU cores, to
+# box what it read. The other templates need arithmetic or counting that it does not learn in that time.
+DEMO_TEMPLATES: tuple[str, ...] = ("square_side", "isosceles_leg")
 
 
-def render_problem(rng: np.random.Generator, answer: int, image_size: int) -> tuple[str, str, bytes]:
-    """Draw one figure for ``answer``: (template name, question text, PNG bytes)."""
-    options = _templates_for(answer)
+def _templates_for(answer: int, names: Sequence[str] | None = None) -> list[Template]:
+    return [t for t in TEMPLATES if answer in t.answers and (names is None or t.name in names)]
+
+
+def render_problem(rng: np.random.Generator, answer: int, image_size: int,
+                   templates: Sequence[str] | None = None) -> tuple[str, str, bytes]:
+    """Draw one figure for ``answer``: (template name, question text, PNG bytes); ``templates`` limits the
+    choice to those names (None: all)."""
+    options = _templates_for(answer, templates)
     template = options[int(rng.integers(len(options)))]
     style = _random_style(rng)
     image = Image.new("RGB", (image_size, image_size), style.background)
@@ -425,16 +433,17 @@ def _split_rng(seed: int, split: str) -> np.random.Generator:
     return np.random.default_rng([seed, SPLITS.index(split), _FORMAT_VERSION])
 
 
-def build_split(split: str, size: int, seed: int, image_size: int) -> tuple[list[dict[str, Any]], Counter[str]]:
+def build_split(split: str, size: int, seed: int, image_size: int, templates: Sequence[str] | None = None,
+                ) -> tuple[list[dict[str, Any]], Counter[str]]:
     """The rows of one split and how often each template was used."""
     rng = _split_rng(seed, split)
     answers = rng.permutation(np.arange(size) % len(ANSWERS) + 1)
-    rows, templates = [], Counter[str]()
+    rows, used = [], Counter[str]()
     for index, answer in enumerate(answers.tolist()):
-        name, problem, png = render_problem(rng, answer, image_size)
+        name, problem, png = render_problem(rng, answer, image_size, templates)
         rows.append(_row(split, index, problem, answer, png))
-        templates[name] += 1
-    return rows, templates
+        used[name] += 1
+    return rows, used
 
 
 def class_counts(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
@@ -451,14 +460,18 @@ def _write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
     pq.write_table(table, path, compression="zstd", compression_level=3, row_group_size=1024)
 
 
-def _args(seed: int, train_size: int, test_size: int, image_size: int) -> dict[str, Any]:
-    return {
+def _args(seed: int, train_size: int, test_size: int, image_size: int,
+          templates: Sequence[str] | None) -> dict[str, Any]:
+    args: dict[str, Any] = {
         "format": _FORMAT_VERSION,
         "seed": seed,
         "train_size": train_size,
         "test_size": test_size,
         "image_size": image_size,
     }
+    if templates is not None:  # absent for the full set, so sets written before the option keep matching
+        args["templates"] = sorted(templates)
+    return args
 
 
 def read_marker(out_dir: str | Path) -> dict[str, Any] | None:
@@ -478,7 +491,7 @@ def _write_set(directory: Path, args: dict[str, Any]) -> None:
     sizes = {"train": args["train_size"], "test": args["test_size"]}
     marker: dict[str, Any] = {"args": args, "classes": {}, "templates": {}}
     for split in SPLITS:
-        rows, templates = build_split(split, sizes[split], args["seed"], args["image_size"])
+        rows, templates = build_split(split, sizes[split], args["seed"], args["image_size"], args.get("templates"))
         _write_parquet(rows, directory / f"{split}.parquet")
         marker["classes"][split] = class_counts(rows)
         marker["templates"][split] = {t.name: templates.get(t.name, 0) for t in TEMPLATES}
@@ -510,9 +523,12 @@ def _swap_in(staging: Path, out_dir: Path, args: dict[str, Any]) -> None:
 
 
 def write_synthetic_geo3k(
-    out_dir: str | Path, seed: int = 0, train_size: int = 512, test_size: int = 64, image_size: int = 112
+    out_dir: str | Path, seed: int = 0, train_size: int = 512, test_size: int = 64, image_size: int = 112,
+    templates: Sequence[str] | None = None,
 ) -> Path:
     """Write (or reuse) ``train.parquet`` and ``test.parquet`` of the synthetic set in ``out_dir``; return it.
+
+    ``templates`` limits the problems to those template names (e.g. ``DEMO_TEMPLATES``; None: all of them).
 
     A set already written there with the same arguments is reused untouched; one written with other arguments
     is replaced atomically; any other non-empty ``out_dir`` is an error.
@@ -522,7 +538,10 @@ def write_synthetic_geo3k(
     if image_size < MIN_IMAGE_SIZE:
         raise ValueError(f"image_size must be >= {MIN_IMAGE_SIZE} for legible labels, got {image_size}")
     out_dir = Path(out_dir).absolute()
-    args = _args(seed, train_size, test_size, image_size)
+    unknown = sorted(set(templates or ()) - {t.name for t in TEMPLATES})
+    if unknown or (templates is not None and not templates):
+        raise ValueError(f"unknown templates {unknown}; known: {[t.name for t in TEMPLATES]}")
+    args = _args(seed, train_size, test_size, image_size, templates)
     if _is_complete(out_dir, args):
         return out_dir
     _check_replaceable(out_dir)

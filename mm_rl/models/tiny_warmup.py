@@ -8,24 +8,27 @@ responses of 64 tokens gives reward, format and accuracy all 0.0. GRPO's advanta
 mean, so identical (zero) rewards give zero advantages and nothing to learn from. Real GRPO runs start from an
 instruct model that already follows the output format; this warm-up makes the embedded default mirror that.
 
-What it does: a short supervised fine-tune on prompts of the synthetic TRAIN split with targets
+What it does: a supervised fine-tune on prompts of the synthetic TRAIN split with targets
 
-    <think> w1 w2 [w3 [w4]] </think> \\boxed{d}<|im_end|>
+    <think> n1 [n2 ...] </think> \\boxed{d}<|im_end|>
 
-where the 2-4 reasoning words are drawn from the problems' own vocabulary (lower-case words that are one token
-with a leading space, so responses stay ~10 tokens, well inside the 64-token rollout budget) and ``d`` is a
-digit 1..9 drawn INDEPENDENTLY of the true answer. The random digit is the point: the model learns the format
-(and to box a single digit) but nothing about which digit is right, so its accuracy stays at chance (1/9) and
-improving it is left to RL. Training on the true answers would leak the solution and make the RL demo moot.
-The loss covers the response tokens only (labels -100 on the prompt, image tokens included).
+where ``n1 ...`` restate the numbers the question gives (how an instruct model's reasoning starts: reading the
+givens) and ``d`` is a digit 1..9 drawn INDEPENDENTLY of the true answer. The random digit is the point: the
+model learns the format and to read the question, but nothing about which digit answers it, so its accuracy
+stays at chance (1/9); learning to box what it read is left to RL. Training on the true answers would leak the
+solution and make the RL demo moot. The loss covers the response tokens only (labels -100 on the prompt, image
+tokens included).
 
-Defaults (``WarmupArgs``): 80 AdamW steps (lr 3e-3, no weight decay, grad-norm clip 1.0) on batches of 8 drawn
-from the first 64 train prompts, with a fresh target per example and step. Measured on one CPU thread with the
-seed-0 checkpoint and data: about 14 s in all; the sampled format rate goes 0.0 -> 0.97 and accuracy 0.0 -> 0.08
-(seeds 0-5: format 0.89-0.97, accuracy 0.06-0.17; chance is 0.11). Fewer steps (60 at lr 2e-3) left some
-seeds near 0.6. The metrics are measured before and after on the first 8 test prompts x 8 samples, at
-temperature 1.0 without top-k / top-p (vLLM's defaults), up to 64 new tokens, decoded without special tokens
-and scored with ``mm_rl.rewards.geo3k.compute_score``; both measurements use the same sampling seed.
+Defaults (``WarmupArgs``): 500 AdamW steps (lr 1e-3, no weight decay, grad-norm clip 1.0) on batches of 16 drawn
+from the first 128 train prompts, with a fresh target per example and step. Why these: reading a digit ~50
+tokens back is a skill a 4-layer model picks up late and abruptly. Measured on the demo data (seed-0 checkpoint,
+one CPU thread, ~2.4 min): with 128 prompts the reasoning restates the question's number in 92% of sampled test
+responses after 500 steps while the boxed digit stays at chance (accuracy 0.11-0.13); with 512 prompts or at lr
+3e-3 (600 steps of 8) it had not picked the skill up yet (restates 0.08-0.11).
+The metrics are measured before and after on the first 8 test prompts x 8 samples, at temperature 1.0 without
+top-k / top-p (vLLM's defaults), up to 64 new tokens, decoded without special tokens and scored with
+``mm_rl.rewards.geo3k.compute_score``; both measurements use the same sampling seed. transformers is given the
+image token types (``mm_token_type_ids``), so its 3D positions are the ones vLLM and the actor use.
 
 Determinism: one torch thread, fixed seeds for the target draws, the batch order and the sampling, a fixed set
 of prompts; the same arguments give byte-identical ``model.safetensors`` (on the same torch build and CPU kind:
@@ -47,7 +50,7 @@ import random
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,21 +64,20 @@ if TYPE_CHECKING:
     from mm_rl.data.dataset import PromptItem, PromptProcessor
 
 MARKER = "tiny_warmup.json"
-_VERSION = 2  # 2: transformers gets the image token types, so it uses the 3D positions vLLM and the actor use
+_VERSION = 3  # 2: image token types for transformers' 3D positions; 3: the reasoning restates the givens
 _WEIGHTS = "model.safetensors"
 _IGNORE = -100
-_NOT_REASONING = {"system", "user", "assistant", "you", "are", "helpful"}  # chat-template words
 
 
 @dataclass(frozen=True)
 class WarmupArgs:
     """Everything that determines the warmed-up weights and the measured metrics."""
 
-    steps: int = 80
+    steps: int = 500
     seed: int = 0
-    lr: float = 3e-3
-    batch_size: int = 8
-    train_prompts: int = 64
+    lr: float = 1e-3
+    batch_size: int = 16
+    train_prompts: int = 128
     eval_prompts: int = 8
     samples_per_prompt: int = 8
     max_new_tokens: int = 64
@@ -142,22 +144,14 @@ def _load_items(
     return [dataset[i] for i in range(min(count, len(dataset)))]
 
 
-def reasoning_words(items: list[PromptItem], processor: PromptProcessor) -> list[str]:
-    """Sorted lower-case words of the prompts that the tokenizer encodes as one token with a leading space."""
-    words: set[str] = set()
-    for item in items:
-        words |= {w.lower() for w in re.findall(r"[A-Za-z]{3,}", re.sub(r"<\|[^|]*\|>", " ", item.prompt_text))}
-    words -= _NOT_REASONING
-    single = sorted(w for w in words if len(processor.text_ids(" " + w)) == 1)
-    if not single:
-        raise ValueError("the prompts hold no word the tokenizer encodes as one token; cannot draw reasoning words")
-    return single
+def given_numbers(prompt_text: str) -> list[str]:
+    """The numbers the question states, in order (the instruction and the chat template hold none)."""
+    return re.findall(r"\d+", re.sub(r"<\|[^|]*\|>", " ", prompt_text))
 
 
-def target_response(rng: random.Random, words: list[str]) -> str:
-    """``<think> w1 .. wk </think> \\boxed{d}`` with 2-4 random words and a random digit d (not the answer)."""
-    reasoning = " ".join(rng.choice(words) for _ in range(rng.randint(2, 4)))
-    return f"<think> {reasoning} </think> \\boxed{{{rng.randint(1, 9)}}}"
+def target_response(rng: random.Random, numbers: Sequence[str]) -> str:
+    """``<think> n1 .. </think> \\boxed{d}``: the question's numbers restated and a random digit d (not the answer)."""
+    return f"<think> {' '.join(numbers)} </think> \\boxed{{{rng.randint(1, 9)}}}"
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -188,14 +182,14 @@ def _train(model: Any, items: list[PromptItem], processor: PromptProcessor, args
     """AdamW on format targets; returns the loss of every step."""
     import torch
 
-    words = reasoning_words(items, processor)
     rng = random.Random(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     model.train()
     losses = []
     for _ in range(args.steps):
         batch_items = rng.sample(items, min(args.batch_size, len(items)))
-        responses = [processor.text_ids(target_response(rng, words)) + [tiny.EOS_TOKEN_ID] for _ in batch_items]
+        responses = [processor.text_ids(target_response(rng, given_numbers(item.prompt_text))) + [tiny.EOS_TOKEN_ID]
+                     for item in batch_items]
         loss = model(**_batch(batch_items, responses)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -230,15 +224,17 @@ def sample_responses(model: Any, item: PromptItem, processor: PromptProcessor, a
 
 
 def evaluate(model: Any, items: list[PromptItem], processor: PromptProcessor, args: WarmupArgs) -> dict[str, float]:
-    """Mean format, accuracy and score of sampled responses (seeded, so repeatable)."""
+    """Mean format, accuracy and score of sampled responses, and ``restates``: the share whose reasoning restates
+    the question's numbers (seeded, so repeatable)."""
     from mm_rl.rewards.geo3k import compute_score
 
-    scores = [
-        compute_score(response, item.ground_truth)
-        for item in items
-        for response in sample_responses(model, item, processor, args)
-    ]
-    return {key: round(sum(s[key] for s in scores) / len(scores), 6) for key in ("format", "accuracy", "score")}
+    scores = []
+    for item in items:
+        givens = f"<think> {' '.join(given_numbers(item.prompt_text))} </think>"
+        for response in sample_responses(model, item, processor, args):
+            scores.append(compute_score(response, item.ground_truth) | {"restates": float(response.startswith(givens))})
+    return {key: round(sum(s[key] for s in scores) / len(scores), 6)
+            for key in ("format", "accuracy", "score", "restates")}
 
 
 # ---------------------------------------------------------------------------------------------------- files

@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 DEVICE_RESOURCE = {"cuda": "GPU", "npu": "NPU", "cpu": None}
 ROLLOUT_CPUS = 1.0
+# Warnings every worker would repeat at start-up about optional kernels (none of them changes a result).
+QUIET_WARNINGS = ",".join(["ignore::FutureWarning", "ignore:Transformer Engine and Apex:UserWarning",
+                           "ignore:Apex is not installed:UserWarning", "ignore:full scope is deprecated:UserWarning"])
 REWARD_CPUS = 0.25
 
 
@@ -78,7 +81,7 @@ def connect(job: JobConfig, resources: Resources) -> str:
     runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                                 # the per-step lines are the progress report; the engines' INFO lines would bury them
                                 "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-                                "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning")}}
+                                "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", QUIET_WARNINGS)}}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return f"Ray cluster at {address}"

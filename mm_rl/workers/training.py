@@ -124,6 +124,7 @@ class TrainingWorker(MegatronWorker):
             data_iterator=iter(micro_batches), model=[self.ddp], num_microbatches=len(micro_batches),
             seq_length=max(int(b["input_ids"].shape[1]) for b in micro_batches),
             micro_batch_size=max(int(b["input_ids"].shape[0]) for b in micro_batches), forward_only=False)
+        self._clear_poison()
         loss_finite = all(bool(torch.isfinite(m["loss"])) for m in collected)
         metrics = self._step(loss_finite)
         metrics.update(_sum_metrics(collected) if collected else {})
@@ -152,8 +153,15 @@ class TrainingWorker(MegatronWorker):
         """Make the next update's gradients NaN on this rank (tests of the non-finite skip)."""
         import torch
 
-        param = next(p for p in self._require_model().parameters() if p.requires_grad)
-        param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+        param = [p for p in self._require_model().parameters() if p.requires_grad][-1]  # the LLM's last (any batch)
+        handle = param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+        self._poison = handle
+
+    def _clear_poison(self) -> None:
+        handle = getattr(self, "_poison", None)
+        if handle is not None:
+            handle.remove()
+            self._poison = None
 
     def parameter_sums(self) -> dict[str, float]:
         """Each parameter's sum in float64 (tests: which weights did an update change?)."""
