@@ -112,15 +112,22 @@ def _add_check(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_check)
 
 
-def _run_check(args: argparse.Namespace, overrides: list[str]) -> int:
+def _validated_job(path: str, overrides: list[str]) -> JobConfig:
+    """The job yaml with the overrides, every rule checked (all problems raised at once)."""
     from mm_rl.config.loader import load_job
-    from mm_rl.config.plan import current_plan
     from mm_rl.config.validate import validate
 
-    job = load_job(args.job, overrides)
+    job = load_job(path, overrides)
     problems = validate(job)
     if problems:
         raise ConfigError(problems)
+    return job
+
+
+def _run_check(args: argparse.Namespace, overrides: list[str]) -> int:
+    from mm_rl.config.plan import current_plan
+
+    job = _validated_job(args.job, overrides)
     print("ok")
     print(current_plan(job).describe())
     return 0
@@ -163,18 +170,13 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from mm_rl.config.loader import load_job
-    from mm_rl.config.validate import validate
     from mm_rl.convert.errors import ConversionError
     from mm_rl.trainer.checkpoint import CheckpointError
     from mm_rl.trainer.grpo import TrainingStopped
     from mm_rl.trainer.job import run_job, summary
     from mm_rl.workers.group import WorkerError
 
-    job = load_job(args.job, overrides)
-    problems = validate(job)
-    if problems:
-        raise ConfigError(problems)
+    job = _validated_job(args.job, overrides)
     try:
         result = run_job(job)
     except (TrainingStopped, WorkerError, CheckpointError, ConversionError) as err:

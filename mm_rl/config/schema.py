@@ -379,6 +379,14 @@ class GenerateConfig:
 
 # ----------------------------------------------------------------------------------------- the job
 @dataclass
+class LoggerConfig:
+    tensorboard: bool = opt(True, "TensorBoard events in af_output_dir/tensorboard (metrics.jsonl is always written)")
+    wandb: bool = opt(False, "also log to Weights & Biases (needs `pip install wandb` and a login)")
+    swanlab: bool = opt(False, "also log to SwanLab (needs `pip install swanlab`)")
+    project: str = opt("mm_rl", "wandb / swanlab project; the run is named after exp_name")
+
+
+@dataclass
 class BackendConfig:
     model: ModelConfig = section(ModelConfig, "model.json: architecture and pipeline split")
     training: TrainingFlags = section(TrainingFlags, "Megatron training flags (MindSpeed-MM names)")
@@ -396,6 +404,7 @@ class JobConfig:
     exp_name: str = opt("mm_rl", "experiment name")
     af_output_dir: str = opt("./output/${exp_name}", "logs, metrics, checkpoints and the final HF checkpoint")
     env: EnvConfig = section(EnvConfig, "cluster")
+    logger: LoggerConfig = section(LoggerConfig, "where per-step metrics go")
     backend_config: BackendConfig = section(BackendConfig)
 
 

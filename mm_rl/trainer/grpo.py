@@ -35,8 +35,6 @@ from mm_rl.trainer.batch import Sample, micro_batches, padded, response_values
 
 logger = logging.getLogger(__name__)
 
-TIMED_PHASES = ("sync", "rollout", "reward", "old_logp", "ref_logp", "advantages", "update", "validation")
-
 
 class TrainingStopped(RuntimeError):
     """The run cannot go on (too many non-finite steps, a failed worker); the message says why and what to do."""
@@ -88,7 +86,9 @@ class GRPOTrainer:
         total = self.job.backend_config.megatron_training.train_iters
         save_every = self.job.backend_config.megatron_training.save_interval
         history: list[dict[str, float]] = []
-        with MetricsLogger(self.out_dir, run_name=self.job.exp_name) as sink:
+        log = self.job.logger
+        with MetricsLogger(self.out_dir, tensorboard=log.tensorboard, wandb=log.wandb, swanlab=log.swanlab,
+                           run_name=self.job.exp_name, project=log.project) as sink:
             if self.rl.val_before_train and self.step == 0:
                 metrics = self.validate(0)
                 sink.log(0, metrics)

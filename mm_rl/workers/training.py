@@ -9,7 +9,8 @@ Beside what every rank does (log-probs, weight export), the actor rank
 - runs one optimizer step per mini-batch (:meth:`TrainingWorker.train_mini_batch`): the pipeline schedule
   over the micro-batches with the GRPO actor loss, then the grad norm; a NaN/inf loss or grad norm on any rank
   skips the step with the weights and optimizer state untouched;
-- gives and takes its checkpoint state (model in MindSpeed-MM names, optimizer, scheduler, RNG).
+- gives and takes its checkpoint state (model in MindSpeed-MM names, optimizer, scheduler, RNG; each DP rank's
+  shard of the distributed optimizer's state in its own file).
 
 Loss scaling: each micro-batch's loss is aggregated with the WHOLE mini-batch's denominator (valid tokens or
 sequences over every DP rank, see ``mm_rl.algorithms.aggregation``), so the summed micro-batch losses are the
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from mm_rl.config.schema import RLConfig
 
 VISION_ENCODER_PARAMS = "*image_encoder.encoder.*"
-DISTRIB_OPTIM_FILE = "distrib_optim.pt"
+DISTRIB_OPTIM_FILE = "distrib_optim_dp{dp:03d}.pt"  # one per DP rank: its shard of the Adam state
 
 
 @dataclass(frozen=True)
@@ -175,15 +176,18 @@ class TrainingWorker(MegatronWorker):
         """Write this rank's ``model_optim_rng.pt`` into the staging iteration (every rank calls it together).
 
         Model (MindSpeed-MM names, what mg2hf reads), optimizer, LR schedule and RNG come from DP replica 0 (the
-        other replicas hold the same); with the distributed optimizer the sharded Adam state is gathered to
-        DP rank 0 and written beside it as Megatron's ``distrib_optim.pt``."""
+        other replicas hold the same); with the distributed optimizer every DP rank writes its shard of the Adam
+        state beside it (``distrib_optim_dpNNN.pt``)."""
+        import torch
+
         from mm_rl.trainer.checkpoint import CheckpointManager
 
         coords, path = self._require_coords(), Path(staging)
         rank_dir = self._checkpoint_rank_dir(path)
         if self.spec_optim.use_distributed_optimizer:
             rank_dir.mkdir(parents=True, exist_ok=True)
-            self.optimizer.save_parameter_state(str(rank_dir / DISTRIB_OPTIM_FILE) if coords.dp_rank == 0 else None)
+            shards = [chained.optimizer.state_dict() for chained in _chain(self.optimizer)]
+            torch.save(shards, rank_dir / DISTRIB_OPTIM_FILE.format(dp=coords.dp_rank))
         if coords.dp_rank == 0:
             state = {"model": self._require_model().state_dict(), "optimizer": self.optimizer.state_dict(),
                      "opt_param_scheduler": self.scheduler.state_dict(), "rng_state": rng_state()}
@@ -201,21 +205,43 @@ class TrainingWorker(MegatronWorker):
         state = CheckpointManager(save_dir, 0).load(step, coords.tp_rank, coords.pp_rank, load_optim, load_rng)
         self._require_model().load_state_dict(state["model"])
         if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.spec_optim.use_distributed_optimizer:
-                rank_dir = self._checkpoint_rank_dir(Path(save_dir) / iteration_name(step))
-                self.optimizer.load_parameter_state(str(rank_dir / DISTRIB_OPTIM_FILE))
+            with torch.no_grad():  # the distributed optimizer copies into views of parameters that require grad
+                self.optimizer.load_state_dict(state["optimizer"])
+                if self.spec_optim.use_distributed_optimizer:
+                    self._load_optimizer_shards(self._checkpoint_rank_dir(Path(save_dir) / iteration_name(step)))
         if "opt_param_scheduler" in state:
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
         if "rng_state" in state:
             set_rng_state(state["rng_state"])
         torch.distributed.barrier()
 
+    def _load_optimizer_shards(self, rank_dir: Path) -> None:
+        """This DP rank's shard of the distributed Adam state (megatron 0.16's own dp-zero gather / scatter
+        fails with torch's Adam, whose per-parameter ``step`` it does not expect); a resume needs the DP size the
+        checkpoint was saved with."""
+        import torch
+
+        path = rank_dir / DISTRIB_OPTIM_FILE.format(dp=self._require_coords().dp_rank)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: the checkpoint was saved with another data-parallel size "
+                                    "or without the distributed optimizer; resume with the same layout, or set "
+                                    "no-load-optim")
+        shards = torch.load(path, map_location="cpu", weights_only=False)
+        for chained, shard in zip(_chain(self.optimizer), shards, strict=True):
+            chained.optimizer.load_state_dict(shard)
+        if self.spec_optim.bf16:  # fp32 main weights are separate copies: re-derive them from the loaded model
+            self.optimizer.reload_model_params()
+
     def _checkpoint_rank_dir(self, iteration_dir: Path) -> Path:
         from mm_rl.convert.layout import rank_file
 
         coords = self._require_coords()
         return rank_file(iteration_dir, coords.tp_rank, coords.pp_rank, self.spec.pp).parent
+
+
+def _chain(optimizer: Any) -> list[Any]:
+    """The megatron optimizers inside ``optimizer`` (a ChainedOptimizer holds one per parameter kind)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _overrides(config: Any, spec: OptimizerSpec) -> dict[Any, Any]:
