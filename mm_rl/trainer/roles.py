@@ -75,13 +75,12 @@ class Roles:
         """``ray.get`` of a call to a single-actor role; its failure is raised naming the role."""
         import ray
 
-        from mm_rl.workers.group import WorkerError
+        from mm_rl.workers.group import WorkerError, error_line
 
         try:
             return ray.get(future)
         except ray.exceptions.RayError as error:
-            lines = [line for line in str(error).strip().splitlines() if line.strip()]
-            raise WorkerError(f"{role} failed: {lines[-1] if lines else type(error).__name__}") from error
+            raise WorkerError(f"{role} failed: {error_line(error)}") from error
 
     # ------------------------------------------------------------------------------------------- workers
     def worker_spec(self, trained: bool) -> Any:
@@ -156,9 +155,7 @@ class Roles:
         self.rollout = rollout_worker_actor(num_cpus=ROLLOUT_CPUS if res.device == "cpu" else 0, **options).remote(
             pre.model_name_or_path, b.generate_config, min_pixels=pre.min_pixels, max_pixels=pre.max_pixels,
             num_threads=threads, seed=int(b.training.seed))
-        import ray
-
-        ray.get(self.rollout.ready.remote())
+        self.get(self.rollout.ready.remote(), "rollout engine")
         # On CPU the engine and the actor share host memory: sleeping and offloading would free nothing.
         schedule = dataclasses.replace(b.generate_config, colocate=b.generate_config.colocate and res.device != "cpu")
         self.schedule = RolloutSchedule(self.actor, self.rollout, schedule, b.actor_config)

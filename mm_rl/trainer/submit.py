@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from mm_rl.config.loader import ConfigError, compose, to_job
 from mm_rl.config.validate import validate
 from mm_rl.config.writer import write_job_yaml
+from mm_rl.workers.group import error_line
 
 # Keys holding paths the user sets directly (the others interpolate these).
 PATH_KEYS = (
@@ -62,7 +63,7 @@ def submit(job_path: str, overrides: Sequence[str], address: str, *, wait: bool 
             job_id = client.submit_job(entrypoint="ascendfactory-cli train job.yaml",
                                        runtime_env={"working_dir": folder})
     except Exception as error:  # Ray raises ConnectionError, RuntimeError or its own auth errors here
-        raise SubmitError(f"could not submit to {address}: {_last_line(error)}. Is the head's dashboard at that "
+        raise SubmitError(f"could not submit to {address}: {error_line(error)}. Is the head's dashboard at that "
                           "address (ray start --head prints it; default port 8265), and, with token "
                           "authentication on, is RAY_AUTH_MODE=token set with the cluster's token?") from error
     say(f"submitted {job_id} to {address}")
@@ -81,11 +82,6 @@ def _use_token_if_present() -> None:
     the client only sends it in token mode; turn that on when the token file exists and nothing says otherwise."""
     if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").is_file():
         os.environ["RAY_AUTH_MODE"] = "token"
-
-
-def _last_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
 
 
 def follow(client: object, job_id: str, say: Callable[[str], None], poll_s: float) -> int:

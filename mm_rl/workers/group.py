@@ -96,7 +96,7 @@ class WorkerGroup:
                     continue
                 except ray.exceptions.RayError as error:
                     raise WorkerError(f"{self.role} rank {rank}{self._where(rank)} failed in {method}: "
-                                      f"{_first_line(error)}") from error
+                                      f"{error_line(error)}") from error
             raise
 
     def _where(self, rank: int) -> str:
@@ -150,7 +150,7 @@ class WorkerGroup:
                 remove_placement_group(self.placement)
 
 
-def _first_line(error: BaseException) -> str:
+def error_line(error: BaseException) -> str:
     """The useful line of a Ray error: the remote exception's last line rather than Ray's banner."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else type(error).__name__
