@@ -38,13 +38,13 @@ def ray_session():
     ray.shutdown()
 
 
-def _group(ray_session, mm_dir, spec: OptimizerSpec):
+def _group(ray_session, mm_dir, spec: OptimizerSpec, bf16: bool = False):
     from mm_rl.workers.group import WorkerGroup
     from mm_rl.workers.megatron_worker import WorkerSpec
     from mm_rl.workers.training import TrainingWorker
 
     path, model = mm_dir
-    group = WorkerGroup(WorkerSpec(model), cpus_per_worker=1.0, worker_cls=TrainingWorker)
+    group = WorkerGroup(WorkerSpec(model, bf16=bf16), cpus_per_worker=1.0, worker_cls=TrainingWorker)
     group.build(str(path))
     group.run("setup_training", spec)
     return group
@@ -144,3 +144,33 @@ def test_a_saved_rank_resumes_to_the_same_next_step(ray_session, mm_dir, tmp_pat
         assert second.run("parameter_sums")[0] == expected
     finally:
         second.shutdown()
+
+
+@pytest.mark.parametrize("distributed, bf16", [(False, False), (True, True)], ids=["adam-fp32", "distributed-bf16"])
+def test_offload_empties_the_device_and_onload_gives_the_same_next_step(ray_session, mm_dir, distributed, bf16):
+    """The colocated switches on a trained rank: offload leaves no bytes in the parameter, gradient (DDP buffer)
+    or optimizer (Adam moments, fp32 main weights) storages; after onload the next step is bit-identical to
+    that of a rank that never offloaded."""
+    from mm_rl.workers.offload import KINDS
+
+    spec = OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0, "use_distributed_optimizer": distributed,
+                            "bf16": bf16})
+    plain, moved = _group(ray_session, mm_dir, spec, bf16), _group(ray_session, mm_dir, spec, bf16)
+    try:
+        for group in (plain, moved):
+            group.run("train_mini_batch", _batch(group, 0), LOSS, 8.0, 1)
+        resident = moved.run("resident_bytes")[0]
+        assert all(resident[kind] > 0 for kind in KINDS), resident
+        assert moved.run("offload", True, True, True)[0] == resident
+        assert moved.run("resident_bytes")[0] == dict.fromkeys(KINDS, 0)
+        assert moved.run("offload", True, True, True)[0] == dict.fromkeys(KINDS, 0)  # already away
+        assert moved.run("onload", True, True, True)[0] == resident
+        assert moved.run("resident_bytes")[0] == resident
+        assert moved.run("parameter_sums")[0] == plain.run("parameter_sums")[0]
+        batch = _batch(plain, 3)
+        for group in (plain, moved):
+            group.run("train_mini_batch", batch, LOSS, 8.0, 1)
+        assert moved.run("parameter_sums")[0] == plain.run("parameter_sums")[0]
+    finally:
+        plain.shutdown()
+        moved.shutdown()

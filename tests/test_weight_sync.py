@@ -10,7 +10,8 @@ directory. Checked on prompts with an image:
 - after the sync, the engine's log-probs of its own responses equal the actor's for the same tokens (<= 1e-2),
   with the original weights and after the actor's weights were perturbed (then greedy generation changes);
 - syncing the original weights back restores the engine's greedy generation exactly;
-- colocated mode calls wake_up -> sync -> offload -> rollout -> sleep -> onload in that order (call logs).
+- colocated mode calls wake_up(weights) -> sync -> offload -> wake_up(kv_cache) -> rollout -> sleep -> onload in
+  that order (call logs), and the actor's offload really empties its parameter storages after a sync.
 
 Plus single-process checks of the transport's byte buffers and the vocab-padding cut.
 """
@@ -240,19 +241,22 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts):
     worker_logs = [len(events) for events in layout.group.run("events")]
     schedule = RolloutSchedule(layout.group, layout.engine, generate_config(colocate=True), actor)
     schedule.before_rollout()
+    assert [r["params"] for r in layout.group.run("resident_bytes")] == [0] * len(layout.group.coords)
     ray.get(layout.engine.generate.remote(requests_of(prompts[:1]), SamplingConfig(max_tokens=2, n=1)))
     schedule.before_training()
+    assert all(r["params"] > 0 for r in layout.group.run("resident_bytes"))
     text = prompts[0].input_ids[:9]  # the leading text tokens (no image)
     layout.group.compute_log_probs([{"input_ids": text[None, :8], "labels": text[None, 1:]}])
     try:
         calls = [name for name, _ in ray.get(layout.engine.call_log.remote())[engine_log:]]
         updates = calls.count("update_weights")
-        assert updates >= 2 and calls == ["wake_up"] + ["update_weights"] * updates + ["generate", "sleep"]
+        assert updates >= 2 and calls == ["wake_up"] + ["update_weights"] * updates + ["wake_up", "generate", "sleep"]
         switches = {"params": True, "grads": True, "optimizer": False}
         for events, start, coords in zip(layout.group.run("events"), worker_logs, layout.group.coords, strict=True):
             assert events[start:] == [("push_weights", events[start][1]), ("offload", switches), ("onload", switches)]
             assert (events[start][1] > 0) == coords.is_sender()
-        assert schedule.events == ["engine.wake_up", "sync", "actor.offload", "engine.sleep", "actor.onload"]
+        assert schedule.events == ["engine.wake_up(weights)", "sync", "actor.offload", "engine.wake_up(kv_cache)",
+                                   "engine.sleep", "actor.onload"]
     finally:
         ray.get(layout.engine.wake_up.remote())
 
@@ -274,6 +278,7 @@ def test_shared_bucket_travels_as_raw_buffers_and_unpickles_as_tensors():
     for (_, got), (_, want) in zip(out, tensors, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert out[0][1].data_ptr() == tensors[0][1].data_ptr()  # neither side copied a contiguous tensor
+    assert all(t.untyped_storage().resizable() for _, t in tensors)  # an offload can still free the sources
 
 
 def test_vocab_padding_is_cut_before_the_merge():

@@ -68,6 +68,14 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
+def empty_cache() -> None:
+    """Hand the caching allocator's free blocks back to the device (after an offload, so a colocated engine can
+    take them); nothing to do on CPU."""
+    kind = device_kind()
+    if kind != "cpu":
+        getattr(torch, kind).empty_cache()
+
+
 def cpu_safe_transformer_kwargs() -> dict[str, Any]:
     """``TransformerConfig`` keyword arguments that must be forced on this device kind (empty off CPU).
 

@@ -108,8 +108,8 @@ class RolloutWorker:
     def sleep(self, level: int = 1) -> None:
         self.engine.sleep(level)
 
-    def wake_up(self) -> None:
-        self.engine.wake_up()
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.wake_up(tags)
 
     def call_log(self) -> list[tuple[str, Any]]:
         return list(self.engine.call_log)

@@ -328,8 +328,8 @@ class RolloutEngine(abc.ABC):
     def _sleep(self, level: int) -> None:  # noqa: B027 - optional hook
         """Release device memory (backend-specific); default: nothing to release."""
 
-    def _wake_up(self) -> None:  # noqa: B027 - optional hook
-        """Re-acquire what ``_sleep`` released."""
+    def _wake_up(self, tags: Sequence[str] | None) -> None:  # noqa: B027 - optional hook
+        """Re-acquire what ``_sleep`` released (all of it, or the memory of the given tags)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the engine's resources."""
@@ -393,10 +393,12 @@ class RolloutEngine(abc.ABC):
         self.sleeping = True
         self.call_log.append(("sleep", level))
 
-    def wake_up(self) -> None:
-        self._wake_up()
-        self.sleeping = False
-        self.call_log.append(("wake_up", None))
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-acquire device memory: all of it, or only that of ``"weights"`` / ``"kv_cache"`` (a colocated sync
+        wakes the weights, lets the actor offload, then wakes the KV cache into the memory that freed)."""
+        self._wake_up(tags)
+        self.sleeping = tags is not None and "kv_cache" not in tags
+        self.call_log.append(("wake_up", list(tags) if tags else None))
 
     def call_order(self) -> list[str]:
         """The method names of ``call_log`` in order (what a schedule check compares)."""

@@ -190,6 +190,8 @@ def engine_kwargs(
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(
             model_path, config.max_num_seqs, int(config.max_model_len), dtype, config.gpu_memory_utilization
         )
+    if config.colocate and device_kind() != "cpu":  # sleep() / wake_up() free and take back device memory
+        kwargs["enable_sleep_mode"] = True
     if in_process and config.infer_tensor_parallel_size == 1:
         kwargs["distributed_executor_backend"] = "uni"
     return kwargs
@@ -379,8 +381,8 @@ class VllmEngine(RolloutEngine):
     def _sleep(self, level: int) -> None:
         self.llm.sleep(level=level)
 
-    def _wake_up(self) -> None:
-        self.llm.wake_up()
+    def _wake_up(self, tags: Sequence[str] | None) -> None:
+        self.llm.wake_up(tags=list(tags) if tags else None)
 
     def close(self) -> None:
         """Shut the engine down; in-process, vLLM also tears down the torch.distributed groups it created here,

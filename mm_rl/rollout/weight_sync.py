@@ -26,10 +26,12 @@ join one nccl / hccl group and each bucket is broadcast device to device into a 
 which hands it to the same ``update_weights``. That is a second ``BucketSink`` (plus an engine-side receive
 loop); nothing else in this module changes. It is not implemented here (no such device on CPU machines).
 
-Colocated mode (:class:`RolloutSchedule`): before a rollout the engine wakes up, the weights are synced, then the
-actor offloads what ``offload_train_param / grad / optimizer`` name; before training the engine sleeps and the
-actor loads them back. On CPU those memory switches are no-ops, but they are called in that order, and the
-engine's and workers' call logs show it.
+Colocated mode (:class:`RolloutSchedule`): before a rollout the engine takes back the memory of its weights, the
+weights are synced, the actor offloads what ``offload_train_param / grad / optimizer`` name
+(:mod:`mm_rl.workers.offload`), and only then the engine takes back its KV cache, into the memory the actor freed;
+before training the engine sleeps at level 2 (weights dropped, not copied to the host: the next sync rewrites all
+of them) and the actor loads its state back. On a CPU-only machine engine and actor share host memory, so the
+trainer runs the separate schedule there; the colocated one is the same calls, and tests check their order.
 """
 
 from __future__ import annotations
@@ -138,17 +140,21 @@ class SharedBucket:
 
     torch pickles a tensor's storage in-band (a copy into the pickle and another out of it); a numpy array goes
     out of band under pickle protocol 5, which Ray writes straight into its shared-memory object store and hands
-    to the reader as a view. Raw bytes also carry dtypes numpy lacks (bf16)."""
+    to the reader as a view. Raw bytes also carry dtypes numpy lacks (bf16). The array is made through DLPack, not
+    ``Tensor.numpy()``: the latter marks the storage (on CPU often a live parameter's) as never resizable again,
+    which would make the colocated offload fail on the next rollout."""
 
     def __init__(self, bucket: Bucket) -> None:
         self.bucket = bucket
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        import numpy
+
         names, arrays, meta = [], [], []
         for name, tensor in self.bucket:
             flat = tensor.detach().cpu().contiguous()
             names.append(name)
-            arrays.append(flat.reshape(-1).view(_uint8()).numpy())
+            arrays.append(numpy.from_dlpack(flat.reshape(-1).view(_uint8())))
             meta.append((str(flat.dtype).removeprefix("torch."), tuple(flat.shape)))
         return _unpack_bucket, (names, arrays, meta)
 
@@ -327,7 +333,7 @@ class RolloutSchedule:
     ``events`` records what the driver did, in order, for logs and tests."""
 
     def __init__(self, group: WorkerGroup, rollout: Any, generate: GenerateConfig, actor: ActorConfig,
-                 sleep_level: int = 1) -> None:
+                 sleep_level: int = 2) -> None:
         self.group, self.rollout, self.generate, self.actor = group, rollout, generate, actor
         self.sleep_level = sleep_level
         self.events: list[str] = []
@@ -338,17 +344,19 @@ class RolloutSchedule:
                 "optimizer": self.actor.offload_train_optimizer}
 
     def before_rollout(self) -> SyncReport:
-        """Wake the engine (colocated), sync the weights, offload the actor (colocated)."""
+        """Colocated: engine weights' memory back, sync, actor offload, engine KV cache back. Else only the sync."""
         import ray
 
         if self.generate.colocate:
-            ray.get(self.rollout.wake_up.remote())
-            self.events.append("engine.wake_up")
+            ray.get(self.rollout.wake_up.remote(["weights"]))
+            self.events.append("engine.wake_up(weights)")
         report = sync_weights(self.group, self.rollout, bucket_bytes_of(self.generate))
         self.events.append("sync")
         if self.generate.colocate:
             self.group.run("offload", **self.offload_switches)
             self.events.append("actor.offload")
+            ray.get(self.rollout.wake_up.remote(["kv_cache"]))
+            self.events.append("engine.wake_up(kv_cache)")
         return report
 
     def before_training(self) -> None:

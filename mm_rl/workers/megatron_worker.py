@@ -31,6 +31,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mm_rl.workers.offload import MemorySwitch
+
 if TYPE_CHECKING:
     import torch
 
@@ -93,6 +95,7 @@ class MegatronWorker:
         self.coords: RankCoords | None = None
         self._saved: dict[str, torch.Tensor] | None = None
         self._events: list[tuple[str, Any]] = []
+        self._memory = MemorySwitch()
 
     # ------------------------------------------------------------------------------------ set-up
     def rendezvous_address(self) -> tuple[str, int]:
@@ -234,43 +237,50 @@ class MegatronWorker:
         return stats
 
     # ------------------------------------------------------------------- colocated memory switches
-    def offload(self, params: bool, grads: bool, optimizer: bool) -> None:
-        """Move what the switches name to host memory for the rollout (no-op where the device is the host)."""
-        self._move(host=True, params=params, grads=grads, optimizer=optimizer)
-        self._events.append(("offload", {"params": params, "grads": grads, "optimizer": optimizer}))
+    def offload(self, params: bool, grads: bool, optimizer: bool) -> dict[str, int]:
+        """Free what the switches name on the device for the rollout (see mm_rl.workers.offload); returns the
+        bytes freed per kind. Parameters and optimizer state are kept on the host; gradients are dropped."""
+        from mm_rl.platform.device import empty_cache
 
-    def onload(self, params: bool, grads: bool, optimizer: bool) -> None:
-        """Bring back what :meth:`offload` moved, before training."""
-        self._move(host=False, params=params, grads=grads, optimizer=optimizer)
-        self._events.append(("onload", {"params": params, "grads": grads, "optimizer": optimizer}))
+        switches = {"params": params, "grads": grads, "optimizer": optimizer}
+        freed = {kind: self._memory.offload(kind, self._memory_tensors(kind), keep=kind != "grads")
+                 for kind, on in switches.items() if on}
+        empty_cache()
+        self._events.append(("offload", switches))
+        return freed
 
-    def _move(self, *, host: bool, params: bool, grads: bool, optimizer: bool) -> None:
-        """Point parameter / gradient storage at the host or the device. On CPU both are the same: nothing moves.
+    def onload(self, params: bool, grads: bool, optimizer: bool) -> dict[str, int]:
+        """Bring back what :meth:`offload` took, before training (gradients come back as zeros)."""
+        switches = {"params": params, "grads": grads, "optimizer": optimizer}
+        restored = {kind: self._memory.onload(kind) for kind, on in switches.items() if on}
+        self._events.append(("onload", switches))
+        return restored
 
-        Optimizer state belongs to the trainer's optimizer (``self.optimizer`` once it exists)."""
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes each kind holds on its device now (tests: offload really empties the storages)."""
+        from mm_rl.workers.offload import KINDS, resident_bytes
+
+        return {kind: resident_bytes(self._memory_tensors(kind)) for kind in KINDS}
+
+    def _memory_tensors(self, kind: str) -> list[torch.Tensor]:
+        """The tensors behind one switch. Gradients: ``main_grad`` (views into DDP's ``grad_data`` buffer, which
+        goes as a whole) and plain ``.grad``. Optimizer: Adam moments and the main (fp32) parameters, but not
+        storages that are the model's own parameters (fp32 without the distributed optimizer steps them in
+        place): those belong to the ``params`` switch."""
         import torch
 
-        from mm_rl.platform.device import current_device
-
-        target = torch.device("cpu") if host else current_device()
-        for tensor in self._offloadable(params, grads, optimizer):
-            if tensor.device != target:
-                tensor.data = tensor.data.to(target, non_blocking=True)
-
-    def _offloadable(self, params: bool, grads: bool, optimizer: bool) -> Iterator[torch.Tensor]:
-        import torch
-
-        model = self._require_model()
-        for param in model.parameters():
-            if params:
-                yield param
-            for attr in ("grad", "main_grad") if grads else ():
-                grad = getattr(param, attr, None)
-                if isinstance(grad, torch.Tensor):
-                    yield grad
-        state = getattr(getattr(self, "optimizer", None), "state", {}) if optimizer else {}
-        for values in state.values():
-            yield from (v for v in values.values() if isinstance(v, torch.Tensor))
+        model_params = list(self._require_model().parameters())
+        if kind == "params":
+            return model_params
+        if kind == "grads":
+            return [g for p in model_params for g in (getattr(p, "main_grad", None), p.grad)
+                    if isinstance(g, torch.Tensor)]
+        owned = {p.untyped_storage()._cdata for p in model_params}
+        tensors = []
+        for inner in torch_optimizers(getattr(self, "optimizer", None)):
+            tensors += [p for group in inner.param_groups for p in group["params"]]
+            tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        return [t for t in tensors if t.untyped_storage()._cdata not in owned]
 
     # ------------------------------------------------------------------------------- bookkeeping
     def events(self) -> list[tuple[str, Any]]:
@@ -298,6 +308,16 @@ class MegatronWorker:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
+
+
+def torch_optimizers(optimizer: Any) -> list[Any]:
+    """The ``torch.optim`` optimizers inside a megatron optimizer (a chained one holds several); none for None."""
+    if optimizer is None:
+        return []
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [inner for part in chained for inner in torch_optimizers(part)]
+    return [optimizer.optimizer]
 
 
 def _forward_step(captured: list[torch.Tensor], temperature: float, data: Iterator[MicroBatch],
