@@ -6,7 +6,9 @@ loaded by the Megatron worker actors, and a vLLM engine (fp32, in its ``RolloutW
 same HF directory. Then, in one run:
 
   memcpy   ``dst.copy_(src)`` of the synced byte count in this process (one torch thread);
-  sync     ``sync_weights`` from the workers into the engine (``--bucket-mb`` buckets), timed on the driver;
+  sync     ``sync_weights`` from the workers into the engine (``--bucket-mb`` buckets) through Ray's object store,
+           timed on the driver;
+  sync_pg  the same over the senders' pair process groups with the engine (gloo here; nccl / hccl on devices);
   engine   the engine alone: the same HF tensors, bucketed the same way and put in the object store beforehand,
            loaded bucket by bucket through ``update_weights`` (deserialise + vLLM reload + cache resets).
 
@@ -118,7 +120,7 @@ def engine_buckets(hf_dir: Path, bucket_bytes: int) -> list[Any]:
     from safetensors.torch import load_file
 
     from mm_rl.rollout.base import bucket_by_group
-    from mm_rl.rollout.weight_sync import SharedBucket
+    from mm_rl.rollout.transport import SharedBucket
 
     tensors = load_file(str(hf_dir / "model.safetensors"))
     return [ray.put(SharedBucket(bucket)) for bucket in bucket_by_group(tensors.items(), bucket_bytes)]
@@ -156,9 +158,10 @@ def print_results(results: dict[str, Any]) -> None:
     for name, seconds in results["seconds"].items():
         ratio = memcpy / seconds if seconds > 0 else 0.0
         print(f"{name:<10}{nbytes:>14,}{seconds:>10.3f}{gb_per_s(nbytes, seconds):>9.2f}{ratio:>10.1%}")
-    print("sync, per stage (sender's view, median run):")
-    for row in results["stages"]:
-        print("  " + ", ".join(f"{key} {value}" for key, value in row.items()))
+    for name, rows in results["stages"].items():
+        print(f"{name}, per stage (sender's view, median run):")
+        for row in rows:
+            print("  " + ", ".join(f"{key} {value}" for key, value in row.items()))
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -167,7 +170,7 @@ def main(argv: list[str]) -> int:
     import ray
     import torch
 
-    from mm_rl.rollout.weight_sync import sync_weights
+    from mm_rl.rollout.weight_sync import join_collective, sync_weights
     from mm_rl.workers.group import WorkerGroup
     from mm_rl.workers.megatron_worker import WorkerSpec
 
@@ -183,22 +186,26 @@ def main(argv: list[str]) -> int:
         group = WorkerGroup(WorkerSpec(model, tp=args.tp, pp=args.pp), cpus_per_worker=0.5)
         group.build(str(mm_dir))
         ray.get(engine.ready.remote())
-        report = sync_weights(group, engine, bucket_bytes, args.max_in_flight)  # untimed first round
+        key = join_collective(group, engine)
+        transports = {"sync": None, "sync_pg": key}
+        for collective in transports.values():  # untimed first rounds
+            report = sync_weights(group, engine, bucket_bytes, args.max_in_flight, collective)
         refs = engine_buckets(hf_dir, bucket_bytes)
         engine_seconds(engine, refs)
         memcpy_seconds(report.bytes)
-        times: dict[str, list[float]] = {"memcpy": [], "sync": [], "engine": []}
-        reports = []
+        times: dict[str, list[float]] = {"memcpy": [], **{name: [] for name in transports}, "engine": []}
+        reports: dict[str, list[Any]] = {name: [] for name in transports}
         for _ in range(args.repeat):
             times["memcpy"].append(memcpy_seconds(report.bytes))
-            reports.append(sync_weights(group, engine, bucket_bytes, args.max_in_flight))
-            times["sync"].append(reports[-1].seconds)
+            for name, collective in transports.items():
+                reports[name].append(sync_weights(group, engine, bucket_bytes, args.max_in_flight, collective))
+                times[name].append(reports[name][-1].seconds)
             times["engine"].append(engine_seconds(engine, refs))
-        median_run = sorted(reports, key=lambda r: r.seconds)[len(reports) // 2]
+        median_runs = {name: sorted(runs, key=lambda r: r.seconds)[len(runs) // 2] for name, runs in reports.items()}
         results = {"bytes": report.bytes, "tensors": report.tensors, "tp": args.tp, "pp": args.pp,
                    "bucket_mb": args.bucket_mb, "repeat": args.repeat,
                    "seconds": {name: statistics.median(values) for name, values in times.items()},
-                   "all_seconds": times, "stages": stage_rows(median_run)}
+                   "all_seconds": times, "stages": {name: stage_rows(run) for name, run in median_runs.items()}}
         print_results(results)
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))

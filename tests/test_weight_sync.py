@@ -31,7 +31,8 @@ import torch  # noqa: E402
 
 from mm_rl.config.schema import ActorConfig, GenerateConfig, SamplingConfig, ValSamplingConfig  # noqa: E402
 from mm_rl.rollout.base import RolloutRequest, weight_group  # noqa: E402
-from mm_rl.rollout.weight_sync import SharedBucket, strip_vocab_padding  # noqa: E402
+from mm_rl.rollout.transport import SharedBucket, pack_bucket, unpack_bucket  # noqa: E402
+from mm_rl.rollout.weight_sync import strip_vocab_padding  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 224 * 224
 BUCKET_BYTES = 1 << 20  # the tiny model is ~4.4 MB: several buckets per stage
@@ -107,6 +108,7 @@ class Layout:
     group: Any
     engine: Any
     model: Any
+    collective: str | None = None  # the pair groups' key, joined by the first collective sync
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -179,10 +181,13 @@ def actor_gap(layout: Layout, prompts: list[Any], responses: list[tuple[list[int
                for lp, span, (_, engine_lp) in zip(actor, spans, responses, strict=True))
 
 
-def sync(layout: Layout) -> Any:
-    from mm_rl.rollout.weight_sync import sync_weights
+def sync(layout: Layout, transport: str = "object_store") -> Any:
+    from mm_rl.rollout.weight_sync import join_collective, sync_weights
 
-    return sync_weights(layout.group, layout.engine, BUCKET_BYTES)
+    if transport == "collective" and layout.collective is None:
+        layout.collective = join_collective(layout.group, layout.engine)
+    return sync_weights(layout.group, layout.engine, BUCKET_BYTES,
+                        collective=layout.collective if transport == "collective" else None)
 
 
 # ------------------------------------------------------------------------------------------------------- tests
@@ -205,16 +210,18 @@ def test_sync_sends_the_checkpoint_in_bounded_buckets(layout):
     assert report.bytes == sum(group_bytes.values())
 
 
-def test_engine_log_probs_equal_the_actors_and_restoring_restores_generation(layout, prompts):
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_engine_log_probs_equal_the_actors_and_restoring_restores_generation(layout, prompts, transport):
     baseline = greedy(layout, prompts)  # the engine's own start-up weights
-    sync(layout)
+    report = sync(layout, transport)
+    assert report.applied == report.tensors > 0
     synced = greedy(layout, prompts)
     assert same(synced, baseline)  # unchanged weights arrive bit-exact
     gaps = {"original greedy": actor_gap(layout, prompts, synced)}
 
     layout.group.run("perturb_weights", NOISE, 1)
     try:
-        sync(layout)
+        sync(layout, transport)
         perturbed = greedy(layout, prompts)
         assert [ids for ids, _ in perturbed] != [ids for ids, _ in baseline]
         gaps["perturbed greedy"] = actor_gap(layout, prompts, perturbed)
@@ -224,9 +231,9 @@ def test_engine_log_probs_equal_the_actors_and_restoring_restores_generation(lay
         layout.group.run("restore_weights")
     # the comparison discriminates: the original actor is far from the perturbed engine on the same tokens
     gaps["original actor vs perturbed engine"] = actor_gap(layout, prompts, responses)
-    sync(layout)
+    sync(layout, transport)
     assert same(greedy(layout, prompts), baseline)
-    GAPS[layout.name] = dict(gaps)
+    GAPS[f"{layout.name} {transport}"] = dict(gaps)
     assert gaps.pop("original actor vs perturbed engine") > 20 * LOGPROB_TOL
     assert max(gaps.values()) <= LOGPROB_TOL, gaps
 
@@ -279,6 +286,17 @@ def test_shared_bucket_travels_as_raw_buffers_and_unpickles_as_tensors():
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert out[0][1].data_ptr() == tensors[0][1].data_ptr()  # neither side copied a contiguous tensor
     assert all(t.untyped_storage().resizable() for _, t in tensors)  # an offload can still free the sources
+
+
+def test_a_packed_bucket_unpacks_to_the_same_tensors_at_aligned_offsets():
+    tensors = [("a", torch.randn(3, 5)), ("b", torch.randn(4, 6).to(torch.bfloat16)[:, ::2]),
+               ("c", torch.tensor(3.0)), ("d", torch.arange(7, dtype=torch.int64)), ("e", torch.randn(0, 4))]
+    layout, flat = pack_bucket(tensors, torch.device("cpu"))
+    assert all(start % 64 == 0 for *_, start in layout) and flat.numel() >= sum(t.nbytes for _, t in tensors)
+    out = unpack_bucket(layout, flat)
+    assert [name for name, _ in out] == [name for name, _ in tensors]
+    for (_, got), (_, want) in zip(out, tensors, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
 
 
 def test_vocab_padding_is_cut_before_the_merge():

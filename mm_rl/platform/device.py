@@ -68,6 +68,12 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (nothing to wait for on CPU)."""
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize()
+
+
 def empty_cache() -> None:
     """Hand the caching allocator's free blocks back to the device (after an offload, so a colocated engine can
     take them); nothing to do on CPU."""

@@ -23,6 +23,8 @@ from mm_rl.rollout.base import RolloutEngine, RolloutOutputs, RolloutRequest, Sa
 if TYPE_CHECKING:
     import torch
 
+    from mm_rl.rollout.transport import TensorLayout
+
 
 def build_engine(backend: str, model_path: str | Path, config: GenerateConfig, **kwargs: Any) -> RolloutEngine:
     """The engine named by ``generate_config.backend``: ``vllm`` or ``hf``."""
@@ -101,6 +103,18 @@ class RolloutWorker:
 
     def update_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         return self.engine.update_weights(named_tensors)
+
+    def join_sync_group(self, key: str, stage: int, host: str, port: int) -> None:
+        """Join the weight-sync pair group of an actor stage's sender (see mm_rl.rollout.transport)."""
+        from mm_rl.rollout.transport import join_pair
+
+        join_pair(key, stage, host, port, rank=1)
+
+    def receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> int:
+        """Receive one bucket over a pair group (the sender broadcasts it as this call runs) and load it."""
+        from mm_rl.rollout.transport import receive_bucket
+
+        return self.engine.update_weights(receive_bucket(key, stage, layout, nbytes))
 
     def reseed(self, seed: int) -> None:
         self.engine.reseed(seed)

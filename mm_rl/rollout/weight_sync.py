@@ -12,19 +12,13 @@ Per pipeline stage (all stages at once, each independently):
 3. bucket: ``bucket_by_group`` packs whole layers into buckets of about ``sync_bucket_mb`` (a layer is never
    split, because vLLM fuses q/k/v and gate/up per layer). Tensors are produced lazily, one at a time, so a
    sender holds one bucket plus one tensor, never its whole stage.
-4. transport: a :class:`BucketSink` made on the sender by a picklable factory. On CPU it is
-   :class:`ObjectStoreSink`: each bucket goes into Ray's object store (shared memory on the node; tensors travel
-   as raw byte buffers, see :class:`SharedBucket`, so the engine maps them without a copy) and the rollout
-   worker's ``update_weights`` loads it in place (vLLM ``reload_weights``, then encoder and prefix caches reset).
-   At most ``max_in_flight`` buckets wait for the engine, so the engine loads bucket i while the sender gathers
-   bucket i + 1, and memory stays bounded by the bucket size, not the model: per sender about
-   ``(max_in_flight + 1) x (sync_bucket_mb + one layer)`` (a bucket is cut only between layers, so it may exceed
-   the size by up to one layer). No disk round trip.
-
-On accelerators the intended transport is a device collective: the actor's sender ranks and the engine's ranks
-join one nccl / hccl group and each bucket is broadcast device to device into a receive buffer of the engine,
-which hands it to the same ``update_weights``. That is a second ``BucketSink`` (plus an engine-side receive
-loop); nothing else in this module changes. It is not implemented here (no such device on CPU machines).
+4. transport: a :class:`~mm_rl.rollout.transport.BucketSink` made on the sender by a picklable factory (see
+   :mod:`mm_rl.rollout.transport`): Ray's object store (shared memory), or a device collective (nccl / hccl, gloo
+   on CPU) between the sender and the engine's worker, joined once by :func:`join_collective`. Either way the
+   rollout worker loads each bucket in place (vLLM ``reload_weights``, then encoder and prefix caches reset), at
+   most ``max_in_flight`` buckets wait for the engine, and memory stays bounded by the bucket size, not the model:
+   per sender about ``(max_in_flight + 1) x (sync_bucket_mb + one layer)`` (a bucket is cut only between layers,
+   so it may exceed the size by up to one layer). No disk round trip.
 
 Colocated mode (:class:`RolloutSchedule`): before a rollout the engine takes back the memory of its weights, the
 weights are synced, the actor offloads what ``offload_train_param / grad / optimizer`` name
@@ -36,15 +30,14 @@ trainer runs the separate schedule there; the colocated one is the same calls, a
 
 from __future__ import annotations
 
-import collections
 import functools
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from mm_rl.rollout.base import bucket_by_group, tensor_bytes
+from mm_rl.rollout.transport import BucketSink, CollectiveSink, NamedTensor, ObjectStoreSink
 
 if TYPE_CHECKING:
     import torch
@@ -54,20 +47,9 @@ if TYPE_CHECKING:
     from mm_rl.convert.stages import Pipeline
     from mm_rl.workers.group import WorkerGroup
 
-NamedTensor = tuple[str, "torch.Tensor"]
-Bucket = list[NamedTensor]
 
 
 # ------------------------------------------------------------------------------------------------- stats
-@dataclass
-class SinkResult:
-    """What a transport reports when closed: tensors the engine applied and where the sender waited."""
-
-    applied: int = 0
-    put_s: float = 0.0  # serialising buckets into the transport (object store: one copy into shared memory)
-    wait_s: float = 0.0  # blocked on the engine (loading earlier buckets)
-
-
 @dataclass
 class SyncStats:
     """One stage's sender: what it sent and where the time went (seconds, wall clock on the sender)."""
@@ -112,90 +94,6 @@ class SyncReport:
     @property
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-# --------------------------------------------------------------------------------------------- transport
-class BucketSink(Protocol):
-    """The transport seam: takes buckets of HF-named tensors in order, then reports when closed."""
-
-    def send(self, bucket: Bucket) -> None: ...
-
-    def close(self) -> SinkResult: ...
-
-
-def _unpack_bucket(names: list[str], arrays: list[Any], meta: list[tuple[str, tuple[int, ...]]]) -> Bucket:
-    """Receiver side of :class:`SharedBucket`: tensors viewing the received byte buffers (no copy)."""
-    import torch
-
-    out = []
-    with warnings.catch_warnings():  # object-store buffers are read-only; the engine only reads them
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        for name, array, (dtype, shape) in zip(names, arrays, meta, strict=True):
-            out.append((name, torch.from_numpy(array).view(getattr(torch, dtype)).view(shape)))
-    return out
-
-
-class SharedBucket:
-    """A bucket that pickles each tensor as a raw uint8 numpy buffer and unpickles as a plain list of tensors.
-
-    torch pickles a tensor's storage in-band (a copy into the pickle and another out of it); a numpy array goes
-    out of band under pickle protocol 5, which Ray writes straight into its shared-memory object store and hands
-    to the reader as a view. Raw bytes also carry dtypes numpy lacks (bf16). The array is made through DLPack, not
-    ``Tensor.numpy()``: the latter marks the storage (on CPU often a live parameter's) as never resizable again,
-    which would make the colocated offload fail on the next rollout."""
-
-    def __init__(self, bucket: Bucket) -> None:
-        self.bucket = bucket
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        import numpy
-
-        names, arrays, meta = [], [], []
-        for name, tensor in self.bucket:
-            flat = tensor.detach().cpu().contiguous()
-            names.append(name)
-            arrays.append(numpy.from_dlpack(flat.reshape(-1).view(_uint8())))
-            meta.append((str(flat.dtype).removeprefix("torch."), tuple(flat.shape)))
-        return _unpack_bucket, (names, arrays, meta)
-
-
-def _uint8() -> Any:
-    import torch
-
-    return torch.uint8
-
-
-class ObjectStoreSink:
-    """Buckets through Ray's object store into a ``RolloutWorker`` actor's ``update_weights`` (CPU transport).
-
-    ``max_in_flight`` buckets may wait for the engine while the next one is built (memory: about
-    ``max_in_flight + 1`` buckets per sender)."""
-
-    def __init__(self, rollout: Any, max_in_flight: int = 1) -> None:
-        self.rollout, self.max_in_flight = rollout, max(1, max_in_flight)
-        self.pending: collections.deque[Any] = collections.deque()
-        self.result = SinkResult()
-
-    def send(self, bucket: Bucket) -> None:
-        import ray
-
-        start = time.perf_counter()
-        ref = ray.put(SharedBucket(bucket))
-        self.result.put_s += time.perf_counter() - start
-        self.pending.append(self.rollout.update_weights.remote(ref))
-        self._drain(self.max_in_flight)
-
-    def _drain(self, keep: int) -> None:
-        import ray
-
-        start = time.perf_counter()
-        while len(self.pending) > keep:
-            self.result.applied += int(ray.get(self.pending.popleft()))
-        self.result.wait_s += time.perf_counter() - start
-
-    def close(self) -> SinkResult:
-        self._drain(0)
-        return self.result
 
 
 # ------------------------------------------------------------------------------------------ sender side
@@ -274,7 +172,7 @@ def stage_hf_tensors(model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clo
             yield from zip(bound.hf, parts, strict=True)
 
 
-def push_stage(model: Any, model_cfg: ModelConfig, tp: int, sink_factory: Callable[[], BucketSink] | None,
+def push_stage(model: Any, model_cfg: ModelConfig, tp: int, sink_factory: Callable[[int], BucketSink] | None,
                bucket_bytes: int) -> SyncStats | None:
     """Run this rank's part of the sync: TP ranks gather; the sender (``sink_factory`` given) merges, renames,
     buckets and sends, then closes the sink and returns its statistics."""
@@ -288,7 +186,7 @@ def push_stage(model: Any, model_cfg: ModelConfig, tp: int, sink_factory: Callab
         for _ in named:  # a non-sender TP rank: only its part of each gather
             pass
         return None
-    sink: BucketSink = sink_factory()
+    sink = sink_factory(pp_rank)
     stats, produced, mark = SyncStats(pp_rank), 0.0, time.perf_counter()
     for bucket in bucket_by_group(named, bucket_bytes):
         produced += time.perf_counter() - mark
@@ -312,13 +210,36 @@ def bucket_bytes_of(generate: GenerateConfig) -> int:
     return int(generate.sync_bucket_mb) << 20
 
 
-def sync_weights(group: WorkerGroup, rollout: Any, bucket_bytes: int, max_in_flight: int = 1) -> SyncReport:
-    """Push the actor group's current weights into the rollout worker actor ``rollout`` (all stages at once).
+def join_collective(group: WorkerGroup, rollout: Any) -> str:
+    """Pair every stage's sender with the rollout worker in a two-rank device process group (nccl / hccl, gloo on
+    CPU); returns the key that :func:`sync_weights` takes to send over them. Each sender hosts its pair's
+    rendezvous on a port free on its own node; the rollout worker joins the pairs one after another while the
+    senders wait in theirs."""
+    import uuid
+
+    import ray
+
+    key = f"weights-{uuid.uuid4().hex[:8]}"
+    addresses = group.run("rendezvous_address")
+    senders = {c.pp_rank: addresses[i] for i, c in enumerate(group.coords) if c.is_sender()}
+    joined = [rollout.join_sync_group.remote(key, stage, host, port) for stage, (host, port) in senders.items()]
+    group.run("join_sync_group", key, senders)
+    ray.get(joined)
+    return key
+
+
+def sync_weights(group: WorkerGroup, rollout: Any, bucket_bytes: int, max_in_flight: int = 1,
+                 collective: str | None = None) -> SyncReport:
+    """Push the actor group's current weights into the rollout worker actor ``rollout`` (all stages at once),
+    through the object store, or over the pair groups of ``collective`` (a :func:`join_collective` key).
 
     Raises when the engine applied fewer tensors than were sent (a layer it held back: a mapping / checkpoint
     mismatch that would otherwise leave stale weights in the engine)."""
     start = time.perf_counter()
-    factory = functools.partial(ObjectStoreSink, rollout, max_in_flight)
+    if collective is None:
+        factory = functools.partial(ObjectStoreSink, rollout, max_in_flight=max_in_flight)
+    else:
+        factory = functools.partial(CollectiveSink, rollout, collective, max_in_flight=max_in_flight)
     stats = [s for s in group.run("push_weights", factory, bucket_bytes) if s is not None]
     report = SyncReport(sorted(stats, key=lambda s: s.pp_rank), time.perf_counter() - start)
     if report.applied != report.tensors:
@@ -333,9 +254,9 @@ class RolloutSchedule:
     ``events`` records what the driver did, in order, for logs and tests."""
 
     def __init__(self, group: WorkerGroup, rollout: Any, generate: GenerateConfig, actor: ActorConfig,
-                 sleep_level: int = 2) -> None:
+                 sleep_level: int = 2, collective: str | None = None) -> None:
         self.group, self.rollout, self.generate, self.actor = group, rollout, generate, actor
-        self.sleep_level = sleep_level
+        self.sleep_level, self.collective = sleep_level, collective
         self.events: list[str] = []
 
     @property
@@ -350,7 +271,7 @@ class RolloutSchedule:
         if self.generate.colocate:
             ray.get(self.rollout.wake_up.remote(["weights"]))
             self.events.append("engine.wake_up(weights)")
-        report = sync_weights(self.group, self.rollout, bucket_bytes_of(self.generate))
+        report = sync_weights(self.group, self.rollout, bucket_bytes_of(self.generate), collective=self.collective)
         self.events.append("sync")
         if self.generate.colocate:
             self.group.run("offload", **self.offload_switches)

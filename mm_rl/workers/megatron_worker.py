@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     import torch
 
     from mm_rl.config.schema import ActorConfig, ModelConfig, TrainingFlags
-    from mm_rl.rollout.weight_sync import BucketSink, SyncStats
+    from mm_rl.rollout.transport import BucketSink
+    from mm_rl.rollout.weight_sync import SyncStats
 
 MicroBatch = dict[str, "torch.Tensor"]
 TIED_COPY = "text_decoder.output_layer.weight"
@@ -99,7 +100,8 @@ class MegatronWorker:
 
     # ------------------------------------------------------------------------------------ set-up
     def rendezvous_address(self) -> tuple[str, int]:
-        """This node's address and a TCP port free a moment ago, for the group's rendezvous (called on rank 0)."""
+        """This node's address and a TCP port free a moment ago, for a rendezvous this rank hosts (rank 0's for the
+        group, a sender's for its weight-sync pair)."""
         import ray
 
         address = ray.util.get_node_ip_address()
@@ -219,7 +221,16 @@ class MegatronWorker:
         self._saved = None
 
     # ---------------------------------------------------------------------------- weight sync
-    def push_weights(self, sink_factory: Callable[[], BucketSink], bucket_bytes: int) -> SyncStats | None:
+    def join_sync_group(self, key: str, senders: dict[int, tuple[str, int]]) -> None:
+        """A stage's sender joins its weight-sync pair group with the engine (``senders``: stage -> the address
+        this rank gave for it); the other ranks have no part in it."""
+        from mm_rl.rollout.transport import join_pair
+
+        coords = self._require_coords()
+        if coords.is_sender():
+            join_pair(key, coords.pp_rank, *senders[coords.pp_rank], rank=0)
+
+    def push_weights(self, sink_factory: Callable[[int], BucketSink], bucket_bytes: int) -> SyncStats | None:
         """Stream this stage's weights, TP-merged and HF-named, in buckets of about ``bucket_bytes``.
 
         Every rank calls it: TP ranks take part in the gathers, the stage's TP-rank 0 of DP replica 0 builds the

@@ -42,13 +42,6 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _synchronize(device: torch.device) -> None:
-    import torch
-
-    if device.type != "cpu":
-        getattr(torch, device.type).synchronize()
-
-
 class MemorySwitch:
     """Offloads / onloads named groups of tensors by storage; each storage is moved once, whatever its views.
 
@@ -66,6 +59,8 @@ class MemorySwitch:
         """Move ``kind`` off the device; returns the bytes freed there. A kind already away stays as it is."""
         import torch
 
+        from mm_rl.platform.device import synchronize
+
         if kind in self.away:
             return 0
         taken = {p.storage._cdata for parked in self.away.values() for p in parked}
@@ -80,7 +75,7 @@ class MemorySwitch:
                 host.copy_(_bytes_view(storage), non_blocking=pin)
             parked.append(_Parked(storage, storage.nbytes(), host))
         if parked:
-            _synchronize(parked[0].storage.device)  # the host copies are complete before the memory goes
+            synchronize(parked[0].storage.device)  # the host copies are complete before the memory goes
         for item in parked:
             item.storage.resize_(0)
         self.away[kind] = parked
@@ -88,6 +83,8 @@ class MemorySwitch:
 
     def onload(self, kind: Kind) -> int:
         """Bring ``kind`` back (values as they left, or zeros); returns the bytes restored."""
+        from mm_rl.platform.device import synchronize
+
         parked = self.away.pop(kind, [])
         for item in parked:
             item.storage.resize_(item.nbytes)
@@ -97,7 +94,7 @@ class MemorySwitch:
             else:
                 view.copy_(item.host, non_blocking=True)
         if parked:
-            _synchronize(parked[0].storage.device)
+            synchronize(parked[0].storage.device)
         return sum(item.nbytes for item in parked)
 
 

@@ -1,0 +1,251 @@
+"""How weight-sync buckets travel from an actor stage's sender to the rollout engine's worker.
+
+A sender (the stage's TP-rank 0, in its Megatron worker process) makes a :class:`BucketSink` from a picklable
+factory called with its pipeline stage, ``send``s buckets of HF-named tensors in order, and ``close``s it. Two
+sinks, one contract:
+
+* :class:`ObjectStoreSink`: each bucket goes into Ray's object store (shared memory on the node; tensors travel
+  as raw byte buffers, see :class:`SharedBucket`, so the engine maps them without a copy) and the rollout
+  worker's ``update_weights`` loads it. Works anywhere Ray does; the default on CPU and for a colocated engine.
+* :class:`CollectiveSink`: the sender and the engine's worker share a two-rank process group (nccl on CUDA, hccl
+  on Ascend, gloo on CPU; :func:`join_pair`); a bucket is packed into one flat byte buffer on the sender's device
+  and broadcast into a buffer on the engine's device, and the Ray call that triggers the receive carries only the
+  names, dtypes, shapes and offsets. Device to device, no host copy, for engines on their own devices. (NCCL and
+  HCCL refuse two ranks on one device, so a colocated engine, which shares actor rank 0's device, uses the
+  object store.)
+
+Both keep at most ``max_in_flight`` buckets waiting for the engine, so the engine loads bucket i while the sender
+builds bucket i + 1 and memory stays bounded by the bucket size.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+NamedTensor = tuple[str, "torch.Tensor"]
+Bucket = list[NamedTensor]
+TensorLayout = tuple[str, str, tuple[int, ...], int]  # name, dtype, shape, byte offset in the flat buffer
+_ALIGN = 64  # byte alignment of each tensor in a flat buffer (any dtype view of it stays aligned)
+
+
+@dataclass
+class SinkResult:
+    """What a transport reports when closed: tensors the engine applied and where the sender waited."""
+
+    applied: int = 0
+    put_s: float = 0.0  # handing buckets to the transport (a copy into shared memory, or pack + broadcast)
+    wait_s: float = 0.0  # blocked on the engine (loading earlier buckets)
+
+
+class BucketSink(Protocol):
+    """The transport seam: takes buckets of HF-named tensors in order, then reports when closed."""
+
+    def send(self, bucket: Bucket) -> None: ...
+
+    def close(self) -> SinkResult: ...
+
+
+class _Pipelined:
+    """The bounded queue of engine calls both sinks share."""
+
+    def __init__(self, max_in_flight: int) -> None:
+        self.max_in_flight = max(1, max_in_flight)
+        self.pending: collections.deque[Any] = collections.deque()
+        self.result = SinkResult()
+
+    def _submitted(self, ref: Any) -> None:
+        self.pending.append(ref)
+        self._drain(self.max_in_flight)
+
+    def _drain(self, keep: int) -> None:
+        import ray
+
+        start = time.perf_counter()
+        while len(self.pending) > keep:
+            self.result.applied += int(ray.get(self.pending.popleft()))
+        self.result.wait_s += time.perf_counter() - start
+
+    def close(self) -> SinkResult:
+        self._drain(0)
+        return self.result
+
+
+# ------------------------------------------------------------------------------------------ object store
+def _unpack_bucket(names: list[str], arrays: list[Any], meta: list[tuple[str, tuple[int, ...]]]) -> Bucket:
+    """Receiver side of :class:`SharedBucket`: tensors viewing the received byte buffers (no copy)."""
+    import torch
+
+    out = []
+    with warnings.catch_warnings():  # object-store buffers are read-only; the engine only reads them
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        for name, array, (dtype, shape) in zip(names, arrays, meta, strict=True):
+            out.append((name, torch.from_numpy(array).view(getattr(torch, dtype)).view(shape)))
+    return out
+
+
+class SharedBucket:
+    """A bucket that pickles each tensor as a raw uint8 numpy buffer and unpickles as a plain list of tensors.
+
+    torch pickles a tensor's storage in-band (a copy into the pickle and another out of it); a numpy array goes
+    out of band under pickle protocol 5, which Ray writes straight into its shared-memory object store and hands
+    to the reader as a view. Raw bytes also carry dtypes numpy lacks (bf16). The array is made through DLPack, not
+    ``Tensor.numpy()``: the latter marks the storage (on CPU often a live parameter's) as never resizable again,
+    which would make the colocated offload fail on the next rollout."""
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        import numpy
+        import torch
+
+        names, arrays, meta = [], [], []
+        for name, tensor in self.bucket:
+            flat = tensor.detach().cpu().contiguous()
+            names.append(name)
+            arrays.append(numpy.from_dlpack(flat.reshape(-1).view(torch.uint8)))
+            meta.append((_dtype_name(flat), tuple(flat.shape)))
+        return _unpack_bucket, (names, arrays, meta)
+
+
+class ObjectStoreSink(_Pipelined):
+    """Buckets through Ray's object store into a ``RolloutWorker`` actor's ``update_weights``."""
+
+    def __init__(self, rollout: Any, stage: int, max_in_flight: int = 1) -> None:
+        super().__init__(max_in_flight)
+        self.rollout, self.stage = rollout, stage
+
+    def send(self, bucket: Bucket) -> None:
+        import ray
+
+        start = time.perf_counter()
+        ref = ray.put(SharedBucket(bucket))
+        self.result.put_s += time.perf_counter() - start
+        self._submitted(self.rollout.update_weights.remote(ref))
+
+
+# -------------------------------------------------------------------------------------------- collective
+@dataclass
+class PairGroup:
+    """A two-rank process group: rank 0 is an actor stage's sender, rank 1 the engine's worker."""
+
+    group: Any  # a torch.distributed backend (ProcessGroupGloo / NCCL / HCCL) outside the default world
+    device: torch.device
+
+
+_PAIRS: dict[str, PairGroup] = {}  # this process's pair groups, by pair_name
+
+
+def pair_name(key: str, stage: int) -> str:
+    return f"{key}/stage{stage}"
+
+
+def _pair_backend(store: Any, rank: int, timeout: timedelta) -> Any:
+    """The device collective for two ranks on this process's device kind, built on ``store`` (no default group:
+    the actor ranks already have theirs, and the engine's worker has vLLM's)."""
+    import torch.distributed as dist
+
+    from mm_rl.platform.device import device_kind
+
+    kind = device_kind()
+    if kind == "cpu":
+        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    if kind == "cuda":
+        cls = dist.ProcessGroupNCCL
+    else:
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL as cls  # type: ignore[import-not-found]
+    options = cls.Options()
+    options._timeout = timeout
+    return cls(store, rank, 2, options)
+
+
+def join_pair(key: str, stage: int, host: str, port: int, rank: int, timeout_s: float = 600.0) -> None:
+    """Join (or rejoin) the pair group of ``stage``: rank 0 hosts the rendezvous store at ``host:port``; both
+    block until the other arrives (up to ``timeout_s``)."""
+    import torch.distributed as dist
+
+    from mm_rl.platform.device import current_device
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout)
+    _PAIRS[pair_name(key, stage)] = PairGroup(_pair_backend(store, rank, timeout), current_device())
+
+
+def _pair(key: str, stage: int) -> PairGroup:
+    try:
+        return _PAIRS[pair_name(key, stage)]
+    except KeyError:
+        raise RuntimeError(f"no weight-sync pair group {pair_name(key, stage)!r} in this process: "
+                           "join_collective() must run before a collective sync") from None
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _view(flat: torch.Tensor, dtype: str, shape: tuple[int, ...], start: int) -> torch.Tensor:
+    """The tensor of ``dtype`` / ``shape`` stored at byte ``start`` of ``flat``."""
+    import math
+
+    import torch
+
+    kind = getattr(torch, dtype)
+    return flat[start:start + kind.itemsize * math.prod(shape)].view(kind).view(shape)
+
+
+def pack_bucket(bucket: Bucket, device: torch.device) -> tuple[list[TensorLayout], torch.Tensor]:
+    """One flat byte buffer on ``device`` holding the bucket's tensors (each at an aligned offset), and where."""
+    import torch
+
+    layout, offset = [], 0
+    for name, tensor in bucket:
+        layout.append((name, _dtype_name(tensor), tuple(tensor.shape), offset))
+        offset += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+    flat = torch.empty(offset, dtype=torch.uint8, device=device)
+    for (_, tensor), (_, dtype, shape, start) in zip(bucket, layout, strict=True):
+        _view(flat, dtype, shape, start).copy_(tensor, non_blocking=True)
+    return layout, flat
+
+
+def unpack_bucket(layout: list[TensorLayout], flat: torch.Tensor) -> Bucket:
+    """The tensors of :func:`pack_bucket`'s buffer, as views of it."""
+    return [(name, _view(flat, dtype, shape, start)) for name, dtype, shape, start in layout]
+
+
+def receive_bucket(key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> Bucket:
+    """Engine side of :class:`CollectiveSink`: receive one ``nbytes`` bucket from ``stage``'s sender."""
+    import torch
+
+    pair = _pair(key, stage)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=pair.device)
+    pair.group.broadcast(flat, 0).wait()
+    return unpack_bucket(layout, flat)
+
+
+class CollectiveSink(_Pipelined):
+    """Buckets broadcast over the stage's pair group; the rollout worker's ``receive_weights`` takes each one
+    (posted first, so the broadcast has its receiver) and loads it."""
+
+    def __init__(self, rollout: Any, key: str, stage: int, max_in_flight: int = 1) -> None:
+        super().__init__(max_in_flight)
+        self.rollout, self.key, self.stage = rollout, key, stage
+        self.pair = _pair(key, stage)
+
+    def send(self, bucket: Bucket) -> None:
+        from mm_rl.platform.device import synchronize
+
+        start = time.perf_counter()
+        layout, flat = pack_bucket(bucket, self.pair.device)
+        ref = self.rollout.receive_weights.remote(self.key, self.stage, layout, flat.numel())
+        self.pair.group.broadcast(flat, 0).wait()
+        synchronize(self.pair.device)  # the buffer is free to go only once the device has sent it
+        self.result.put_s += time.perf_counter() - start
+        self._submitted(ref)
