@@ -15,6 +15,8 @@ PROJ = "backend_config.model.image_encoder.vision_projector"
 ACTOR = "backend_config.actor_config"
 TRAIN = "backend_config.training"
 RL = "backend_config.rl_config"
+GEN = "backend_config.generate_config"
+NPU = "env.DEVICE=npu"
 
 
 def job(*overrides):
@@ -199,6 +201,19 @@ RULE_CASES = {
     "seq_budget": ([f"{TRAIN}.seq-length=1000"], f"{TRAIN}.seq-length", [f"{TRAIN}.seq-length=1536"]),
     "positive": ([f"{ACTOR}.micro_batch_size=0"], f"{ACTOR}.micro_batch_size", [f"{ACTOR}.micro_batch_size=2"]),
     "node_rank": (["env.NODE_RANK=1"], "env.NODE_RANK", ["env.NNODES=2", "env.NODE_RANK=1"]),
+    "engine_colocated_one_device": ([NPU, f"{GEN}.infer_tensor_parallel_size=2"], f"{GEN}.infer_tensor_parallel_size",
+                                    [NPU, "env.NPROC_PER_NODE=3", f"{GEN}.colocate=false",
+                                     f"{GEN}.infer_tensor_parallel_size=2"]),
+    "engine_leaves_devices": ([NPU, f"{GEN}.colocate=false"], f"{GEN}.colocate",
+                              [NPU, f"{GEN}.colocate=false", "env.NPROC_PER_NODE=2"]),
+    "engine_on_one_node": ([NPU, "env.NNODES=2", "env.NPROC_PER_NODE=2", f"{GEN}.colocate=false",
+                            f"{GEN}.infer_tensor_parallel_size=4"], f"{GEN}.infer_tensor_parallel_size",
+                           [NPU, "env.NNODES=2", "env.NPROC_PER_NODE=4", f"{GEN}.colocate=false",
+                            f"{GEN}.infer_tensor_parallel_size=4"]),
+    "world_minus_engine": ([NPU, "env.NPROC_PER_NODE=4", f"{ACTOR}.tensor_model_parallel_size=2",
+                            f"{GEN}.colocate=false"], "env.NPROC_PER_NODE",
+                           [NPU, "env.NPROC_PER_NODE=5", f"{ACTOR}.tensor_model_parallel_size=2",
+                            f"{GEN}.colocate=false"]),
 }
 
 

@@ -87,3 +87,19 @@ def test_submit_makes_directly_set_relative_paths_absolute(tmp_path):
     assert node.backend_config.megatron_training.tokenizer_name_or_path == str(tmp_path / "out" / "hf")
     assert node.backend_config.megatron_training.save == "/abs/ckpt"
     assert node.backend_config.data.dataset_param.basic_parameters.dataset_dir == str(tmp_path / "data")
+
+
+@pytest.mark.parametrize("device, colocate, actor, engine", [("cuda", False, 6, {"CPU": 1.0, "GPU": 2.0}),
+                                                             ("npu", True, 8, None), ("cpu", False, 8, None)])
+def test_a_separate_engine_gets_whole_devices_of_its_own(device, colocate, actor, engine):
+    """On accelerators ``colocate: false`` takes the engine's devices out of the actor's world into a bundle of
+    its own; colocated, or on CPU, every device stays with the actor."""
+    from mm_rl.config.loader import load_job
+    from mm_rl.trainer.runtime import plan_resources
+
+    gen = "--backend_config.generate_config"
+    job = load_job(None, [f"--env.DEVICE={device}", "--env.NPROC_PER_NODE=8", f"{gen}.colocate={colocate}",
+                          f"{gen}.infer_tensor_parallel_size={2 if engine else 1}"])
+    resources = plan_resources(job)
+    assert resources.world_size == actor
+    assert (resources.rollout_bundle() if resources.rollout_devices else None) == engine

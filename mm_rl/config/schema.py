@@ -369,7 +369,8 @@ class GenerateConfig:
     max_num_seqs: int = opt(256, "sequences the engine batches at once")
     max_model_len: int = ref("backend_config.training.seq-length", "longest prompt + response the engine accepts")
     enforce_eager: bool = opt(True, "no graph capture")
-    colocate: bool = opt(True, "engine on the actor's devices (sleeps during training)")
+    colocate: bool = opt(True, "engine beside actor rank 0 on its device, asleep during training; false: on "
+                         "infer_tensor_parallel_size devices of its own, weights sent device to device")
     prompt_overflow: Literal["skip", "truncate"] = opt("skip", "prompts longer than the engine accepts")
     image_bounds: Literal["resize", "skip"] = opt("resize", "images outside min/max pixels")
     sync_bucket_mb: int = opt(512, "weight-sync bucket size")

@@ -45,8 +45,16 @@ def validate(cfg: JobConfig, check_paths: bool = True) -> list[Violation]:
     return found
 
 
+def rollout_devices(cfg: JobConfig) -> int:
+    """Devices the rollout engine holds on its own: ``infer_tensor_parallel_size`` when it is not colocated on an
+    accelerator; none when it shares the actor's devices, or on CPU (no devices to divide)."""
+    g = cfg.backend_config.generate_config
+    return 0 if g.colocate or cfg.env.DEVICE == "cpu" else g.infer_tensor_parallel_size
+
+
 def world_size(cfg: JobConfig) -> int:
-    return cfg.env.NNODES * cfg.env.NPROC_PER_NODE
+    """The actor's ranks: every device of the cluster but those of a separate rollout engine."""
+    return cfg.env.NNODES * cfg.env.NPROC_PER_NODE - rollout_devices(cfg)
 
 
 def data_parallel_size(cfg: JobConfig) -> int:
@@ -77,6 +85,7 @@ def positive_sizes(cfg: JobConfig) -> Iterator[Violation]:
         f"{RL}.ppo_epochs": b.rl_config.ppo_epochs,
         f"{TRAIN}.seq-length": b.training.seq_length,
         f"{GEN}.sampling_config.max_tokens": b.generate_config.sampling_config.max_tokens,
+        f"{GEN}.infer_tensor_parallel_size": b.generate_config.infer_tensor_parallel_size,
         f"{TEXT}.num_layers": b.model.text_decoder.num_layers,
         f"{TRAIN}.make-vocab-size-divisible-by": b.training.make_vocab_size_divisible_by,
     }
@@ -89,14 +98,34 @@ def positive_sizes(cfg: JobConfig) -> Iterator[Violation]:
 
 
 @rule
+def rollout_engine_fits(cfg: JobConfig) -> Iterator[Violation]:
+    g, env, key = cfg.backend_config.generate_config, cfg.env, f"{GEN}.infer_tensor_parallel_size"
+    if env.DEVICE == "cpu" or g.infer_tensor_parallel_size < 1:
+        return
+    if g.colocate and g.infer_tensor_parallel_size > 1:
+        yield Violation(key, g.infer_tensor_parallel_size, "a colocated engine shares actor rank 0's device, so it "
+                        "runs on one device", f"set {GEN}.colocate: false to give the engine devices of its own, or "
+                        "infer_tensor_parallel_size: 1")
+    elif g.infer_tensor_parallel_size > env.NPROC_PER_NODE:
+        yield Violation(key, g.infer_tensor_parallel_size, f"a separate engine runs on one node, which has "
+                        f"NPROC_PER_NODE = {env.NPROC_PER_NODE} devices", "use a smaller engine TP")
+    elif world_size(cfg) < 1:
+        yield Violation(f"{GEN}.colocate", g.colocate, f"a separate engine takes {rollout_devices(cfg)} of the "
+                        f"{env.NNODES * env.NPROC_PER_NODE} devices, leaving none for the actor",
+                        "add devices (NNODES / NPROC_PER_NODE) or set colocate: true")
+
+
+@rule
 def world_divisible(cfg: JobConfig) -> Iterator[Violation]:
     t = cfg.backend_config.training
     model_parallel = t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.context_parallel_size
     world = world_size(cfg)
-    if model_parallel > 0 and world % model_parallel:
+    if world > 0 and model_parallel > 0 and world % model_parallel:
+        engine = f" minus the separate engine's {rollout_devices(cfg)}" if rollout_devices(cfg) else ""
         yield Violation("env.NPROC_PER_NODE", cfg.env.NPROC_PER_NODE,
-                        f"world size NNODES x NPROC_PER_NODE = {world} is not divisible by TP x PP x CP = "
-                        f"{model_parallel}", "change the device count or TP/PP/CP so that TP x PP x CP divides it")
+                        f"the actor's devices (NNODES x NPROC_PER_NODE{engine}) = {world} are not divisible by "
+                        f"TP x PP x CP = {model_parallel}",
+                        "change the device count or TP/PP/CP so that TP x PP x CP divides it")
 
 
 @rule

@@ -57,7 +57,7 @@ class Roles:
         self.resources = plan_resources(self.job)
         self._notices()
         self.say(f"ray: {connect(self.job, self.resources)}")
-        self.placement = make_placement(self.resources)
+        self.placement = make_placement(self.resources, with_rollout=True)
         self._start_actor(mm_dir)
         self._start_reference(mm_dir)
         self._start_rollout()
@@ -139,18 +139,21 @@ class Roles:
     def _start_rollout(self) -> None:
         import os
 
+        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from mm_rl.rollout.actor import rollout_worker_actor
-        from mm_rl.rollout.weight_sync import RolloutSchedule
+        from mm_rl.rollout.weight_sync import RolloutSchedule, join_collective
+        from mm_rl.workers.group import WorkerError, error_line
 
         b, res = self.job.backend_config, self.resources
         pre = b.data.dataset_param.preprocess_parameters
         options: dict[str, Any] = {}
-        if res.device != "cpu":  # beside actor rank 0 on its device; it sleeps while the actor trains
-            options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, 0),
-                       **({"num_gpus": res.device_share_rollout} if res.device == "cuda" else
-                          {"resources": res.worker_resources(res.device_share_rollout)})}
+        if res.device != "cpu":  # separate: its own bundle; colocated: beside actor rank 0, asleep while it trains
+            bundle, share = (res.world_size, res.rollout_devices) if res.rollout_devices else \
+                (0, res.device_share_rollout)
+            options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, bundle),
+                       **({"num_gpus": share} if res.device == "cuda" else {"resources": res.worker_resources(share)})}
         threads = (os.cpu_count() or 1) if res.device == "cpu" else None  # the rollout phase runs alone
         self.rollout = rollout_worker_actor(num_cpus=ROLLOUT_CPUS if res.device == "cpu" else 0, **options).remote(
             pre.model_name_or_path, b.generate_config, min_pixels=pre.min_pixels, max_pixels=pre.max_pixels,
@@ -158,7 +161,16 @@ class Roles:
         self.get(self.rollout.ready.remote(), "rollout engine")
         # On CPU the engine and the actor share host memory: sleeping and offloading would free nothing.
         schedule = dataclasses.replace(b.generate_config, colocate=b.generate_config.colocate and res.device != "cpu")
-        self.schedule = RolloutSchedule(self.actor, self.rollout, schedule, b.actor_config)
+        # Weights go device to device to an engine on devices of its own; a colocated engine shares actor rank 0's
+        # device, where nccl / hccl cannot pair two ranks, and on CPU shared memory is faster (bench/sync.py).
+        collective = None
+        if res.rollout_devices:
+            try:
+                collective = join_collective(self.actor, self.rollout)
+            except ray.exceptions.RayError as error:
+                raise WorkerError(f"rollout engine failed joining the weight-sync groups: {error_line(error)}") \
+                    from error
+        self.schedule = RolloutSchedule(self.actor, self.rollout, schedule, b.actor_config, collective=collective)
         self.say(f"rollout: {b.generate_config.backend} engine ready")
 
     def _start_rewards(self) -> None:

@@ -1,10 +1,11 @@
 """Where the job's processes run: the Ray connection, the placement group and the roles' resources.
 
-One placement group holds a bundle per device (``NNODES x NPROC_PER_NODE``; on CPU a bundle per training
-process), packed onto as few nodes as possible. Actor rank ``i`` runs in bundle ``i``; the reference model, when
-colocated, takes a share of the same bundle (same device), otherwise gets its own group; the rollout engine sits
-in bundle 0 beside actor rank 0 (it sleeps while the actor trains) and reward workers take small CPU shares
-outside the group.
+One placement group holds a bundle per actor device (on CPU a bundle per training process), packed onto as few
+nodes as possible. Actor rank ``i`` runs in bundle ``i``; the reference model, when colocated, takes a share of
+the same bundle (same device), otherwise gets its own group. The rollout engine, colocated, sits in bundle 0
+beside actor rank 0 (it sleeps while the actor trains); separate (``generate_config.colocate: false`` on
+accelerators), it gets one more bundle of ``infer_tensor_parallel_size`` whole devices, taken from the cluster's
+``NNODES x NPROC_PER_NODE``. Reward workers take small CPU shares outside the group.
 
 Ray: ``env.RAY_ADDRESS`` (or the ``RAY_ADDRESS`` environment variable) joins a running cluster; otherwise a
 local one is started with enough logical CPUs for the roles. Workers run at the driver's priority (Ray's
@@ -41,12 +42,17 @@ class Resources:
     ref_share: float
     device_share_actor: float  # fraction of the bundle's device (accelerators)
     device_share_ref: float
-    device_share_rollout: float
+    device_share_rollout: float  # colocated engine: its fraction of actor rank 0's device
     threads: int  # torch threads of a training rank (phases run one after the other)
+    rollout_devices: int = 0  # separate engine: whole devices in a bundle of its own (index world_size)
 
     def bundle(self) -> dict[str, float]:
         resource = DEVICE_RESOURCE[self.device]
         return {"CPU": self.bundle_cpus} | ({resource: 1.0} if resource else {})
+
+    def rollout_bundle(self) -> dict[str, float]:
+        """A separate engine's bundle: its devices and the CPU of its process."""
+        return {"CPU": ROLLOUT_CPUS} | self.worker_resources(float(self.rollout_devices))
 
     def worker_resources(self, share: float) -> dict[str, float]:
         resource = DEVICE_RESOURCE[self.device]
@@ -55,14 +61,17 @@ class Resources:
 
 def plan_resources(job: JobConfig) -> Resources:
     """Bundle sizes for the job: one per device; the actor and a colocated reference split it."""
+    from mm_rl.config.validate import rollout_devices, world_size
+
     env = job.env
-    world = env.NNODES * env.NPROC_PER_NODE
+    world = world_size(job)
     colocated = job.backend_config.rl_config.colocate_ref
     cores = os.cpu_count() or 1
     threads = max(1, cores // world) if env.DEVICE == "cpu" else max(1, cores // max(world, 1) // 2)
     return Resources(device=env.DEVICE, world_size=world, bundle_cpus=1.0, actor_share=0.5 if colocated else 1.0,
                      ref_share=0.5 if colocated else 1.0, device_share_actor=0.4 if colocated else 0.6,
-                     device_share_ref=0.2 if colocated else 0.4, device_share_rollout=0.4, threads=threads)
+                     device_share_ref=0.2 if colocated else 0.4, device_share_rollout=0.4, threads=threads,
+                     rollout_devices=rollout_devices(job))
 
 
 def logical_cpus(resources: Resources, reward_workers: int) -> int:
@@ -91,16 +100,20 @@ def connect(job: JobConfig, resources: Resources) -> str:
     return f"a local Ray instance ({cpus} logical CPUs)"
 
 
-def make_placement(resources: Resources, bundles: int | None = None) -> Any:
-    """The placement group of the training ranks (one bundle each), ready."""
+def make_placement(resources: Resources, with_rollout: bool = False) -> Any:
+    """The placement group of the training ranks (one bundle each; then a separate engine's bundle when
+    ``with_rollout``), ready."""
     import ray
     from ray.util.placement_group import placement_group
 
-    group = placement_group([resources.bundle()] * (bundles or resources.world_size), strategy="PACK")
+    bundles = [resources.bundle()] * resources.world_size
+    if with_rollout and resources.rollout_devices:
+        bundles.append(resources.rollout_bundle())
+    group = placement_group(bundles, strategy="PACK")
     try:
         ray.get(group.ready(), timeout=600)
     except ray.exceptions.GetTimeoutError as error:
-        raise RuntimeError(f"Ray could not place {resources.world_size} bundles of {resources.bundle()} within 10 "
+        raise RuntimeError(f"Ray could not place the bundles {bundles} within 10 "
                            "minutes: does the cluster have that many devices (see `ray status`), and did each "
                            "node start with its device resource (ray start --resources)?") from error
     return group
