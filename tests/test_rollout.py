@@ -295,6 +295,50 @@ def test_vllm_multiprocess_engine_takes_weights_through_files(vllm_engine, model
     assert same_outputs(greedy(vllm_engine, requests_[:1]), before)
 
 
+@pytest.mark.slow
+def test_vllm_tp2_engine_matches_hf_and_takes_sharded_weight_pushes(model_dir, config, reference, requests_, weights):
+    """A TP2 engine (multiprocess; on CPU its two ranks split this machine's cores): its log-probs equal a
+    recomputation from HF logits, and full HF tensors pushed to it land sharded over both ranks (fused qkv and
+    gate/up included): a stop head stops, a perturbed layer changes generation, the originals restore it exactly."""
+    from mm_rl.rollout.vllm_engine import VllmEngine
+
+    engine = VllmEngine(model_dir, dataclasses.replace(config, infer_tensor_parallel_size=2), min_pixels=MIN_PIXELS,
+                        max_pixels=MAX_PIXELS)
+    try:
+        assert not engine.in_process
+        out = engine.generate(requests_[:2], SamplingConfig(max_tokens=MAX_TOKENS, temperature=0.7, n=2))
+        for req, output in zip(requests_[:2], out, strict=True):
+            for sample in output.samples:
+                expected = recompute(reference, req, sample.response_ids, 0.7)
+                assert torch.allclose(sample.logprobs, expected, atol=1e-2), (sample.logprobs - expected).abs().max()
+        baseline = greedy(engine, requests_[:2])
+        assert engine.update_weights([("lm_head.weight", stop_head(weights))]) == 1
+        assert all(ids[0] in STOP_IDS for ids, _ in greedy(engine, requests_[:2]))
+        generator = torch.Generator().manual_seed(0)
+        noisy = [(n, t + 0.2 * torch.randn(t.shape, generator=generator)) for n, t in layer_tensors(weights, 1)]
+        engine.update_weights(noisy + [("lm_head.weight", weights["lm_head.weight"])])
+        assert not same_outputs(greedy(engine, requests_[:2]), baseline)
+        assert engine.update_weights(weights.items()) == len(weights)
+        assert same_outputs(greedy(engine, requests_[:2]), baseline)
+    finally:
+        engine.close()
+
+
+def test_cpu_thread_binding_splits_the_cores_among_engine_ranks(monkeypatch):
+    from mm_rl.rollout import vllm_engine
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(vllm_engine.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
+    nodes = len(list(vllm_engine.Path("/sys/devices/system/node").glob("node[0-9]*")))
+    assert vllm_engine.cpu_thread_binding(1) is None
+    if nodes < 2:
+        assert vllm_engine.cpu_thread_binding(2) == "0,1|2,3"
+    if nodes < 8:
+        assert vllm_engine.cpu_thread_binding(8) == "nobind"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert vllm_engine.cpu_thread_binding(2) is None  # the user's own binding stands
+
+
 def test_weight_groups_and_buckets(weights):
     assert weight_group("model.layers.3.self_attn.q_proj.weight") == "model.layers.3"
     assert weight_group("visual.blocks.1.attn.qkv.bias") == "visual.blocks.1"

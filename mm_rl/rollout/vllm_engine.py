@@ -197,31 +197,52 @@ def engine_kwargs(
     return kwargs
 
 
+def cpu_thread_binding(tp: int) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a TP > 1 engine on CPU, None to leave vLLM's choice.
+
+    vLLM binds each CPU rank to a NUMA node of its own and refuses to start when the machine has fewer nodes than
+    ranks (the usual single-socket case). Then this process's CPUs are split among the ranks ("0|1" on two
+    cores), or threads are left unbound when there are fewer CPUs than ranks."""
+    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*")))
+    if tp <= 1 or nodes >= tp or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        return "nobind"
+    per = len(cpus) // tp
+    return "|".join(",".join(str(c) for c in cpus[rank * per:(rank + 1) * per]) for rank in range(tp))
+
+
 @contextlib.contextmanager
-def _engine_environment(in_process: bool) -> Iterator[None]:
-    """``VLLM_ENABLE_V1_MULTIPROCESSING`` for the engine's construction, and ``torch.set_num_threads`` kept."""
+def _engine_environment(in_process: bool, tp: int) -> Iterator[None]:
+    """``VLLM_ENABLE_V1_MULTIPROCESSING`` (and on CPU the TP ranks' thread binding) for the engine's
+    construction, and ``torch.set_num_threads`` kept."""
     import torch
     from vllm import envs
 
-    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
-    previous, set_num_threads = os.environ.get(key), torch.set_num_threads
-    os.environ[key] = "0" if in_process else "1"
+    settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+    binding = cpu_thread_binding(tp) if device_kind() == "cpu" else None
+    if binding:
+        settings["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    previous, set_num_threads = {key: os.environ.get(key) for key in settings}, torch.set_num_threads
+    os.environ.update(settings)
     envs.disable_envs_cache()  # an earlier in-process engine froze vLLM's env reads; the engine re-enables it
     try:
         yield
     finally:
         torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it with a no-op
-        if previous is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def build_llm(kwargs: dict[str, Any], in_process: bool) -> Any:
     """``vllm.LLM(**kwargs)`` in the right process mode."""
     from vllm import LLM
 
-    with _engine_environment(in_process):
+    with _engine_environment(in_process, int(kwargs.get("tensor_parallel_size", 1))):
         return LLM(**kwargs)
 
 
