@@ -1,9 +1,9 @@
 """Weight sync from Megatron worker actors (TP x PP) into a running vLLM engine actor, on the tiny Qwen2.5-VL.
 
 Per layout (TP1 with an untied output layer; TP2 x PP2, ViT + LLM layer 0 on stage 0, with tied embeddings so the
-last stage holds the output-layer copy that must not be sent): the HF checkpoint goes through hf2mg at the
-actor's layout, the worker actors load it, and a vLLM engine (fp32, in its own actor) starts from the same HF
-directory. Checked on prompts with an image:
+last stage holds the output-layer copy that must not be sent; DP2, whose second replica sends nothing): the HF
+checkpoint goes through hf2mg at the actor's layout, the worker actors load it, and a vLLM engine (fp32, in its
+own actor) starts from the same HF directory. Checked on prompts with an image:
 
 - the sync sends exactly the checkpoint's tensors (no ``lm_head`` when tied), in buckets bounded by the bucket
   size, and the engine applies all of them; syncing unchanged weights leaves greedy generation bit-identical;
@@ -39,10 +39,11 @@ BUCKET_BYTES = 1 << 20  # the tiny model is ~4.4 MB: several buckets per stage
 LOGPROB_TOL = 1e-2
 NOISE = 1.0
 FINAL_NORM_SCALE = 20.0
-LAYOUTS = {  # name: (tp, pp, tied, model.json pipeline overrides)
-    "tp1": (1, 1, False, {}),
-    "tp2_pp2": (2, 2, True, {"text_decoder": {"pipeline_num_layers": [1, 3]},
-                             "image_encoder": {"vision_encoder": {"pipeline_num_layers": [2, 0]}}}),
+LAYOUTS = {  # name: (tp, pp, dp, tied, model.json pipeline overrides)
+    "tp1": (1, 1, 1, False, {}),
+    "tp2_pp2": (2, 2, 1, True, {"text_decoder": {"pipeline_num_layers": [1, 3]},
+                                "image_encoder": {"vision_encoder": {"pipeline_num_layers": [2, 0]}}}),
+    "dp2": (1, 1, 2, False, {}),  # the second replica holds the same weights: it sends nothing
 }
 GAPS: dict[str, dict[str, float]] = {}
 
@@ -122,7 +123,7 @@ def layout(request, ray_session, checkpoints, tmp_path_factory):
     from mm_rl.workers.megatron_worker import WorkerSpec
 
     started = time.perf_counter()
-    tp, pp, tied, overrides = LAYOUTS[request.param]
+    tp, pp, dp, tied, overrides = LAYOUTS[request.param]
     hf_dir = checkpoints[tied]
     engine = rollout_worker_actor(num_cpus=1).remote(str(hf_dir), generate_config(), min_pixels=MIN_PIXELS,
                                                      max_pixels=MAX_PIXELS, backend="vllm", dtype="float32")
@@ -131,7 +132,7 @@ def layout(request, ray_session, checkpoints, tmp_path_factory):
                               vit_pp_layers=list(model.image_encoder.vision_encoder.pipeline_num_layers))
     mm_dir = tmp_path_factory.mktemp(f"mm_{request.param}")
     hf2mg(Hf2MgCfg(mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel), model)
-    group = WorkerGroup(WorkerSpec(model, tp=tp, pp=pp), cpus_per_worker=0.5)
+    group = WorkerGroup(WorkerSpec(model, tp=tp, pp=pp, dp=dp), cpus_per_worker=0.5)
     group.build(str(mm_dir))
     ray_session.get(engine.ready.remote())
     print(f"\n{request.param}: set-up {time.perf_counter() - started:.1f}s")
@@ -199,12 +200,12 @@ def test_sync_sends_the_checkpoint_in_bounded_buckets(layout):
     assert layout.group.run("threads") == [1] * len(layout.group.workers)  # each rank: its 0.5 CPU -> 1 thread
     report = sync(layout)
     assert sorted(report.names) == sorted(sizes)  # every checkpoint tensor once; tied: no lm_head
-    assert ("lm_head.weight" in report.names) == (layout.name == "tp1")
+    assert ("lm_head.weight" in report.names) == (not LAYOUTS[layout.name][3])
     assert report.applied == report.tensors == len(sizes)
     group_bytes: dict[str, int] = {}
     for name, shape in sizes.items():
         group_bytes[weight_group(name)] = group_bytes.get(weight_group(name), 0) + 4 * int(torch.tensor(shape).prod())
-    assert len(report.stages) == LAYOUTS[layout.name][1]  # one sender per stage
+    assert len(report.stages) == LAYOUTS[layout.name][1]  # one sender per stage (of DP replica 0)
     for stage in report.stages:
         assert stage.buckets >= 2 and stage.max_bucket_bytes <= BUCKET_BYTES + max(group_bytes.values())
     assert report.bytes == sum(group_bytes.values())

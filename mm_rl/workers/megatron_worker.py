@@ -234,16 +234,16 @@ class MegatronWorker:
         """Stream this stage's weights, TP-merged and HF-named, in buckets of about ``bucket_bytes``.
 
         Every rank calls it: TP ranks take part in the gathers, the stage's TP-rank 0 of DP replica 0 builds the
-        buckets and hands them to ``sink_factory()`` (the transport seam, see mm_rl.rollout.weight_sync).
+        buckets and hands them to ``sink_factory(stage)`` (the transport seam, see mm_rl.rollout.transport).
         Returns that rank's statistics, None elsewhere (other DP replicas hold the same weights: they do nothing).
         """
         from mm_rl.rollout.weight_sync import push_stage
 
         coords = self._require_coords()
-        if coords.dp_rank != 0:
-            return None
-        stats = push_stage(self._require_model(), self.spec.model, self.spec.tp, sink_factory if coords.is_sender()
-                           else None, bucket_bytes)
+        stats = None
+        if coords.dp_rank == 0:
+            stats = push_stage(self._require_model(), self.spec.model, self.spec.tp,
+                               sink_factory if coords.is_sender() else None, bucket_bytes)
         self._events.append(("push_weights", stats.tensors if stats else 0))
         return stats
 
