@@ -324,6 +324,19 @@ def test_vllm_tp2_engine_matches_hf_and_takes_sharded_weight_pushes(model_dir, c
         engine.close()
 
 
+def test_engine_settings_come_from_the_generate_config(model_dir, config):
+    from mm_rl.rollout.vllm_engine import engine_kwargs
+
+    def kwargs(**changes):
+        return engine_kwargs(model_dir, dataclasses.replace(config, **changes), min_pixels=MIN_PIXELS,
+                             max_pixels=MAX_PIXELS)
+
+    assert kwargs()["dtype"] == "float32"  # auto on CPU
+    assert kwargs(dtype="bfloat16")["dtype"] == "bfloat16"
+    assert kwargs(max_images_per_prompt=3)["limit_mm_per_prompt"] == {"image": 3, "video": 0}
+    assert "enable_sleep_mode" not in kwargs(colocate=True)  # nothing to free on CPU
+
+
 def test_cpu_thread_binding_splits_the_cores_among_engine_ranks(monkeypatch):
     from mm_rl.rollout import vllm_engine
 

@@ -374,6 +374,10 @@ class GenerateConfig:
     prompt_overflow: Literal["skip", "truncate"] = opt("skip", "prompts longer than the engine accepts")
     image_bounds: Literal["resize", "skip"] = opt("resize", "images outside min/max pixels")
     sync_bucket_mb: int = opt(512, "weight-sync bucket size")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
+        "auto", "engine precision; auto: float32 on CPU (faster there on AVX2), bfloat16 on accelerators")
+    max_images_per_prompt: int = opt(1, "the engine reserves room for this many images; prompts with more are "
+                                        "skipped and counted")
     sampling_config: SamplingConfig = section(SamplingConfig)
     val_sampling_config: ValSamplingConfig = section(ValSamplingConfig)
 

@@ -86,6 +86,7 @@ def positive_sizes(cfg: JobConfig) -> Iterator[Violation]:
         f"{TRAIN}.seq-length": b.training.seq_length,
         f"{GEN}.sampling_config.max_tokens": b.generate_config.sampling_config.max_tokens,
         f"{GEN}.infer_tensor_parallel_size": b.generate_config.infer_tensor_parallel_size,
+        f"{GEN}.max_images_per_prompt": b.generate_config.max_images_per_prompt,
         f"{TEXT}.num_layers": b.model.text_decoder.num_layers,
         f"{TRAIN}.make-vocab-size-divisible-by": b.training.make_vocab_size_divisible_by,
     }

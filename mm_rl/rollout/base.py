@@ -26,11 +26,24 @@ if TYPE_CHECKING:
     import torch
     from PIL import Image
 
+    from mm_rl.config.schema import GenerateConfig
     from mm_rl.data.dataset import PromptItem
     from mm_rl.rollout.bounds import BoundsPolicy
 
 FinishReason = Literal["stop", "length"]
 _SAMPLING_EPS = 1e-5  # below this temperature an engine samples greedily (vLLM uses the same threshold)
+
+
+def engine_dtype(config: GenerateConfig, override: str | None = None) -> str:
+    """The engine's precision: ``override``, else ``generate_config.dtype``, where ``auto`` is float32 on CPU (oneDNN
+    bf16 falls back to slow paths on AVX2) and bfloat16 on accelerators."""
+    from mm_rl.platform.device import device_kind
+
+    if override:
+        return override
+    if config.dtype != "auto":
+        return config.dtype
+    return "float32" if device_kind() == "cpu" else "bfloat16"
 
 
 # ------------------------------------------------------------------------------------------------ requests

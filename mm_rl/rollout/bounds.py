@@ -23,9 +23,12 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from mm_rl.rollout.base import RolloutMetrics, RolloutRequest
+
+if TYPE_CHECKING:
+    from mm_rl.config.schema import GenerateConfig
 
 MAX_ASPECT_RATIO = 200  # Qwen2-VL smart_resize raises above this
 
@@ -73,17 +76,16 @@ def token_ids_of(model_path: str | Path) -> dict[str, int]:
     return {key: int(value) for key, value in ids.items() if value is not None}
 
 
-def policy_from_config(
-    generate_config: object, model_path: str | Path, min_pixels: int, max_pixels: int, max_images_per_prompt: int = 1
-) -> BoundsPolicy:
+def policy_from_config(generate_config: GenerateConfig, model_path: str | Path, min_pixels: int,
+                       max_pixels: int) -> BoundsPolicy:
     """The policy of a ``GenerateConfig`` for the model in ``model_path``."""
     return BoundsPolicy(
-        max_model_len=int(generate_config.max_model_len),  # type: ignore[attr-defined]
+        max_model_len=int(generate_config.max_model_len),
         min_pixels=min_pixels,
         max_pixels=max_pixels,
-        prompt_overflow=generate_config.prompt_overflow,  # type: ignore[attr-defined]
-        image_bounds=generate_config.image_bounds,  # type: ignore[attr-defined]
-        max_images_per_prompt=max_images_per_prompt,
+        prompt_overflow=generate_config.prompt_overflow,
+        image_bounds=generate_config.image_bounds,
+        max_images_per_prompt=generate_config.max_images_per_prompt,
         **token_ids_of(model_path),
     )
 

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from mm_rl.config.schema import GenerateConfig
 from mm_rl.models.qwen2_5_vl.rope_index import hf_token_types
-from mm_rl.platform.device import current_device, device_kind
-from mm_rl.rollout.base import RolloutEngine, RolloutRequest, RolloutSample, SamplingSpec
+from mm_rl.platform.device import current_device
+from mm_rl.rollout.base import RolloutEngine, RolloutRequest, RolloutSample, SamplingSpec, engine_dtype
 from mm_rl.rollout.bounds import image_runs, policy_from_config
 
 if TYPE_CHECKING:
@@ -68,16 +68,15 @@ class HfEngine(RolloutEngine):
         max_pixels: int,
         seed: int | None = None,
         dtype: str | None = None,
-        max_images_per_prompt: int = 1,
     ) -> None:
         import torch
         from transformers import AutoModelForImageTextToText, GenerationConfig
 
         from mm_rl.data.dataset import PromptProcessor
 
-        super().__init__(policy_from_config(config, model_path, min_pixels, max_pixels, max_images_per_prompt))
+        super().__init__(policy_from_config(config, model_path, min_pixels, max_pixels))
         self.device = current_device()
-        dtype = dtype or ("float32" if device_kind() == "cpu" else "bfloat16")
+        dtype = engine_dtype(config, dtype)
         self.processor = PromptProcessor(model_path, min_pixels, max_pixels)
         model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model = model.to(self.device).eval()

@@ -47,6 +47,7 @@ from mm_rl.rollout.base import (
     RolloutSample,
     SamplingSpec,
     bucket_by_group,
+    engine_dtype,
 )
 from mm_rl.rollout.bounds import collapse_image_pads, policy_from_config
 
@@ -131,11 +132,6 @@ class WeightReceiver:
 
 
 # --------------------------------------------------------------------------------------------- engine set-up
-def default_dtype() -> str:
-    """fp32 on CPU (oneDNN bf16 falls back to slow paths on AVX2), bf16 on accelerators."""
-    return "float32" if device_kind() == "cpu" else "bfloat16"
-
-
 def kv_cache_bytes(model_path: str | Path, max_num_seqs: int, max_model_len: int, dtype: str, fraction: float) -> int:
     """KV cache for ``max_num_seqs`` full-length sequences, capped at ``fraction`` of the available host memory.
 
@@ -166,11 +162,10 @@ def engine_kwargs(
     max_pixels: int,
     seed: int | None = None,
     dtype: str | None = None,
-    max_images_per_prompt: int = 1,
     in_process: bool = True,
 ) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments for a generate config (also used by the benchmark's raw engine)."""
-    dtype = dtype or default_dtype()
+    dtype = engine_dtype(config, dtype)
     kwargs: dict[str, Any] = {
         "model": str(model_path),
         "dtype": dtype,
@@ -179,7 +174,7 @@ def engine_kwargs(
         "max_num_seqs": config.max_num_seqs,
         "enforce_eager": config.enforce_eager,
         "gpu_memory_utilization": config.gpu_memory_utilization,
-        "limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0},
+        "limit_mm_per_prompt": {"image": config.max_images_per_prompt, "video": 0},
         "mm_processor_kwargs": {"min_pixels": min_pixels, "max_pixels": max_pixels},
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": f"{__name__}.WeightReceiver",
@@ -292,10 +287,9 @@ class VllmEngine(RolloutEngine):
         max_pixels: int,
         seed: int | None = None,
         dtype: str | None = None,
-        max_images_per_prompt: int = 1,
         in_process: bool | None = None,
     ) -> None:
-        super().__init__(policy_from_config(config, model_path, min_pixels, max_pixels, max_images_per_prompt))
+        super().__init__(policy_from_config(config, model_path, min_pixels, max_pixels))
         self.model_path = Path(model_path)
         self.in_process = config.infer_tensor_parallel_size == 1 if in_process is None else in_process
         if self.in_process and any(engine.llm is not None for engine in _IN_PROCESS):
@@ -312,7 +306,6 @@ class VllmEngine(RolloutEngine):
             max_pixels=max_pixels,
             seed=seed,
             dtype=dtype,
-            max_images_per_prompt=max_images_per_prompt,
             in_process=self.in_process,
         )
         self.llm = build_llm(self.kwargs, self.in_process)
