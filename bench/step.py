@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-PHASES = ("sync", "rollout", "reward", "old_logp", "ref_logp", "advantages", "update")
+PHASES = ("sync", "rollout", "reward", "onload", "old_logp", "ref_logp", "advantages", "update")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

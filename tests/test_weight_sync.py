@@ -248,8 +248,10 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts):
     engine_log = len(ray.get(layout.engine.call_log.remote()))
     worker_logs = [len(events) for events in layout.group.run("events")]
     schedule = RolloutSchedule(layout.group, layout.engine, generate_config(colocate=True), actor)
+    resident = layout.group.run("resident_bytes")
     schedule.before_rollout()
     assert [r["params"] for r in layout.group.run("resident_bytes")] == [0] * len(layout.group.coords)
+    assert schedule.offloaded_bytes == sum(r["params"] + r["grads"] for r in resident) > 1e6
     ray.get(layout.engine.generate.remote(requests_of(prompts[:1]), SamplingConfig(max_tokens=2, n=1)))
     schedule.before_training()
     assert all(r["params"] > 0 for r in layout.group.run("resident_bytes"))

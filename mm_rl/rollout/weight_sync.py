@@ -258,6 +258,7 @@ class RolloutSchedule:
         self.group, self.rollout, self.generate, self.actor = group, rollout, generate, actor
         self.sleep_level, self.collective = sleep_level, collective
         self.events: list[str] = []
+        self.offloaded_bytes = 0  # what the actor's ranks freed on their devices for the last rollout
 
     @property
     def offload_switches(self) -> dict[str, bool]:
@@ -274,7 +275,8 @@ class RolloutSchedule:
         report = sync_weights(self.group, self.rollout, bucket_bytes_of(self.generate), collective=self.collective)
         self.events.append("sync")
         if self.generate.colocate:
-            self.group.run("offload", **self.offload_switches)
+            freed = self.group.run("offload", **self.offload_switches)
+            self.offloaded_bytes = sum(sum(rank.values()) for rank in freed)
             self.events.append("actor.offload")
             ray.get(self.rollout.wake_up.remote(["kv_cache"]))
             self.events.append("engine.wake_up(kv_cache)")

@@ -114,7 +114,10 @@ class GRPOTrainer:
             sync = roles.schedule.before_rollout()
         roles.items.clear()
         samples, metrics = self.collect(step, timer)
-        roles.schedule.before_training()
+        with timer("onload"):
+            roles.schedule.before_training()
+        if roles.schedule.generate.colocate:
+            metrics["memory/offloaded_gb"] = roles.schedule.offloaded_bytes / 1e9
         with timer("old_logp"):
             self._log_probs(roles.actor, samples, "old_log_probs")
         metrics.update(_engine_gap(samples))
