@@ -174,3 +174,53 @@ def test_offload_empties_the_device_and_onload_gives_the_same_next_step(ray_sess
     finally:
         plain.shutdown()
         moved.shutdown()
+
+
+def test_colocated_schedule_frees_actor_and_reference_during_the_rollout(ray_session, mm_dir):
+    """The colocated schedule around a rollout (transformers engine in its Ray actor): after the sync the actor's
+    parameters, gradients and Adam state and the colocated reference's weights hold no bytes while the engine
+    generates; before training they are back, and the engine generated from the actor's weights."""
+    from mm_rl.config.schema import ActorConfig, GenerateConfig, SamplingConfig, ValSamplingConfig
+    from mm_rl.rollout.actor import rollout_worker_actor
+    from mm_rl.rollout.base import RolloutRequest
+    from mm_rl.rollout.weight_sync import RolloutSchedule
+    from mm_rl.workers.group import WorkerGroup
+    from mm_rl.workers.megatron_worker import WorkerSpec
+    from mm_rl.workers.offload import KINDS
+
+    path, model = mm_dir
+    actor = _group(ray_session, mm_dir, SPEC)
+    reference = WorkerGroup(WorkerSpec(model), cpus_per_worker=0.5)
+    reference.build(str(path))
+    generate = GenerateConfig(backend="hf", max_model_len=64, max_num_seqs=2, colocate=True, sync_bucket_mb=1,
+                              sampling_config=SamplingConfig(max_tokens=4, n=1),
+                              val_sampling_config=ValSamplingConfig())
+    engine = rollout_worker_actor(num_cpus=0.5).remote(str(path.parent / "hf"), generate, min_pixels=56 * 56,
+                                                       max_pixels=224 * 224)
+    try:
+        actor.run("train_mini_batch", _batch(actor, 0), LOSS, 8.0, 1)  # Adam state and gradients exist
+        before = actor.run("resident_bytes")[0], reference.run("resident_bytes")[0]
+        weights = actor.run("parameter_sums")[0]
+        switches = ActorConfig(offload_train_param=True, offload_train_grad=True, offload_train_optimizer=True)
+        schedule = RolloutSchedule(actor, engine, generate, switches, reference=reference)
+        report = schedule.before_rollout()
+        assert report.applied == report.tensors > 0
+        assert actor.run("resident_bytes")[0] == dict.fromkeys(KINDS, 0)
+        assert reference.run("resident_bytes")[0]["params"] == 0
+        assert schedule.offloaded_bytes == sum(before[0].values()) + before[1]["params"]
+        request = RolloutRequest(uid="0", prompt_ids=list(range(5, 15)))
+        (out,) = ray_session.get(engine.generate.remote([request], SamplingConfig(max_tokens=4, temperature=0.0, n=1)))
+        schedule.before_training()
+        assert (actor.run("resident_bytes")[0], reference.run("resident_bytes")[0]) == before
+        assert actor.run("parameter_sums")[0] == weights
+        assert schedule.events == ["engine.wake_up(weights)", "sync", "actor.offload", "reference.offload",
+                                   "engine.wake_up(kv_cache)", "engine.sleep", "actor.onload", "reference.onload"]
+        sample = out.samples[0]
+        ids = torch.tensor([request.prompt_ids + sample.response_ids])
+        actor_lp = actor.compute_log_probs([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}])[0]
+        gap = (actor_lp[0, -len(sample.response_ids):] - sample.logprobs).abs().max()
+        assert sample.response_ids and gap < 1e-3  # the engine generated from the trained, synced weights
+    finally:
+        actor.shutdown()
+        reference.shutdown()
+        ray_session.kill(engine)

@@ -22,7 +22,8 @@ Per pipeline stage (all stages at once, each independently):
 
 Colocated mode (:class:`RolloutSchedule`): before a rollout the engine takes back the memory of its weights, the
 weights are synced, the actor offloads what ``offload_train_param / grad / optimizer`` name
-(:mod:`mm_rl.workers.offload`), and only then the engine takes back its KV cache, into the memory the actor freed;
+(:mod:`mm_rl.workers.offload`; with ``offload_train_param`` a colocated reference model's weights go too), and only
+then the engine takes back its KV cache, into the memory the actor freed;
 before training the engine sleeps at level 2 (weights dropped, not copied to the host: the next sync rewrites all
 of them) and the actor loads its state back. On a CPU-only machine engine and actor share host memory, so the
 trainer runs the separate schedule there; the colocated one is the same calls, and tests check their order.
@@ -254,8 +255,9 @@ class RolloutSchedule:
     ``events`` records what the driver did, in order, for logs and tests."""
 
     def __init__(self, group: WorkerGroup, rollout: Any, generate: GenerateConfig, actor: ActorConfig,
-                 sleep_level: int = 2, collective: str | None = None) -> None:
+                 sleep_level: int = 2, collective: str | None = None, reference: WorkerGroup | None = None) -> None:
         self.group, self.rollout, self.generate, self.actor = group, rollout, generate, actor
+        self.reference = reference  # a colocated reference model: its weights leave with the actor's parameters
         self.sleep_level, self.collective = sleep_level, collective
         self.events: list[str] = []
         self.offloaded_bytes = 0  # what the actor's ranks freed on their devices for the last rollout
@@ -276,8 +278,11 @@ class RolloutSchedule:
         self.events.append("sync")
         if self.generate.colocate:
             freed = self.group.run("offload", **self.offload_switches)
-            self.offloaded_bytes = sum(sum(rank.values()) for rank in freed)
             self.events.append("actor.offload")
+            if self.reference is not None and self.actor.offload_train_param:
+                freed += self.reference.run("offload", params=True, grads=False, optimizer=False)
+                self.events.append("reference.offload")
+            self.offloaded_bytes = sum(sum(rank.values()) for rank in freed)
             ray.get(self.rollout.wake_up.remote(["kv_cache"]))
             self.events.append("engine.wake_up(kv_cache)")
         return report
@@ -292,4 +297,7 @@ class RolloutSchedule:
         self.events.append("engine.sleep")
         self.group.run("onload", **self.offload_switches)
         self.events.append("actor.onload")
+        if self.reference is not None and self.actor.offload_train_param:
+            self.reference.run("onload", params=True, grads=False, optimizer=False)
+            self.events.append("reference.onload")
 

@@ -170,7 +170,8 @@ class Roles:
             except ray.exceptions.RayError as error:
                 raise WorkerError(f"rollout engine failed joining the weight-sync groups: {error_line(error)}") \
                     from error
-        self.schedule = RolloutSchedule(self.actor, self.rollout, schedule, b.actor_config, collective=collective)
+        self.schedule = RolloutSchedule(self.actor, self.rollout, schedule, b.actor_config, collective=collective,
+                                        reference=self.ref if b.rl_config.colocate_ref else None)
         self.say(f"rollout: {b.generate_config.backend} engine ready")
 
     def _start_rewards(self) -> None:
