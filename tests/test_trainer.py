@@ -120,14 +120,16 @@ def test_sigkill_then_resume_repeats_the_uninterrupted_run(assets, tmp_path):
     assert json.loads((out / "ckpt" / "iter_0000004" / "complete").read_text())["step"] == 4
 
 
-@pytest.mark.parametrize("layout", [
-    ("backend_config.actor_config.tensor_model_parallel_size=2",),
-    ("backend_config.actor_config.pipeline_model_parallel_size=2",
-     "backend_config.model.text_decoder.pipeline_num_layers=[2,2]",
-     "backend_config.model.image_encoder.vision_encoder.pipeline_num_layers=[2,0]"),
-], ids=["tp2", "pp2"])
-def test_model_parallel_actor_trains(assets, tmp_path, layout):
-    """Two ranks (TP2 or PP2) through full steps, with dynamic sampling drawing extra batches."""
+@pytest.mark.parametrize("layout, rank_dirs", [
+    (("backend_config.actor_config.tensor_model_parallel_size=2",), 2),
+    (("backend_config.actor_config.pipeline_model_parallel_size=2",
+      "backend_config.model.text_decoder.pipeline_num_layers=[2,2]",
+      "backend_config.model.image_encoder.vision_encoder.pipeline_num_layers=[2,0]"), 2),
+    (("backend_config.training.context-parallel-size=2",
+      "backend_config.training.context-parallel-algo=ulysses_cp_algo"), 1),  # CP ranks hold the same weights
+], ids=["tp2", "pp2", "cp2"])
+def test_model_parallel_actor_trains(assets, tmp_path, layout, rank_dirs):
+    """Two ranks (TP2, PP2 or CP2) through full steps, with dynamic sampling drawing extra batches."""
     job_yaml, root = assets
     out = tmp_path / "run"
     job = job_for(job_yaml, root, out, "env.NPROC_PER_NODE=2", "backend_config.megatron_training.train_iters=2",
@@ -139,7 +141,7 @@ def test_model_parallel_actor_trains(assets, tmp_path, layout):
     assert all(r["rollout/logprob_gap_max"] < 1e-3 and math.isfinite(r["actor/grad_norm"]) for r in records)
     assert all(1 <= r["dynamic_sampling/gen_batches"] <= 2 for r in records)
     ranks = sorted(p.name for p in (out / "ckpt" / "iter_0000002").iterdir() if p.name.startswith("mp_rank"))
-    assert len(ranks) == 2
+    assert len(ranks) == rank_dirs
     assert (result.hf_dir / "config.json").is_file()
 
 

@@ -88,11 +88,9 @@ class Roles:
 
         b, res = self.job.backend_config, self.resources
         tp, pp = b.actor_config.tensor_model_parallel_size, b.actor_config.pipeline_model_parallel_size
-        if b.training.context_parallel_size > 1:
-            raise NotImplementedError("context-parallel-size > 1 is supported by the model but not yet by the "
-                                      "trainer; set backend_config.training.context-parallel-size to 1")
+        cp = b.training.context_parallel_size
         bf16 = b.training.bf16 and res.device != "cpu"
-        return WorkerSpec(model=b.model, tp=tp, pp=pp, dp=res.world_size // (tp * pp),
+        return WorkerSpec(model=b.model, tp=tp, pp=pp, cp=cp, dp=res.world_size // (tp * pp * cp),
                           actor=b.actor_config if trained else None, flags=b.training, seed=int(b.training.seed),
                           bf16=bf16)
 
@@ -102,7 +100,8 @@ class Roles:
 
         res = self.resources
         spec = self.worker_spec(trained=True)
-        self.say(f"actor: TP {spec.tp} x PP {spec.pp} x DP {spec.dp} megatron ranks on {res.device}")
+        self.say(f"actor: TP {spec.tp} x PP {spec.pp} x DP {spec.dp}" + (f" x CP {spec.cp}" if spec.cp > 1 else "")
+                 + f" megatron ranks on {res.device}")
         self.actor = WorkerGroup(spec, cpus_per_worker=res.actor_share, placement=self.placement,
                                  resources_per_worker=res.worker_resources(res.device_share_actor),
                                  worker_cls=TrainingWorker, role="actor", num_threads=res.threads)

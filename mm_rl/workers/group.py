@@ -103,7 +103,7 @@ class WorkerGroup:
         if rank >= len(self.coords):
             return ""
         c = self.coords[rank]
-        return f" (tp {c.tp_rank}, pp {c.pp_rank}, dp {c.dp_rank})"
+        return f" (tp {c.tp_rank}, pp {c.pp_rank}, dp {c.dp_rank}" + (f", cp {c.cp_rank})" if self.spec.cp > 1 else ")")
 
     def compute_log_probs_sharded(self, shards: Sequence[Sequence[dict[str, Any]]],
                                   temperature: float = 1.0) -> list[Any]:
@@ -114,7 +114,7 @@ class WorkerGroup:
         """The last stage's TP-rank-0 result of every DP replica, in DP order."""
         out: list[Any] = [None] * self.spec.dp
         for coords, result in zip(self.coords, results, strict=True):
-            if coords.pp_rank == self.spec.pp - 1 and coords.tp_rank == 0:
+            if coords.pp_rank == self.spec.pp - 1 and coords.leads_replica_stage():
                 out[coords.dp_rank] = result
         return out
 
@@ -130,7 +130,7 @@ class WorkerGroup:
     def from_last_stage(self, results: Sequence[Any]) -> Any:
         """The result of the last stage's TP-rank 0 in DP replica 0."""
         for coords, result in zip(self.coords, results, strict=True):
-            if coords.pp_rank == self.spec.pp - 1 and coords.tp_rank == 0 and coords.dp_rank == 0:
+            if coords.pp_rank == self.spec.pp - 1 and coords.is_sender():
                 return result
         raise RuntimeError("no last-stage rank in the group")
 

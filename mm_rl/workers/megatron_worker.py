@@ -49,7 +49,8 @@ WORD_EMBEDDINGS = "text_decoder.embedding.word_embeddings.weight"
 class WorkerSpec:
     """What every rank needs to build its stage: the model, the parallel grid and the thread budget.
 
-    ``tp * pp * dp`` ranks in megatron's default order (TP fastest, then DP, then PP).
+    ``tp * cp * pp * dp`` ranks in megatron's default order (TP fastest, then CP, then DP, then PP). Context
+    parallelism (Ulysses) needs ``flags`` with ``context-parallel-algo: ulysses_cp_algo``.
     ``model.text_decoder.pipeline_num_layers`` / the ViT's give the PP split, as for hf2mg.
     """
 
@@ -57,6 +58,7 @@ class WorkerSpec:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     actor: ActorConfig | None = None
     flags: TrainingFlags | None = None
     seed: int = 1234
@@ -66,7 +68,7 @@ class WorkerSpec:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,16 @@ class RankCoords:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    cp_rank: int = 0
+
+    def leads_replica_stage(self) -> bool:
+        """TP rank 0 and CP rank 0: the rank of its (replica, stage) that returns results (the others of its TP
+        and CP groups hold the same after the model's gathers)."""
+        return self.tp_rank == 0 and self.cp_rank == 0
 
     def is_sender(self) -> bool:
-        """The rank that streams its stage's merged weights (TP rank 0 of DP replica 0)."""
-        return self.tp_rank == 0 and self.dp_rank == 0
+        """The rank that streams its stage's merged weights (the stage's lead of DP replica 0)."""
+        return self.leads_replica_stage() and self.dp_rank == 0
 
 
 class MegatronWorker:
@@ -124,11 +132,12 @@ class MegatronWorker:
             world_size=spec.world_size, timeout=timedelta(seconds=spec.init_timeout_s))
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
-            get_embedding_ranks=embedding_ranks(spec.model))
+            context_parallel_size=spec.cp, get_embedding_ranks=embedding_ranks(spec.model))
         model_parallel_cuda_manual_seed(spec.seed)
         self.coords = RankCoords(self.rank, parallel_state.get_tensor_model_parallel_rank(),
                                  parallel_state.get_pipeline_model_parallel_rank(),
-                                 parallel_state.get_data_parallel_rank())
+                                 parallel_state.get_data_parallel_rank(),
+                                 parallel_state.get_context_parallel_rank())
         return self.coords
 
     def build(self, mm_dir: str | Path | None = None, iteration: int | str | None = None) -> None:
@@ -183,7 +192,7 @@ class MegatronWorker:
                 seq_length=max(int(b["input_ids"].shape[1]) for b in micro_batches),
                 micro_batch_size=max(int(b["input_ids"].shape[0]) for b in micro_batches), forward_only=True)
         model.train(was_training)
-        keep = model.layout.has_output and coords.tp_rank == 0
+        keep = model.layout.has_output and coords.leads_replica_stage()
         return captured if keep else None
 
     # ------------------------------------------------------------------------- weights (tests)
@@ -241,7 +250,7 @@ class MegatronWorker:
 
         coords = self._require_coords()
         stats = None
-        if coords.dp_rank == 0:
+        if coords.dp_rank == 0 and coords.cp_rank == 0:  # other replicas and CP ranks hold the same weights
             stats = push_stage(self._require_model(), self.spec.model, self.spec.tp,
                                sink_factory if coords.is_sender() else None, bucket_bytes)
         self._events.append(("push_weights", stats.tensors if stats else 0))
@@ -288,7 +297,7 @@ class MegatronWorker:
                     if isinstance(g, torch.Tensor)]
         owned = {p.untyped_storage()._cdata for p in model_params}
         tensors = []
-        for inner in torch_optimizers(getattr(self, "optimizer", None)):
+        for inner in (part.optimizer for part in chained(getattr(self, "optimizer", None))):
             tensors += [p for group in inner.param_groups for p in group["params"]]
             tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         return [t for t in tensors if t.untyped_storage()._cdata not in owned]
@@ -321,14 +330,12 @@ class MegatronWorker:
             torch.distributed.destroy_process_group()
 
 
-def torch_optimizers(optimizer: Any) -> list[Any]:
-    """The ``torch.optim`` optimizers inside a megatron optimizer (a chained one holds several); none for None."""
+def chained(optimizer: Any) -> list[Any]:
+    """The megatron optimizers inside ``optimizer`` (a ChainedOptimizer holds one per parameter kind); none for
+    None."""
     if optimizer is None:
         return []
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is not None:
-        return [inner for part in chained for inner in torch_optimizers(part)]
-    return [optimizer.optimizer]
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _forward_step(captured: list[torch.Tensor], temperature: float, data: Iterator[MicroBatch],

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mm_rl.workers.megatron_worker import MegatronWorker, MicroBatch
+from mm_rl.workers.megatron_worker import MegatronWorker, MicroBatch, chained
 
 if TYPE_CHECKING:
     import torch
@@ -129,7 +129,7 @@ class TrainingWorker(MegatronWorker):
         loss_finite = all(bool(torch.isfinite(m["loss"])) for m in collected)
         metrics = self._step(loss_finite)
         metrics.update(_sum_metrics(collected) if collected else {})
-        keep = model.layout.has_output and coords.tp_rank == 0 and coords.dp_rank == 0
+        keep = model.layout.has_output and coords.is_sender()
         return metrics if keep else None
 
     def _step(self, loss_finite: bool) -> dict[str, float]:
@@ -175,9 +175,10 @@ class TrainingWorker(MegatronWorker):
     def save_checkpoint(self, staging: str) -> None:
         """Write this rank's ``model_optim_rng.pt`` into the staging iteration (every rank calls it together).
 
-        Model (MindSpeed-MM names, what mg2hf reads), optimizer, LR schedule and RNG come from DP replica 0 (the
-        other replicas hold the same); with the distributed optimizer every DP rank writes its shard of the Adam
-        state beside it (``distrib_optim_dpNNN.pt``)."""
+        Model (MindSpeed-MM names, what mg2hf reads), optimizer, LR schedule and RNG come from DP replica 0's CP
+        rank 0 (the other replicas and CP ranks hold the same); with the distributed optimizer every rank of the
+        DP x CP group writes its shard of the Adam state beside it (``distrib_optim_dpNNN.pt``, NNN its rank in
+        that group, which is the DP rank without context parallelism)."""
         import torch
 
         from mm_rl.trainer.checkpoint import CheckpointManager
@@ -186,9 +187,9 @@ class TrainingWorker(MegatronWorker):
         rank_dir = self._checkpoint_rank_dir(path)
         if self.spec_optim.use_distributed_optimizer:
             rank_dir.mkdir(parents=True, exist_ok=True)
-            shards = [chained.optimizer.state_dict() for chained in _chain(self.optimizer)]
-            torch.save(shards, rank_dir / DISTRIB_OPTIM_FILE.format(dp=coords.dp_rank))
-        if coords.dp_rank == 0:
+            shards = [part.optimizer.state_dict() for part in chained(self.optimizer)]
+            torch.save(shards, rank_dir / DISTRIB_OPTIM_FILE.format(dp=_optimizer_shard()))
+        if coords.dp_rank == 0 and coords.cp_rank == 0:
             state = {"model": self._require_model().state_dict(), "optimizer": self.optimizer.state_dict(),
                      "opt_param_scheduler": self.scheduler.state_dict(), "rng_state": rng_state()}
             CheckpointManager(path.parent, 0).write_rank(path, coords.tp_rank, coords.pp_rank, state,
@@ -221,14 +222,14 @@ class TrainingWorker(MegatronWorker):
         checkpoint was saved with."""
         import torch
 
-        path = rank_dir / DISTRIB_OPTIM_FILE.format(dp=self._require_coords().dp_rank)
+        path = rank_dir / DISTRIB_OPTIM_FILE.format(dp=_optimizer_shard())
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: the checkpoint was saved with another data-parallel size "
+            raise FileNotFoundError(f"{path} is missing: the checkpoint was saved with another DP (x CP) size "
                                     "or without the distributed optimizer; resume with the same layout, or set "
                                     "no-load-optim")
         shards = torch.load(path, map_location="cpu", weights_only=False)
-        for chained, shard in zip(_chain(self.optimizer), shards, strict=True):
-            chained.optimizer.load_state_dict(shard)
+        for part, shard in zip(chained(self.optimizer), shards, strict=True):
+            part.optimizer.load_state_dict(shard)
         if self.spec_optim.bf16:  # fp32 main weights are separate copies: re-derive them from the loaded model
             self.optimizer.reload_model_params()
 
@@ -239,9 +240,11 @@ class TrainingWorker(MegatronWorker):
         return rank_file(iteration_dir, coords.tp_rank, coords.pp_rank, self.spec.pp).parent
 
 
-def _chain(optimizer: Any) -> list[Any]:
-    """The megatron optimizers inside ``optimizer`` (a ChainedOptimizer holds one per parameter kind)."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+def _optimizer_shard() -> int:
+    """This rank's index among the ranks the distributed optimizer shards over (DP x CP)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True)
 
 
 def _overrides(config: Any, spec: OptimizerSpec) -> dict[Any, Any]:
