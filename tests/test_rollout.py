@@ -443,6 +443,30 @@ def test_sleep_and_wake_are_called_and_logged_in_order(engine, requests_):
     assert engine.call_log[-3] == ("sleep", 1)
 
 
+def test_only_asleep_memory_is_woken_and_generation_waits_for_all_of_it(engine, requests_, monkeypatch):
+    """The colocated order (weights, then KV cache) and an engine woken while awake (a fresh one before its first
+    rollout): the backend is asked only for what is asleep, and generation is refused (vLLM's paused scheduler
+    would wait forever) until all of it is back."""
+    woken: list[list[str]] = []
+    wake = engine._wake_up
+
+    def recorded(tags):
+        woken.append(tags)
+        wake(tags)
+
+    monkeypatch.setattr(engine, "_wake_up", recorded)
+    engine.wake_up(["weights"])  # awake: nothing to take back
+    engine.sleep(2)
+    engine.sleep(2)  # asleep already: nothing more to release
+    engine.wake_up(["weights"])
+    with pytest.raises(RuntimeError, match="kv_cache memory is asleep"):
+        engine.generate(requests_[:1], SamplingConfig(max_tokens=2, n=1))
+    engine.wake_up(["kv_cache"])
+    engine.wake_up()
+    engine.generate(requests_[:1], SamplingConfig(max_tokens=2, n=1))
+    assert woken == [["weights"], ["kv_cache"]]
+
+
 def test_hf_seed_repeats_samples(model_dir, config, requests_):
     from mm_rl.rollout.hf_engine import HfEngine
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 FinishReason = Literal["stop", "length"]
 _SAMPLING_EPS = 1e-5  # below this temperature an engine samples greedily (vLLM uses the same threshold)
+MEMORY_TAGS = ("weights", "kv_cache")  # what a sleeping engine releases (vLLM's wake_up tags)
 
 
 def engine_dtype(config: GenerateConfig, override: str | None = None) -> str:
@@ -327,7 +328,7 @@ class RolloutEngine(abc.ABC):
     def __init__(self, bounds: BoundsPolicy) -> None:
         self.bounds = bounds
         self.call_log: list[tuple[str, Any]] = []
-        self.sleeping = False
+        self.asleep: set[str] = set()  # memory kinds released by sleep() and not yet taken back
 
     # ---- backend hooks
     @abc.abstractmethod
@@ -358,8 +359,9 @@ class RolloutEngine(abc.ABC):
         """n samples per request (``n`` defaults to the section's), index-aligned with ``requests``."""
         from mm_rl.rollout.bounds import apply_bounds
 
-        if self.sleeping:
-            raise RuntimeError("the rollout engine is asleep: call wake_up() before generate()")
+        if self.asleep:
+            raise RuntimeError(f"the rollout engine's {' and '.join(sorted(self.asleep))} memory is asleep: call "
+                               "wake_up() before generate()")
         spec = SamplingSpec.of(sampling, n)
         start = time.perf_counter()
         admitted, metrics = apply_bounds(requests, self.bounds, spec.max_tokens)
@@ -402,15 +404,21 @@ class RolloutEngine(abc.ABC):
 
     def sleep(self, level: int = 1) -> None:
         """Free device memory for training (level 1: keep weights in host memory; 2: drop them)."""
-        self._sleep(level)
-        self.sleeping = True
+        if not self.asleep:
+            self._sleep(level)
+        self.asleep = set(MEMORY_TAGS)
         self.call_log.append(("sleep", level))
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-acquire device memory: all of it, or only that of ``"weights"`` / ``"kv_cache"`` (a colocated sync
-        wakes the weights, lets the actor offload, then wakes the KV cache into the memory that freed)."""
-        self._wake_up(tags)
-        self.sleeping = tags is not None and "kv_cache" not in tags
+        wakes the weights, lets the actor offload, then wakes the KV cache into the memory that freed). The backend
+        is asked only for what is asleep (the schedule also wakes a fresh, awake engine before its first rollout),
+        and :meth:`generate` refuses until everything is awake: vLLM would wait forever for its paused
+        scheduler."""
+        waking = sorted(self.asleep if tags is None else self.asleep & set(tags))
+        if waking:
+            self._wake_up(waking)
+        self.asleep -= set(waking)
         self.call_log.append(("wake_up", list(tags) if tags else None))
 
     def call_order(self) -> list[str]:
