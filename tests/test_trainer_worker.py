@@ -3,6 +3,7 @@ a step changes the weights and a NaN step leaves them (and the optimizer) untouc
 biases and norms; the LR schedule warms up and decays; a dead rank fails the call with a message naming it."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,6 +64,28 @@ def _batch(group, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return [batch | {"response_mask": mask, "old_log_probs": old, "advantages": torch.tensor([[1.0], [-1.0]]) * mask}]
 
 
+def _save_iteration_1(group, root) -> Path:
+    """Checkpoint iteration 1 of ``group`` under ``root``; returns its first rank directory."""
+    from mm_rl.trainer.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(root, keep_last=0)
+    staging = manager.stage(1)
+    group.run("save_checkpoint", str(staging))
+    manager.commit(staging, 1)
+    return root / "iter_0000001" / "mp_rank_00"
+
+
+def _assert_resumes_to(ray_session, mm_dir, spec, root, batch, expected, cp: int = 1) -> None:
+    """Fresh ranks load iteration 1 from ``root`` and take ``batch``: the weights must equal ``expected``."""
+    resumed = _group(ray_session, mm_dir, spec, cp=cp)
+    try:
+        resumed.run("load_checkpoint", str(root), 1, True, True)
+        resumed.run("train_mini_batch", batch, LOSS, 8.0, 1)
+        assert resumed.run("parameter_sums")[0] == expected
+    finally:
+        resumed.shutdown()
+
+
 def test_update_and_non_finite_skip(ray_session, mm_dir):
     group = _group(ray_session, mm_dir, OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0}))  # (warm-up: lr 0 first)
     try:
@@ -111,6 +134,11 @@ def test_a_dead_rank_fails_the_call_naming_role_and_rank(ray_session, mm_dir):
     group = _group(ray_session, mm_dir, SPEC)
     try:
         ray_session.kill(group.workers[0])
+        for _ in range(100):  # the kill is asynchronous: a call sent at once may still be served
+            try:
+                ray_session.get(group.workers[0].ready.remote(), timeout=10)
+            except ray_session.exceptions.RayActorError:
+                break
         with pytest.raises(WorkerError, match=r"actor rank 0 \(tp 0, pp 0, dp 0\) failed in ready"):
             group.run("ready")
     finally:
@@ -122,30 +150,18 @@ def test_a_saved_rank_resumes_to_the_same_next_step(ray_session, mm_dir, tmp_pat
     """Save after one step, load into a fresh rank: the next step gives bit-identical weights to the rank that
     went on without stopping (model, Adam moments, LR schedule and RNG all restored; with the distributed
     optimizer each DP rank's shard of the Adam state in its own file)."""
-    from mm_rl.trainer.checkpoint import CheckpointManager
-
     spec = OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0, "use_distributed_optimizer": distributed})
     first = _group(ray_session, mm_dir, spec)
     try:
         first.run("train_mini_batch", _batch(first, 0), LOSS, 8.0, 1)
-        manager = CheckpointManager(tmp_path / "ckpt", keep_last=0)
-        staging = manager.stage(1)
-        first.run("save_checkpoint", str(staging))
-        manager.commit(staging, 1)
-        shard = tmp_path / "ckpt" / "iter_0000001" / "mp_rank_00" / "distrib_optim_dp000.pt"
-        assert shard.is_file() == distributed
+        rank_dir = _save_iteration_1(first, tmp_path / "ckpt")
+        assert (rank_dir / "distrib_optim_dp000.pt").is_file() == distributed
         batch = _batch(first, 3)
         first.run("train_mini_batch", batch, LOSS, 8.0, 1)
         expected = first.run("parameter_sums")[0]
     finally:
         first.shutdown()
-    second = _group(ray_session, mm_dir, spec)
-    try:
-        second.run("load_checkpoint", str(tmp_path / "ckpt"), 1, True, True)
-        second.run("train_mini_batch", batch, LOSS, 8.0, 1)
-        assert second.run("parameter_sums")[0] == expected
-    finally:
-        second.shutdown()
+    _assert_resumes_to(ray_session, mm_dir, spec, tmp_path / "ckpt", batch, expected)
 
 
 @pytest.mark.parametrize("distributed, bf16", [(False, False), (True, True)], ids=["adam-fp32", "distributed-bf16"])
@@ -233,8 +249,6 @@ def test_context_parallel_ranks_train_like_one_and_resume_their_optimizer_shards
     gradient norm and loss, and after an update the same weights (fp32 sums in another order: 1e-5 relative).
     With the distributed optimizer the Adam state is sharded over the two CP ranks: saved, loaded into fresh
     ranks, the next step is bit-identical to the ranks that went on."""
-    from mm_rl.trainer.checkpoint import CheckpointManager
-
     spec = OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0, "use_distributed_optimizer": True})
     single, split = _group(ray_session, mm_dir, spec, cpus=0.5), _group(ray_session, mm_dir, spec, cp=2, cpus=0.5)
     try:
@@ -246,22 +260,12 @@ def test_context_parallel_ranks_train_like_one_and_resume_their_optimizer_shards
         assert metrics[1]["pg_loss"] == pytest.approx(metrics[0]["pg_loss"], rel=1e-5, abs=1e-7)
         one, two = single.run("parameter_sums")[0], split.run("parameter_sums")[0]
         assert one.keys() == two.keys() and all(abs(one[k] - two[k]) <= 1e-5 * (1 + abs(one[k])) for k in one)
-        manager = CheckpointManager(tmp_path / "ckpt", keep_last=0)
-        staging = manager.stage(1)
-        split.run("save_checkpoint", str(staging))
-        manager.commit(staging, 1)
-        shards = sorted(p.name for p in (tmp_path / "ckpt" / "iter_0000001" / "mp_rank_00").glob("distrib_*"))
-        assert shards == ["distrib_optim_dp000.pt", "distrib_optim_dp001.pt"]
+        rank_dir = _save_iteration_1(split, tmp_path / "ckpt")
+        assert sorted(p.name for p in rank_dir.glob("distrib_*")) == [f"distrib_optim_dp00{i}.pt" for i in (0, 1)]
         batch = _batch(split, 3)
         split.run("train_mini_batch", batch, LOSS, 8.0, 1)
         expected = split.run("parameter_sums")[0]
     finally:
         single.shutdown()
         split.shutdown()
-    resumed = _group(ray_session, mm_dir, spec, cp=2)
-    try:
-        resumed.run("load_checkpoint", str(tmp_path / "ckpt"), 1, True, True)
-        resumed.run("train_mini_batch", batch, LOSS, 8.0, 1)
-        assert resumed.run("parameter_sums")[0] == expected
-    finally:
-        resumed.shutdown()
+    _assert_resumes_to(ray_session, mm_dir, spec, tmp_path / "ckpt", batch, expected, cp=2)
