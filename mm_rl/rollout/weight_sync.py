@@ -23,9 +23,9 @@ Per pipeline stage (all stages at once, each independently):
 Colocated mode (:class:`RolloutSchedule`): before a rollout the engine takes back the memory of its weights, the
 weights are synced, the actor offloads what ``offload_train_param / grad / optimizer`` name
 (:mod:`mm_rl.workers.offload`; with ``offload_train_param`` a colocated reference model's weights go too), and only
-then the engine takes back its KV cache, into the memory the actor freed;
-before training the engine sleeps at level 2 (weights dropped, not copied to the host: the next sync rewrites all
-of them) and the actor loads its state back. On a CPU-only machine engine and actor share host memory, so the
+then the engine takes back its KV cache, into the memory the actor freed. Before training the engine sleeps at
+level 2 (weights dropped, not copied to the host: the next sync rewrites all of them) and the actor loads its
+state back. On a CPU-only machine engine and actor share host memory, so the
 trainer runs the separate schedule there; the colocated one is the same calls, and tests check their order.
 """
 
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from mm_rl.convert.mapping import Bound
     from mm_rl.convert.stages import Pipeline
     from mm_rl.workers.group import WorkerGroup
-
 
 
 # ------------------------------------------------------------------------------------------------- stats
@@ -260,7 +259,7 @@ class RolloutSchedule:
         self.reference = reference  # a colocated reference model: its weights leave with the actor's parameters
         self.sleep_level, self.collective = sleep_level, collective
         self.events: list[str] = []
-        self.offloaded_bytes = 0  # what the actor's ranks freed on their devices for the last rollout
+        self.offloaded_bytes = 0  # what the actor (and reference) ranks freed on their devices for the last rollout
 
     @property
     def offload_switches(self) -> dict[str, bool]:
