@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +75,8 @@ class Roles:
         """``ray.get`` of a call to a single-actor role; its failure is raised naming the role."""
         import ray
 
-        from mm_rl.workers.group import WorkerError, error_line
-
-        try:
+        with _named(role):
             return ray.get(future)
-        except ray.exceptions.RayError as error:
-            raise WorkerError(f"{role} failed: {error_line(error)}") from error
 
     # ------------------------------------------------------------------------------------------- workers
     def worker_spec(self, trained: bool) -> Any:
@@ -138,22 +134,13 @@ class Roles:
     def _start_rollout(self) -> None:
         import os
 
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         from mm_rl.rollout.actor import rollout_worker_actor
         from mm_rl.rollout.weight_sync import RolloutSchedule, join_collective
-        from mm_rl.workers.group import WorkerError, error_line
 
         b, res = self.job.backend_config, self.resources
         pre = b.data.dataset_param.preprocess_parameters
-        options: dict[str, Any] = {}
-        if res.device != "cpu":  # separate: its own bundle; colocated: beside actor rank 0, asleep while it trains
-            bundle, share = (res.world_size, res.rollout_devices) if res.rollout_devices else \
-                (0, res.device_share_rollout)
-            options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, bundle),
-                       **({"num_gpus": share} if res.device == "cuda" else {"resources": res.worker_resources(share)})}
         threads = (os.cpu_count() or 1) if res.device == "cpu" else None  # the rollout phase runs alone
+        options = self._rollout_placement()
         self.rollout = rollout_worker_actor(num_cpus=ROLLOUT_CPUS if res.device == "cpu" else 0, **options).remote(
             pre.model_name_or_path, b.generate_config, min_pixels=pre.min_pixels, max_pixels=pre.max_pixels,
             num_threads=threads, seed=int(b.training.seed))
@@ -164,14 +151,23 @@ class Roles:
         # device, where nccl / hccl cannot pair two ranks, and on CPU shared memory is faster (bench/sync.py).
         collective = None
         if res.rollout_devices:
-            try:
+            with _named("rollout engine joining the weight-sync groups"):
                 collective = join_collective(self.actor, self.rollout)
-            except ray.exceptions.RayError as error:
-                raise WorkerError(f"rollout engine failed joining the weight-sync groups: {error_line(error)}") \
-                    from error
         self.schedule = RolloutSchedule(self.actor, self.rollout, schedule, b.actor_config, collective=collective,
                                         reference=self.ref if b.rl_config.colocate_ref else None)
         self.say(f"rollout: {b.generate_config.backend} engine ready")
+
+    def _rollout_placement(self) -> dict[str, Any]:
+        """Ray options of the engine's actor: separate, its own bundle of whole devices; colocated, a share of actor
+        rank 0's device (it sleeps while the actor trains); on CPU, none (it runs beside the ranks)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        res = self.resources
+        if res.device == "cpu":
+            return {}
+        bundle, share = (res.world_size, res.rollout_devices) if res.rollout_devices else (0, res.device_share_rollout)
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, bundle),
+                **({"num_gpus": share} if res.device == "cuda" else {"resources": res.worker_resources(share)})}
 
     def _start_rewards(self) -> None:
         from mm_rl.rewards.worker import RewardPool
@@ -250,3 +246,16 @@ def vision_token_ids(tokenizer: Any) -> frozenset[int]:
     unknown = tokenizer.unk_token_id
     ids = (tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS)
     return frozenset(int(i) for i in ids if i is not None and i != unknown)
+
+
+@contextlib.contextmanager
+def _named(role: str) -> Iterator[None]:
+    """A Ray failure inside the block is raised as a WorkerError naming ``role`` (one line, the cause chained)."""
+    import ray
+
+    from mm_rl.workers.group import WorkerError, error_line
+
+    try:
+        yield
+    except ray.exceptions.RayError as error:
+        raise WorkerError(f"{role} failed: {error_line(error)}") from error

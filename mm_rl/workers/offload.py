@@ -52,9 +52,6 @@ class MemorySwitch:
     def __init__(self) -> None:
         self.away: dict[Kind, list[_Parked]] = {}
 
-    def is_away(self, kind: Kind) -> bool:
-        return kind in self.away
-
     def offload(self, kind: Kind, tensors: Iterable[torch.Tensor], keep: bool) -> int:
         """Move ``kind`` off the device; returns the bytes freed there. A kind already away stays as it is."""
         import torch
