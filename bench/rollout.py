@@ -113,8 +113,8 @@ def ray_vllm_engine(model: Path, items: list[Any], args: argparse.Namespace) -> 
     """(b) our vLLM engine in the Ray actor, timed on the driver; ``engine_tok_per_s`` excludes the round trip."""
     import ray
 
-    from mm_rl.rollout.actor import rollout_worker_actor
     from mm_rl.rollout.base import RolloutRequest
+    from mm_rl.rollout.engine_worker import rollout_worker_actor
 
     config = generate_config(args)
     requests = [RolloutRequest.from_item(item) for item in items]  # images, no pixels: what crosses Ray

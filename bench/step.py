@@ -64,18 +64,18 @@ def raw_generate(trainer: Any, step: int, repeat: int) -> float:
     from mm_rl.rollout.base import RolloutRequest, sampling_for
     from mm_rl.trainer.grpo import sampling_seed
 
-    roles = trainer.roles
-    requests = [RolloutRequest.from_item(item) for item in roles.items.values()]
+    roles, engine = trainer.roles, trainer.roles.engine  # the Ray deployment's engine actor, called directly
+    requests = [RolloutRequest.from_item(item) for item in trainer.prompts.cached.values()]
     sampling = sampling_for(trainer.generate_cfg)
-    roles.schedule.before_rollout()  # wake the engine and give it the weights, untimed
+    roles.before_rollout()  # wake the engine and give it the weights, untimed
     rates = []
     for _ in range(repeat):
-        ray.get(roles.rollout.reseed.remote(sampling_seed(trainer.seed, step, 0)))
+        ray.get(engine.reseed.remote(sampling_seed(trainer.seed, step, 0)))
         start = time.perf_counter()
-        outputs = ray.get(roles.rollout.generate.remote(requests, sampling))
+        outputs = ray.get(engine.generate.remote(requests, sampling))
         seconds = time.perf_counter() - start
         rates.append(sum(len(s.response_ids) for out in outputs for s in out.samples) / seconds)
-    roles.schedule.before_training()
+    roles.before_training()
     return statistics.median(rates)
 
 
@@ -107,14 +107,14 @@ def report(rows: list[dict[str, float]], raw_tok_per_s: float) -> dict[str, floa
 def main(argv: list[str]) -> int:
     import ray
 
-    from mm_rl.trainer.grpo import GRPOTrainer
+    from mm_rl.trainer.grpo import build_trainer
     from mm_rl.trainer.job import convert_in
     from mm_rl.trainer.metrics import step_line
 
     args, overrides = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_step_") as folder:
         job = load(args.job, Path(folder), overrides)
-        trainer = GRPOTrainer(job, convert_in(job, print))
+        trainer = build_trainer(job, convert_in(job, print))
         try:
             rows = []
             for step in range(1, args.steps + 1):

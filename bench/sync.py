@@ -93,7 +93,7 @@ def convert(hf_dir: Path, root: Path, args: argparse.Namespace) -> tuple[Any, Pa
 
 def start_engine(hf_dir: Path, bucket_mb: int) -> Any:
     from mm_rl.config.schema import GenerateConfig, SamplingConfig, ValSamplingConfig
-    from mm_rl.rollout.actor import rollout_worker_actor
+    from mm_rl.rollout.engine_worker import rollout_worker_actor
 
     config = GenerateConfig(max_model_len=256, max_num_seqs=2, sync_bucket_mb=bucket_mb,
                             sampling_config=SamplingConfig(max_tokens=8, n=1),
@@ -119,8 +119,8 @@ def engine_buckets(hf_dir: Path, bucket_bytes: int) -> list[Any]:
     import ray
     from safetensors.torch import load_file
 
-    from mm_rl.rollout.base import bucket_by_group
-    from mm_rl.rollout.transport import SharedBucket
+    from mm_rl.sync.buckets import bucket_by_group
+    from mm_rl.sync.transport import SharedBucket
 
     tensors = load_file(str(hf_dir / "model.safetensors"))
     return [ray.put(SharedBucket(bucket)) for bucket in bucket_by_group(tensors.items(), bucket_bytes)]
@@ -170,7 +170,7 @@ def main(argv: list[str]) -> int:
     import ray
     import torch
 
-    from mm_rl.rollout.weight_sync import join_collective, sync_weights
+    from mm_rl.sync.driver import join_collective, sync_weights
     from mm_rl.workers.group import WorkerGroup
     from mm_rl.workers.megatron_worker import WorkerSpec
 

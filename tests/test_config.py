@@ -295,3 +295,18 @@ def test_compose_keeps_interpolations_unresolved():
     raw = node.backend_config.convert_ckpt_hf2mg.cfg.parallel_config._get_node("tp_size")._value()
     assert raw == "${backend_config.actor_config.tensor_model_parallel_size}"
     assert to_job(node).backend_config.convert_ckpt_hf2mg.cfg.parallel_config.tp_size == 4
+
+
+def test_topology_is_the_one_place_for_world_dp_engine_devices_and_threads():
+    from mm_rl.config.topology import topology
+
+    gen = "--backend_config.generate_config"
+    job = load_job(None, ["--env.DEVICE=npu", "--env.NNODES=2", "--env.NPROC_PER_NODE=8", f"{gen}.colocate=false",
+                          f"{gen}.infer_tensor_parallel_size=2",
+                          "--backend_config.actor_config.tensor_model_parallel_size=2"])
+    topo = topology(job)
+    assert (topo.world_size, topo.rollout_devices, topo.dp) == (14, 2, 7)
+    assert topo.rank_threads(cores=56) == 2 and topo.engine_threads() is None  # half of 56 // 14 on accelerators
+    cpu = topology(load_job(None, ["--env.NPROC_PER_NODE=2", f"{gen}.colocate=false"]))
+    assert (cpu.world_size, cpu.rollout_devices, cpu.rank_threads(cores=8), cpu.engine_threads(cores=8)) == (2, 0, 4, 8)
+    assert topo.with_layout(1, 2).dp == 7 and topo.with_layout(7, 2).dp == 1

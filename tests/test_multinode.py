@@ -81,7 +81,7 @@ def test_job_ranks_run_on_two_nodes(cluster, tiny_base, tmp_path, monkeypatch):
     job = load_job(write_job(tiny_base, tmp_path), [*SHORT_RUN, f"env.RAY_ADDRESS={cluster.address}"])
     assert validate(job) == []
     lines: list[str] = []
-    result = run_job(job, say=lines.append)
+    result = run_job(job, report=lines.append)
     output = "\n".join(lines)
 
     node_ids = {cluster.head_node.node_id, *(node.node_id for node in cluster.worker_nodes)}

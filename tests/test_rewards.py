@@ -134,6 +134,19 @@ def test_ray_reward_pool():
         assert result.metrics["reward/accuracy"] == pytest.approx(0.75)
         failing = pool.score([RIGHT, None], ["8", "8"])  # None is not a string: the grader raises on it
         assert failing.scores == [1.0, 0.0] and failing.metrics["reward/errors"] == 1.0
+        _a_dead_reward_worker_is_named(ray, pool)
         pool.shutdown()
     finally:
         ray.shutdown()
+
+
+def _a_dead_reward_worker_is_named(ray, pool) -> None:
+    """The trainer's roles raise a one-line WorkerError naming the role when a reward worker died (not Ray's
+    raw error)."""
+    from mm_rl.trainer.ray_roles import named
+    from mm_rl.workers.group import WorkerError
+
+    ray.kill(pool.workers[0])
+    with pytest.raises(WorkerError, match="^reward workers failed: ") as caught, named("reward workers"):
+        pool.score([RIGHT, RIGHT], ["8", "8"])
+    assert "\n" not in str(caught.value) and isinstance(caught.value.__cause__, ray.exceptions.RayError)

@@ -17,14 +17,7 @@ from mm_rl.config.schema import GenerateConfig, SamplingConfig, ValSamplingConfi
 from mm_rl.data.dataset import PromptDataset, PromptProcessor  # noqa: E402
 from mm_rl.data.synthetic import write_synthetic_geo3k  # noqa: E402
 from mm_rl.models import tiny  # noqa: E402
-from mm_rl.rollout.base import (  # noqa: E402
-    GroupAssembler,
-    RolloutRequest,
-    SamplingSpec,
-    bucket_by_group,
-    sampling_for,
-    weight_group,
-)
+from mm_rl.rollout.base import RolloutRequest, SamplingSpec, sampling_for  # noqa: E402
 from mm_rl.rollout.bounds import (  # noqa: E402
     BoundsPolicy,
     apply_bounds,
@@ -32,6 +25,7 @@ from mm_rl.rollout.bounds import (  # noqa: E402
     image_runs,
     token_ids_of,
 )
+from mm_rl.sync.buckets import GroupAssembler, bucket_by_group, weight_group  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 224 * 224
 MAX_TOKENS = 12
@@ -482,7 +476,7 @@ def test_hf_seed_repeats_samples(model_dir, config, requests_):
 def test_ray_rollout_worker(model_dir, config, lean_requests, items, weights):
     import ray
 
-    from mm_rl.rollout.actor import rollout_worker_actor
+    from mm_rl.rollout.engine_worker import rollout_worker_actor
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

@@ -38,7 +38,7 @@ def _run_job(job):
 
     lines: list[str] = []
     try:
-        result = run_job(job, say=lines.append)
+        result = run_job(job, report=lines.append)
     finally:
         ray.shutdown()
     return result, lines

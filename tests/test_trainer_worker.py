@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from probes import ProbeWorker
 
 from mm_rl.config.schema import Hf2MgCfg, HfConfig, ParallelConfig, RLConfig, TrainingFlags
 from mm_rl.workers.training import LossSpec, OptimizerSpec
@@ -39,15 +40,14 @@ def ray_session():
     ray.shutdown()
 
 
-def _group(ray_session, mm_dir, spec: OptimizerSpec, bf16: bool = False, cp: int = 1, cpus: float = 1.0):
+def _group(ray_session, mm_dir, spec: OptimizerSpec, bf16: bool = False, cp: int = 1, cpus: float = 1.0,
+           dp: int = 1):
     from mm_rl.workers.group import WorkerGroup
     from mm_rl.workers.megatron_worker import WorkerSpec
-    from mm_rl.workers.training import TrainingWorker
-
     path, model = mm_dir
     flags = TrainingFlags(context_parallel_size=cp, context_parallel_algo="ulysses_cp_algo" if cp > 1 else None)
-    group = WorkerGroup(WorkerSpec(model, bf16=bf16, cp=cp, flags=flags), cpus_per_worker=cpus,
-                        worker_cls=TrainingWorker)
+    group = WorkerGroup(WorkerSpec(model, bf16=bf16, cp=cp, dp=dp, flags=flags), cpus_per_worker=cpus,
+                        worker_cls=ProbeWorker)
     group.build(str(path))
     group.run("setup_training", spec)
     return group
@@ -80,7 +80,7 @@ def _assert_resumes_to(ray_session, mm_dir, spec, root, batch, expected, cp: int
     resumed = _group(ray_session, mm_dir, spec, cp=cp)
     try:
         resumed.run("load_checkpoint", str(root), 1, True, True)
-        resumed.run("train_mini_batch", batch, LOSS, 8.0, 1)
+        resumed.run("train_mini_batch", batch, LOSS, 8.0)
         assert resumed.run("parameter_sums")[0] == expected
     finally:
         resumed.shutdown()
@@ -91,17 +91,17 @@ def test_update_and_non_finite_skip(ray_session, mm_dir):
     try:
         batch = _batch(group)
         before = group.run("parameter_sums")[0]
-        metrics = group.run("train_mini_batch", batch, LOSS, 8.0, 1)[0]
+        metrics = group.run("train_mini_batch", batch, LOSS, 8.0)[0]
         assert metrics["skipped"] == 0.0 and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
         after = group.run("parameter_sums")[0]
         changed = {k for k in before if before[k] != after[k]}
         assert changed and not any(k.startswith("image_encoder.encoder.") for k in changed)  # ViT frozen
 
         group.run("poison_next_step")
-        skipped = group.run("train_mini_batch", _batch(group, 1), LOSS, 8.0, 1)[0]
+        skipped = group.run("train_mini_batch", _batch(group, 1), LOSS, 8.0)[0]
         assert skipped["skipped"] == 1.0 and not math.isfinite(skipped["grad_norm"])
         assert group.run("parameter_sums")[0] == after  # weights untouched by the NaN step
-        healthy = group.run("train_mini_batch", _batch(group, 2), LOSS, 8.0, 1)[0]
+        healthy = group.run("train_mini_batch", _batch(group, 2), LOSS, 8.0)[0]
         assert healthy["skipped"] == 0.0 and math.isfinite(healthy["grad_norm"])  # no NaN left behind
         assert group.run("parameter_sums")[0] != after
     finally:
@@ -117,7 +117,7 @@ def test_weight_decay_spares_biases_and_norms_and_lr_follows_the_schedule(ray_se
         lrs = []
         for _ in range(6):
             before = group.run("parameter_sums")[0]
-            lrs.append(group.run("train_mini_batch", batch, LOSS, 8.0, 1)[0]["lr"])
+            lrs.append(group.run("train_mini_batch", batch, LOSS, 8.0)[0]["lr"])
         after = group.run("parameter_sums")[0]
         moved = {k for k in after if after[k] != before[k]}
         assert any(k.endswith("linear_qkv.weight") for k in moved)  # matrices decay
@@ -153,11 +153,11 @@ def test_a_saved_rank_resumes_to_the_same_next_step(ray_session, mm_dir, tmp_pat
     spec = OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0, "use_distributed_optimizer": distributed})
     first = _group(ray_session, mm_dir, spec)
     try:
-        first.run("train_mini_batch", _batch(first, 0), LOSS, 8.0, 1)
+        first.run("train_mini_batch", _batch(first, 0), LOSS, 8.0)
         rank_dir = _save_iteration_1(first, tmp_path / "ckpt")
         assert (rank_dir / "distrib_optim_dp000.pt").is_file() == distributed
         batch = _batch(first, 3)
-        first.run("train_mini_batch", batch, LOSS, 8.0, 1)
+        first.run("train_mini_batch", batch, LOSS, 8.0)
         expected = first.run("parameter_sums")[0]
     finally:
         first.shutdown()
@@ -176,7 +176,7 @@ def test_offload_empties_the_device_and_onload_gives_the_same_next_step(ray_sess
     plain, moved = _group(ray_session, mm_dir, spec, bf16), _group(ray_session, mm_dir, spec, bf16)
     try:
         for group in (plain, moved):
-            group.run("train_mini_batch", _batch(group, 0), LOSS, 8.0, 1)
+            group.run("train_mini_batch", _batch(group, 0), LOSS, 8.0)
         resident = moved.run("resident_bytes")[0]
         assert all(resident[kind] > 0 for kind in KINDS), resident
         assert moved.run("offload", True, True, True)[0] == resident
@@ -187,7 +187,7 @@ def test_offload_empties_the_device_and_onload_gives_the_same_next_step(ray_sess
         assert moved.run("parameter_sums")[0] == plain.run("parameter_sums")[0]
         batch = _batch(plain, 3)
         for group in (plain, moved):
-            group.run("train_mini_batch", batch, LOSS, 8.0, 1)
+            group.run("train_mini_batch", batch, LOSS, 8.0)
         assert moved.run("parameter_sums")[0] == plain.run("parameter_sums")[0]
     finally:
         plain.shutdown()
@@ -199,16 +199,16 @@ def test_colocated_schedule_frees_actor_and_reference_during_the_rollout(ray_ses
     parameters, gradients and Adam state and the colocated reference's weights hold no bytes while the engine
     generates; before training they are back, and the engine generated from the actor's weights."""
     from mm_rl.config.schema import ActorConfig, GenerateConfig, SamplingConfig, ValSamplingConfig
-    from mm_rl.rollout.actor import rollout_worker_actor
     from mm_rl.rollout.base import RolloutRequest
-    from mm_rl.rollout.weight_sync import RolloutSchedule
+    from mm_rl.rollout.engine_worker import rollout_worker_actor
+    from mm_rl.trainer.schedule import RolloutSchedule
     from mm_rl.workers.group import WorkerGroup
     from mm_rl.workers.megatron_worker import WorkerSpec
     from mm_rl.workers.offload import KINDS
 
     path, model = mm_dir
     actor = _group(ray_session, mm_dir, SPEC)
-    reference = WorkerGroup(WorkerSpec(model), cpus_per_worker=0.5)
+    reference = WorkerGroup(WorkerSpec(model), cpus_per_worker=0.5, worker_cls=ProbeWorker)
     reference.build(str(path))
     generate = GenerateConfig(backend="hf", max_model_len=64, max_num_seqs=2, colocate=True, sync_bucket_mb=1,
                               sampling_config=SamplingConfig(max_tokens=4, n=1),
@@ -216,7 +216,7 @@ def test_colocated_schedule_frees_actor_and_reference_during_the_rollout(ray_ses
     engine = rollout_worker_actor(num_cpus=0.5).remote(str(path.parent / "hf"), generate, min_pixels=56 * 56,
                                                        max_pixels=224 * 224)
     try:
-        actor.run("train_mini_batch", _batch(actor, 0), LOSS, 8.0, 1)  # Adam state and gradients exist
+        actor.run("train_mini_batch", _batch(actor, 0), LOSS, 8.0)  # Adam state and gradients exist
         before = actor.run("resident_bytes")[0], reference.run("resident_bytes")[0]
         weights = actor.run("parameter_sums")[0]
         switches = ActorConfig(offload_train_param=True, offload_train_grad=True, offload_train_optimizer=True)
@@ -254,7 +254,7 @@ def test_context_parallel_ranks_train_like_one_and_resume_their_optimizer_shards
     try:
         batch = _batch(single, 0)
         assert torch.allclose(_batch(split, 0)[0]["old_log_probs"], batch[0]["old_log_probs"], atol=1e-5)
-        metrics = [next(m for m in group.run("train_mini_batch", batch, LOSS, 8.0, 1) if m)
+        metrics = [next(m for m in group.run("train_mini_batch", batch, LOSS, 8.0) if m)
                    for group in (single, split)]
         assert metrics[1]["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-5)  # gradients, unscaled
         assert metrics[1]["pg_loss"] == pytest.approx(metrics[0]["pg_loss"], rel=1e-5, abs=1e-7)
@@ -263,9 +263,29 @@ def test_context_parallel_ranks_train_like_one_and_resume_their_optimizer_shards
         rank_dir = _save_iteration_1(split, tmp_path / "ckpt")
         assert sorted(p.name for p in rank_dir.glob("distrib_*")) == [f"distrib_optim_dp00{i}.pt" for i in (0, 1)]
         batch = _batch(split, 3)
-        split.run("train_mini_batch", batch, LOSS, 8.0, 1)
+        split.run("train_mini_batch", batch, LOSS, 8.0)
         expected = split.run("parameter_sums")[0]
     finally:
         single.shutdown()
         split.shutdown()
     _assert_resumes_to(ray_session, mm_dir, spec, tmp_path / "ckpt", batch, expected, cp=2)
+
+
+def test_metrics_of_two_data_parallel_replicas_are_those_of_the_whole_mini_batch(ray_session, mm_dir):
+    """DP2 (each replica one row) against DP1 (both rows) on the same mini-batch: loss, pg loss, KL loss, entropy
+    and clip fractions are the mini-batch's on the returned rank, not one replica's share; grad norms agree."""
+    loss = LossSpec(RLConfig(kl_loss_coef=0.1, use_kl_loss=True), max_response_len=4)
+    spec = OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0})
+    single, split = _group(ray_session, mm_dir, spec, cpus=0.5), _group(ray_session, mm_dir, spec, cpus=0.5, dp=2)
+    try:
+        (batch,) = _batch(single, 0)
+        batch["ref_log_probs"] = batch["old_log_probs"] - 0.1 * batch["response_mask"]
+        rows = [[{key: value[i:i + 1] for key, value in batch.items()}] for i in range(2)]
+        whole = single.train_mini_batch([[batch]], loss, 8.0)
+        shared = split.train_mini_batch(rows, loss, 8.0)
+        assert whole.keys() == shared.keys() and whole["kl_loss"] > 0
+        for key in whole:
+            assert shared[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+    finally:
+        single.shutdown()
+        split.shutdown()

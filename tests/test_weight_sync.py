@@ -28,11 +28,13 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from probes import ProbeWorker  # noqa: E402
 
 from mm_rl.config.schema import ActorConfig, GenerateConfig, SamplingConfig, ValSamplingConfig  # noqa: E402
-from mm_rl.rollout.base import RolloutRequest, weight_group  # noqa: E402
-from mm_rl.rollout.transport import SharedBucket, pack_bucket, unpack_bucket  # noqa: E402
-from mm_rl.rollout.weight_sync import strip_vocab_padding  # noqa: E402
+from mm_rl.rollout.base import RolloutRequest  # noqa: E402
+from mm_rl.sync.buckets import weight_group  # noqa: E402
+from mm_rl.sync.sender import strip_vocab_padding  # noqa: E402
+from mm_rl.sync.transport import SharedBucket, pack_bucket, unpack_bucket  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 224 * 224
 BUCKET_BYTES = 1 << 20  # the tiny model is ~4.4 MB: several buckets per stage
@@ -118,7 +120,7 @@ def layout(request, ray_session, checkpoints, tmp_path_factory):
     from mm_rl.config.schema import Hf2MgCfg, HfConfig, ParallelConfig
     from mm_rl.convert.hf2mg import hf2mg
     from mm_rl.convert.model_config import model_config_from_hf
-    from mm_rl.rollout.actor import rollout_worker_actor
+    from mm_rl.rollout.engine_worker import rollout_worker_actor
     from mm_rl.workers.group import WorkerGroup
     from mm_rl.workers.megatron_worker import WorkerSpec
 
@@ -132,7 +134,7 @@ def layout(request, ray_session, checkpoints, tmp_path_factory):
                               vit_pp_layers=list(model.image_encoder.vision_encoder.pipeline_num_layers))
     mm_dir = tmp_path_factory.mktemp(f"mm_{request.param}")
     hf2mg(Hf2MgCfg(mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel), model)
-    group = WorkerGroup(WorkerSpec(model, tp=tp, pp=pp, dp=dp), cpus_per_worker=0.5)
+    group = WorkerGroup(WorkerSpec(model, tp=tp, pp=pp, dp=dp), cpus_per_worker=0.5, worker_cls=ProbeWorker)
     group.build(str(mm_dir))
     ray_session.get(engine.ready.remote())
     print(f"\n{request.param}: set-up {time.perf_counter() - started:.1f}s")
@@ -183,7 +185,7 @@ def actor_gap(layout: Layout, prompts: list[Any], responses: list[tuple[list[int
 
 
 def sync(layout: Layout, transport: str = "object_store") -> Any:
-    from mm_rl.rollout.weight_sync import join_collective, sync_weights
+    from mm_rl.sync.driver import join_collective, sync_weights
 
     if transport == "collective" and layout.collective is None:
         layout.collective = join_collective(layout.group, layout.engine)
@@ -242,7 +244,7 @@ def test_engine_log_probs_equal_the_actors_and_restoring_restores_generation(lay
 def test_colocated_schedule_calls_switches_in_order(layout, prompts):
     import ray
 
-    from mm_rl.rollout.weight_sync import RolloutSchedule
+    from mm_rl.trainer.schedule import RolloutSchedule
 
     actor = ActorConfig(offload_train_param=True, offload_train_grad=True, offload_train_optimizer=False)
     engine_log = len(ray.get(layout.engine.call_log.remote()))

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from mm_rl.config.schema import JobConfig, ModelConfig
-from mm_rl.config.validate import world_size
+from mm_rl.config.topology import topology
 
 GIB = 1024**3
 DEFAULT_DEVICE_MEMORY_GB = {"npu": 64.0, "cuda": 80.0, "cpu": 24.0}
@@ -135,7 +135,7 @@ def estimate_memory(cfg: JobConfig) -> list[StageMemory]:
     b = cfg.backend_config
     model, t, actor = b.model, b.training, b.actor_config
     tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
-    dp = max(1, world_size(cfg) // (tp * pp * cp))
+    dp = topology(cfg).dp
     counts = layer_counts(model)
     low_precision = t.bf16 and cfg.env.DEVICE != "cpu"
     weight_bytes = 2 if low_precision else 4
@@ -236,7 +236,7 @@ def device_memory_gb(cfg: JobConfig) -> float:
 def current_plan(cfg: JobConfig) -> ParallelPlan:
     t = cfg.backend_config.training
     tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
-    dp = max(1, world_size(cfg) // (tp * pp * t.context_parallel_size))
+    dp = topology(cfg).dp
     m = cfg.backend_config.model
     return ParallelPlan(tp, pp, dp, list(m.image_encoder.vision_encoder.pipeline_num_layers),
                         list(m.text_decoder.pipeline_num_layers), estimate_memory(cfg), device_memory_gb(cfg))
@@ -273,7 +273,7 @@ def plan_parallel(cfg: JobConfig) -> ParallelPlan:
 
     If none fits, the layout with the lowest peak estimate, whose ``describe()`` carries the warning.
     """
-    world = world_size(cfg)
+    world = topology(cfg).world_size
     cp = cfg.backend_config.training.context_parallel_size
     seq = cfg.backend_config.training.seq_length // cp
     model = cfg.backend_config.model

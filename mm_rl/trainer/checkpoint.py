@@ -252,6 +252,11 @@ class CheckpointManager:
             raise CheckpointError(f"{path} is missing: that checkpoint was saved without a trainer state")
         return _load(path)
 
+    def grid(self, step: int) -> tuple[int, int]:
+        """The (TP, PP) iteration ``step`` was saved with (from its marker)."""
+        marker = self._complete_marker(step)
+        return int(marker["tp"]), int(marker["pp"])
+
     def _complete_marker(self, step: int) -> dict[str, Any]:
         directory = self.save_dir / iteration_name(step)
         reason = _incomplete_reason(directory)

@@ -26,12 +26,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from mm_rl.config.schema import JobConfig
+from mm_rl.rollout.base import FinishReason
 from mm_rl.trainer.batch import Sample, micro_batches, padded, response_values
+from mm_rl.trainer.prompts import PromptSource
+from mm_rl.trainer.roles import Role, Roles
 
 logger = logging.getLogger(__name__)
 
@@ -63,18 +65,34 @@ def sampling_seed(seed: int, step: int, batch: int) -> int:
     return (seed * 1_000_003 + step * 1_009 + batch + 1) % (2**31 - 1)
 
 
+def build_trainer(job: JobConfig, mm_dir: str | Path, report: Callable[[str], None] = print,
+                  worker_cls: type | None = None) -> GRPOTrainer:
+    """The trainer of a validated job on Ray: its prompts (processor, data sets, sampler) first, so that a data
+    problem shows before any process starts, then every role (``worker_cls``: the actor ranks' class)."""
+    from mm_rl.trainer.ray_roles import RayRoles
+
+    prompts = PromptSource.from_job(job)
+    return GRPOTrainer(job, RayRoles(job, Path(mm_dir), report, worker_cls), prompts, report=report)
+
+
 class GRPOTrainer:
-    """Builds the roles from a validated job, then :meth:`fit` runs the loop; :meth:`close` frees everything."""
+    """The loop over a validated job's roles and prompts; :meth:`fit` runs it, :meth:`close` frees the roles.
 
-    def __init__(self, job: JobConfig, mm_dir: str | Path, *, say: Callable[[str], None] = print) -> None:
-        from mm_rl.trainer.roles import Roles
+    ``roles`` is the deployment (:class:`~mm_rl.trainer.roles.Roles`; :func:`build_trainer` starts the Ray one),
+    ``prompts`` where the prompts come from; the trainer owns the KL controller and the checkpoints."""
 
-        self.job, self.say = job, say
+    def __init__(self, job: JobConfig, roles: Roles, prompts: PromptSource, *,
+                 report: Callable[[str], None] = print) -> None:
+        from mm_rl.algorithms.kl import make_kl_controller
+        from mm_rl.trainer.checkpoint import CheckpointManager
+
+        self.job, self.roles, self.prompts, self.report = job, roles, prompts, report
         b = job.backend_config
         self.rl, self.generate_cfg, self.training = b.rl_config, b.generate_config, b.training
         self.out_dir = Path(job.af_output_dir)
         self.seed = int(b.training.seed)
-        self.roles = Roles(job, Path(mm_dir), say)
+        self.kl_ctrl = make_kl_controller(b.rl_config.kl_ctrl)
+        self.checkpoints = CheckpointManager(b.megatron_training.save, b.megatron_training.max_keep_ckpts)
         self.step = 0
         self.nonfinite_in_a_row = 0
 
@@ -92,7 +110,7 @@ class GRPOTrainer:
             if self.rl.val_before_train and self.step == 0:
                 metrics = self.validate(0)
                 sink.log(0, metrics)
-                self.say(f"validation before training: {_val_line(metrics)}")
+                self.report(f"validation before training: {_val_line(metrics)}")
             while self.step < total:
                 step = self.step + 1
                 metrics = self.train_step(step)
@@ -101,7 +119,7 @@ class GRPOTrainer:
                 self.step = step
                 sink.log(step, metrics)
                 history.append(metrics)
-                self.say(step_line(step, total, metrics))
+                self.report(step_line(step, total, metrics))
                 if step % save_every == 0 or step == total:
                     self.save()
         return history
@@ -111,26 +129,26 @@ class GRPOTrainer:
         roles, timer = self.roles, PhaseTimer()
         start = time.perf_counter()
         with timer("sync"):
-            sync = roles.schedule.before_rollout()
-        roles.items.clear()
+            ready = roles.before_rollout()
+        self.prompts.cached.clear()
         samples, metrics = self.collect(step, timer)
         with timer("onload"):
-            roles.schedule.before_training()
-        if roles.schedule.generate.colocate:
-            metrics["memory/offloaded_gb"] = roles.schedule.offloaded_bytes / 1e9
+            roles.before_training()
+        if ready.offloaded_bytes is not None:
+            metrics["memory/offloaded_gb"] = ready.offloaded_bytes / 1e9
         with timer("old_logp"):
-            self._log_probs(roles.actor, samples, "old_log_probs")
+            self._log_probs("actor", samples, "old_log_probs")
         metrics.update(_engine_gap(samples))
-        if roles.ref is not None:
+        if roles.has_reference:
             with timer("ref_logp"):
-                self._log_probs(roles.ref, samples, "ref_log_probs")
+                self._log_probs("reference", samples, "ref_log_probs")
         with timer("advantages"):
             metrics.update(self.compute_advantages(samples))
         with timer("update"):
             metrics.update(self.update(samples))
         timer.seconds["step"] = time.perf_counter() - start
         metrics.update(timer.metrics())
-        metrics.update(_throughput(samples, timer.seconds, sync.gb_per_s))
+        metrics.update(_throughput(samples, timer.seconds, ready.sync.gb_per_s))
         return metrics
 
     # ------------------------------------------------------------------------------------------- rollout
@@ -181,42 +199,40 @@ class GRPOTrainer:
 
         from mm_rl.rollout.base import sampling_for
 
-        roles = self.roles
-        indices = next(roles.sampler)
+        indices = self.prompts.next_indices()
         with timer("rollout"):
-            requests = roles.requests(indices)
-            roles.get(roles.rollout.reseed.remote(sampling_seed(self.seed, step, batch)), "rollout engine")
-            outputs = roles.get(roles.rollout.generate.remote(requests, sampling_for(self.generate_cfg)),
-                                "rollout engine")
-        groups = [[self.sample(index, out.prompt_ids, s.response_ids, s.finish_reason, s.logprobs) for s in out.samples]
-                  for index, out in zip(indices, outputs, strict=True) if out.samples]
+            requests = self.prompts.requests(indices)
+            outputs = self.roles.generate(requests, sampling_for(self.generate_cfg),
+                                          sampling_seed(self.seed, step, batch))
+        groups = [[self.make_sample(index, out.prompt_ids, s.response_ids, s.finish_reason, s.logprobs)
+                   for s in out.samples] for index, out in zip(indices, outputs, strict=True) if out.samples]
         with timer("reward"):
             reward_metrics = self.score([s for g in groups for s in g])
         cut = sum(s.finish_reason == "vision_token" for g in groups for s in g)
         return groups, outputs.metrics.as_dict() | reward_metrics | {"rollout/vision_token_cut": float(cut)}
 
-    def sample(self, index: int, prompt_ids: Sequence[int], response_ids: Sequence[int], finish_reason: str,
-               engine_log_probs: torch.Tensor | None = None, split: str = "train") -> Sample:
+    def make_sample(self, index: int, prompt_ids: Sequence[int], response_ids: Sequence[int],
+                    finish_reason: FinishReason, engine_log_probs: torch.Tensor | None = None,
+                    split: str = "train") -> Sample:
         """A Sample, its response cut before the first vision special token (image pad, vision start / end).
 
         A response may sample those ids as text; the actor's model splices images wherever the image pad id
         appears and counts images from vision starts, so such a response cannot be scored as is. The cut
         treats the sample as if it had stopped there (counted as ``rollout/vision_token_cut``)."""
-        dataset = self.roles.train_set if split == "train" else self.roles.val_set
         response = list(response_ids)
-        cut = next((i for i, token in enumerate(response) if token in self.roles.vision_token_ids), None)
+        cut = next((i for i, token in enumerate(response) if token in self.prompts.vision_token_ids), None)
         if cut is not None:
             response, finish_reason = response[:cut], "vision_token"
         logprobs = engine_log_probs[:len(response)] if engine_log_probs is not None else None
-        return Sample(index, 0, list(prompt_ids), response, finish_reason, ground_truth=dataset.ground_truth(index),
-                      engine_log_probs=logprobs)
+        return Sample(index, 0, list(prompt_ids), response, finish_reason,
+                      ground_truth=self.prompts.ground_truth(index, split), engine_log_probs=logprobs)
 
     def score(self, samples: Sequence[Sample]) -> dict[str, float]:
         """Decode and score the samples (rewards written into them); the batch's reward metrics."""
         if not samples:
             return {}
-        texts = self.roles.decode([s.response_ids for s in samples])
-        result = self.roles.rewards.score(texts, [s.ground_truth for s in samples])
+        texts = self.prompts.decode([s.response_ids for s in samples])
+        result = self.roles.score(texts, [s.ground_truth for s in samples])
         for i, (sample, text, value) in enumerate(zip(samples, texts, result.scores, strict=True)):
             sample.text, sample.reward = text, float(value)
             sample.components = {name: float(values[i]) for name, values in result.components.items()}
@@ -225,13 +241,13 @@ class GRPOTrainer:
         return metrics
 
     # --------------------------------------------------------------------------------------- log-probs
-    def _log_probs(self, group: Any, samples: list[Sample], name: str) -> None:
-        """``name`` of every sample from ``group`` (the actor or the reference), DP replicas sharing the work."""
+    def _log_probs(self, role: Role, samples: list[Sample], name: str) -> None:
+        """``name`` of every sample from ``role`` (the actor or the reference), DP replicas sharing the work."""
         size = self.job.backend_config.actor_config.micro_batch_size
-        shards = _split(samples, group.spec.dp)
-        batches = [micro_batches(shard, self.roles.items, size, self.roles.pad_id) for shard in shards]
+        shards = _split(samples, self.roles.data_parallel_size(role))
+        batches = [micro_batches(shard, self.prompts.cached, size, self.prompts.pad_id) for shard in shards]
         temperature = self.generate_cfg.sampling_config.temperature or 1.0
-        results = group.compute_log_probs_sharded(batches, temperature)
+        results = self.roles.log_probs(role, batches, temperature)
         for shard, rows in zip(shards, results, strict=True):
             for sample, values in zip(shard, response_values(shard, rows, size), strict=True):
                 setattr(sample, name, values)
@@ -255,7 +271,7 @@ class GRPOTrainer:
         rewards: torch.Tensor = scores
         if rl.use_kl_in_reward:
             ref, _ = padded(samples, "ref_log_probs")
-            kl_ctrl = self.roles.kl_ctrl
+            kl_ctrl = self.kl_ctrl
             rewards, kl_metrics = apply_kl_in_reward(scores_to_token_level(scores, mask), old, ref, mask,
                                                      kl_ctrl.value, rl.kl_ctrl.kl_penalty)
             kl_ctrl.update(float(kl_metrics["kl"]), n_steps=len(samples))
@@ -278,16 +294,15 @@ class GRPOTrainer:
         usable = len(samples) - len(samples) % mini
         loss = LossSpec(self.rl, self.generate_cfg.sampling_config.max_tokens,
                         self.generate_cfg.sampling_config.temperature or 1.0)
-        fields = ("old_log_probs", "advantages") + (("ref_log_probs",) if roles.ref is not None else ())
+        fields = ("old_log_probs", "advantages") + (("ref_log_probs",) if roles.has_reference else ())
         steps: list[dict[str, float]] = []
         for _ in range(self.rl.ppo_epochs):
             for start in range(0, usable, mini):
                 batch = samples[start:start + mini]
-                shards = [micro_batches(shard, roles.items, actor_cfg.micro_batch_size, roles.pad_id, fields)
-                          for shard in _split(batch, roles.actor.spec.dp)]
-                results = roles.actor.run_sharded("train_mini_batch", shards, loss, self._denominator(batch),
-                                                  roles.actor.spec.dp)
-                steps.append(roles.actor.from_last_stage(results))
+                shards = [micro_batches(shard, self.prompts.cached, actor_cfg.micro_batch_size,
+                                        self.prompts.pad_id, fields)
+                          for shard in _split(batch, roles.data_parallel_size("actor"))]
+                steps.append(roles.train_mini_batch(shards, loss, self._denominator(batch)))
         metrics = {f"actor/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
         skipped = sum(s["skipped"] for s in steps)
         metrics["actor/skipped_updates"] = float(skipped)
@@ -304,7 +319,7 @@ class GRPOTrainer:
     def _track_nonfinite(self, bad: bool) -> None:
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if bad else 0
         if bad:
-            self.say(f"warning: non-finite loss or grad norm; the update was skipped (weights untouched), "
+            self.report(f"warning: non-finite loss or grad norm; the update was skipped (weights untouched), "
                      f"{self.nonfinite_in_a_row} step(s) in a row")
         limit = self.rl.max_consecutive_nonfinite
         if self.nonfinite_in_a_row >= limit:
@@ -320,18 +335,16 @@ class GRPOTrainer:
 
         from mm_rl.rollout.base import sampling_for
 
-        roles = self.roles
-        if roles.val_set is None:
+        indices = self.prompts.val_indices()
+        if not indices:
             return {}
-        roles.schedule.before_rollout()  # the engine still holds the weights from before this step's update
+        self.roles.before_rollout()  # the engine still holds the weights from before this step's update
         start = time.perf_counter()
-        indices = list(range(len(roles.val_set)))
-        requests = roles.requests(indices, split="val")
-        roles.get(roles.rollout.reseed.remote(sampling_seed(self.seed, step, -1)), "rollout engine")
-        outputs = roles.get(roles.rollout.generate.remote(requests, sampling_for(self.generate_cfg, validation=True)),
-                            "rollout engine")
-        roles.schedule.before_training()
-        samples = [self.sample(index, out.prompt_ids, s.response_ids, s.finish_reason, None, split="val")
+        requests = self.prompts.requests(indices, split="val")
+        outputs = self.roles.generate(requests, sampling_for(self.generate_cfg, validation=True),
+                                      sampling_seed(self.seed, step, -1))
+        self.roles.before_training()
+        samples = [self.make_sample(index, out.prompt_ids, s.response_ids, s.finish_reason, None, split="val")
                    for index, out in zip(indices, outputs, strict=True) for s in out.samples]
         metrics = self.score(samples)
         metrics.update(_sample_metrics(samples, self.generate_cfg.val_sampling_config.max_tokens))
@@ -344,37 +357,47 @@ class GRPOTrainer:
         """Checkpoint the current step: every rank writes its file, then this process commits the iteration."""
         from mm_rl.trainer.metrics import METRICS_FILE, read_metrics
 
-        roles, step = self.roles, self.step
-        staging = roles.checkpoints.stage(step)
-        roles.actor.run("save_checkpoint", str(staging))
-        state = {"step": step, "sampler": roles.sampler.state_dict(), "kl_ctrl": roles.kl_ctrl.state_dict(),
+        checkpoints, step = self.checkpoints, self.step
+        staging = checkpoints.stage(step)
+        self.roles.save(staging)
+        state = {"step": step, "sampler": self.prompts.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                  "nonfinite_in_a_row": self.nonfinite_in_a_row, "seed": self.seed,
                  "metrics_history": read_metrics(self.out_dir / METRICS_FILE)}
-        roles.checkpoints.write_trainer_state(staging, state)
-        path = roles.checkpoints.commit(staging, step)
-        self.say(f"checkpoint: {path}")
+        checkpoints.write_trainer_state(staging, state)
+        path = checkpoints.commit(staging, step)
+        self.report(f"checkpoint: {path}")
         return path
 
     def resume(self) -> int | None:
         """Load the checkpoint that ``resume_mode`` names (auto: the latest complete one); returns its step."""
         from mm_rl.trainer.metrics import METRICS_FILE, truncate_after
 
-        mt, roles = self.job.backend_config.megatron_training, self.roles
-        roles.checkpoints.cleanup_stale()
-        step = roles.checkpoints.resolve_resume(mt.resume_mode)
+        mt, checkpoints = self.job.backend_config.megatron_training, self.checkpoints
+        checkpoints.cleanup_stale()
+        step = checkpoints.resolve_resume(mt.resume_mode)
         if step is None:
             return None
-        roles.check_checkpoint_grid(step)
-        roles.actor.run("load_checkpoint", str(roles.checkpoints.save_dir), step,
-                        not self.training.no_load_optim, not self.training.no_load_rng)
-        state = roles.checkpoints.load_trainer_state(step)
-        roles.sampler.load_state_dict(state["sampler"])
-        roles.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self._check_checkpoint_grid(step)
+        self.roles.load(checkpoints.save_dir, step, not self.training.no_load_optim, not self.training.no_load_rng)
+        state = checkpoints.load_trainer_state(step)
+        self.prompts.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
         truncate_after(self.out_dir / METRICS_FILE, step)
         self.step = step
-        self.say(f"resumed from step {step} ({roles.checkpoints.save_dir})")
+        self.report(f"resumed from step {step} ({checkpoints.save_dir})")
         return step
+
+    def _check_checkpoint_grid(self, step: int) -> None:
+        """A checkpoint must have this job's TP x PP (a different layout needs mg2hf + hf2mg first)."""
+        from mm_rl.trainer.checkpoint import CheckpointError
+
+        saved, running = self.checkpoints.grid(step), self.roles.checkpoint_grid()
+        if saved != running:
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.checkpoints.save_dir} has TP {saved[0]} x PP {saved[1]} "
+                f"but the job runs TP {running[0]} x PP {running[1]}: resume with the same layout, or convert it "
+                "(convert mg2hf, then train from that HF checkpoint), or set megatron_training.resume_mode: disable")
 
     def close(self, graceful: bool = True) -> None:
         self.roles.close(graceful)

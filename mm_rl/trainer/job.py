@@ -30,7 +30,7 @@ class JobResult:
     seconds: float = 0.0
 
 
-def convert_in(job: JobConfig, say: Callable[[str], None]) -> Path:
+def convert_in(job: JobConfig, report: Callable[[str], None]) -> Path:
     """hf2mg, unless ``mm_dir`` already holds a matching conversion."""
     from mm_rl.convert.hf2mg import hf2mg, reusable_conversion
 
@@ -38,41 +38,41 @@ def convert_in(job: JobConfig, say: Callable[[str], None]) -> Path:
     cfg = b.convert_ckpt_hf2mg.cfg
     reason = reusable_conversion(cfg, b.model)
     if reason is None:
-        say(f"[1/3] hf2mg: {cfg.mm_dir} already holds this conversion (same files, model.json and layout); skipped")
+        report(f"[1/3] hf2mg: {cfg.mm_dir} already holds this conversion (same files, model.json and layout); skipped")
         return Path(cfg.mm_dir)
-    say(f"[1/3] hf2mg: {cfg.hf_config.hf_dir} -> {cfg.mm_dir} ({reason})")
+    report(f"[1/3] hf2mg: {cfg.hf_config.hf_dir} -> {cfg.mm_dir} ({reason})")
     start = time.perf_counter()
     out = hf2mg(cfg, b.model)
-    say(f"      done in {time.perf_counter() - start:.1f} s")
+    report(f"      done in {time.perf_counter() - start:.1f} s")
     return out
 
 
-def convert_out(job: JobConfig, say: Callable[[str], None]) -> Path:
+def convert_out(job: JobConfig, report: Callable[[str], None]) -> Path:
     """mg2hf of the latest checkpoint into ``save_hf_dir``."""
     from mm_rl.convert.mg2hf import mg2hf
 
     b = job.backend_config
     cfg = b.convert_ckpt_mg2hf.cfg
-    say(f"[3/3] mg2hf: {cfg.load_dir} (latest) -> {cfg.save_hf_dir}")
+    report(f"[3/3] mg2hf: {cfg.load_dir} (latest) -> {cfg.save_hf_dir}")
     start = time.perf_counter()
     out = mg2hf(cfg, b.model, b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir)
-    say(f"      done in {time.perf_counter() - start:.1f} s")
+    report(f"      done in {time.perf_counter() - start:.1f} s")
     return out
 
 
-def run_job(job: JobConfig, say: Callable[[str], None] = print) -> JobResult:
+def run_job(job: JobConfig, report: Callable[[str], None] = print) -> JobResult:
     """The whole job; a worker failure or a stop raises after the roles are torn down (resume with the same
     command)."""
-    from mm_rl.trainer.grpo import GRPOTrainer
+    from mm_rl.trainer.grpo import build_trainer
     from mm_rl.trainer.metrics import METRICS_FILE, plot_metrics
 
     start = time.perf_counter()
     out_dir = Path(job.af_output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    mm_dir = convert_in(job, say)
+    mm_dir = convert_in(job, report)
     total = job.backend_config.megatron_training.train_iters
-    say(f"[2/3] GRPO: {total} steps, metrics in {out_dir / METRICS_FILE}")
-    trainer = GRPOTrainer(job, mm_dir, say=say)
+    report(f"[2/3] GRPO: {total} steps, metrics in {out_dir / METRICS_FILE}")
+    trainer = build_trainer(job, mm_dir, report)
     graceful = False
     try:
         resumed = trainer.resume()
@@ -81,7 +81,7 @@ def run_job(job: JobConfig, say: Callable[[str], None] = print) -> JobResult:
     finally:
         trainer.close(graceful)
     plot = plot_metrics(out_dir / METRICS_FILE, out_dir / PLOT_FILE)
-    hf_dir = convert_out(job, say)
+    hf_dir = convert_out(job, report)
     return JobResult(out_dir, Path(job.backend_config.megatron_training.save), hf_dir, plot,
                      history[-1] if history else {}, resumed, time.perf_counter() - start)
 

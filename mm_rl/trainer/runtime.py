@@ -61,17 +61,14 @@ class Resources:
 
 def plan_resources(job: JobConfig) -> Resources:
     """Bundle sizes for the job: one per device; the actor and a colocated reference split it."""
-    from mm_rl.config.validate import rollout_devices, world_size
+    from mm_rl.config.topology import topology
 
-    env = job.env
-    world = world_size(job)
+    topo = topology(job)
     colocated = job.backend_config.rl_config.colocate_ref
-    cores = os.cpu_count() or 1
-    threads = max(1, cores // world) if env.DEVICE == "cpu" else max(1, cores // max(world, 1) // 2)
-    return Resources(device=env.DEVICE, world_size=world, bundle_cpus=1.0, actor_share=0.5 if colocated else 1.0,
-                     ref_share=0.5 if colocated else 1.0, device_share_actor=0.4 if colocated else 0.6,
-                     device_share_ref=0.2 if colocated else 0.4, device_share_rollout=0.4, threads=threads,
-                     rollout_devices=rollout_devices(job))
+    return Resources(device=topo.device, world_size=topo.world_size, bundle_cpus=1.0,
+                     actor_share=0.5 if colocated else 1.0, ref_share=0.5 if colocated else 1.0,
+                     device_share_actor=0.4 if colocated else 0.6, device_share_ref=0.2 if colocated else 0.4,
+                     device_share_rollout=0.4, threads=topo.rank_threads(), rollout_devices=topo.rollout_devices)
 
 
 def logical_cpus(resources: Resources, reward_workers: int) -> int:

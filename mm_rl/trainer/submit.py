@@ -46,7 +46,7 @@ def absolute_paths(node: DictConfig, base: Path) -> None:
 
 
 def submit(job_path: str, overrides: Sequence[str], address: str, *, wait: bool = True,
-           say: Callable[[str], None] = print, poll_s: float = 2.0) -> int:
+           report: Callable[[str], None] = print, poll_s: float = 2.0) -> int:
     """Submit the job; with ``wait`` stream its logs and return 0 when it succeeded, else 1."""
     from ray.job_submission import JobSubmissionClient
 
@@ -66,11 +66,11 @@ def submit(job_path: str, overrides: Sequence[str], address: str, *, wait: bool 
         raise SubmitError(f"could not submit to {address}: {error_line(error)}. Is the head's dashboard at that "
                           "address (ray start --head prints it; default port 8265), and, with token "
                           "authentication on, is RAY_AUTH_MODE=token set with the cluster's token?") from error
-    say(f"submitted {job_id} to {address}")
+    report(f"submitted {job_id} to {address}")
     if not wait:
-        say(f"follow it with: ray job logs --address {address} --follow {job_id}")
+        report(f"follow it with: ray job logs --address {address} --follow {job_id}")
         return 0
-    return follow(client, job_id, say, poll_s)
+    return follow(client, job_id, report, poll_s)
 
 
 class SubmitError(RuntimeError):
@@ -84,16 +84,16 @@ def _use_token_if_present() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def follow(client: object, job_id: str, say: Callable[[str], None], poll_s: float) -> int:
+def follow(client: object, job_id: str, report: Callable[[str], None], poll_s: float) -> int:
     """Print the job's new log lines until it ends; 0 when it succeeded."""
     shown = 0
     while True:
         status = str(client.get_job_status(job_id).value)  # type: ignore[attr-defined]
         logs = client.get_job_logs(job_id)  # type: ignore[attr-defined]
         if len(logs) > shown:
-            say(logs[shown:].rstrip("\n"))
+            report(logs[shown:].rstrip("\n"))
             shown = len(logs)
         if status in TERMINAL:
-            say(f"job {job_id}: {status}")
+            report(f"job {job_id}: {status}")
             return 0 if status == "SUCCEEDED" else 1
         time.sleep(poll_s)

@@ -9,6 +9,6 @@
 - ``group``: :class:`~mm_rl.workers.group.WorkerGroup`, the grid of those actors on one placement group, with
   the rendezvous (address and free port from rank 0) and fan-out calls.
 
-The sync itself (gather TP shards, merge, rename, bucket, transport) lives in :mod:`mm_rl.rollout.weight_sync`.
+The sync itself (gather TP shards, merge, rename, bucket, transport) lives in :mod:`mm_rl.sync`.
 Nothing heavy is imported here.
 """

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mm_rl.workers.megatron_worker import MegatronWorker, RankCoords, WorkerSpec, threads_for
+from mm_rl.config.topology import threads_for
+from mm_rl.workers.megatron_worker import MegatronWorker, RankCoords, WorkerSpec
 
 
 class WorkerError(RuntimeError):
@@ -133,6 +134,33 @@ class WorkerGroup:
             if coords.pp_rank == self.spec.pp - 1 and coords.is_sender():
                 return result
         raise RuntimeError("no last-stage rank in the group")
+
+    # ------------------------------------------------------------------ the trained actor (TrainingWorker)
+    def setup_training(self, spec: Any) -> None:
+        """DDP, optimizer and LR schedule on every rank (``spec``: an ``OptimizerSpec``)."""
+        self.run("setup_training", spec)
+
+    def train_mini_batch(self, shards: Sequence[Sequence[dict[str, Any]]], loss: Any,
+                         denominator: float) -> dict[str, float]:
+        """One optimizer step, each DP replica on its shard of micro-batches; the mini-batch's metrics (the ranks
+        reduce them over the replicas)."""
+        return self.from_last_stage(self.run_sharded("train_mini_batch", list(map(list, shards)), loss,
+                                                     denominator))
+
+    def save_checkpoint(self, staging: str) -> None:
+        self.run("save_checkpoint", staging)
+
+    def load_checkpoint(self, save_dir: str, step: int, load_optim: bool, load_rng: bool) -> None:
+        self.run("load_checkpoint", save_dir, step, load_optim, load_rng)
+
+    # ------------------------------------------------------------------------- colocated memory switches
+    def offload(self, params: bool, grads: bool, optimizer: bool) -> int:
+        """Every rank frees what the switches name on its device; the bytes freed in all."""
+        freed = self.run("offload", params, grads, optimizer)
+        return sum(sum(rank.values()) for rank in freed)
+
+    def onload(self, params: bool, grads: bool, optimizer: bool) -> None:
+        self.run("onload", params, grads, optimizer)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Leave the process group on every rank (``graceful``; skip it after a failure, a dead rank would block

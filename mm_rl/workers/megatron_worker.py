@@ -7,7 +7,7 @@ Life cycle (driven by :class:`mm_rl.workers.group.WorkerGroup`, every rank calle
     worker.init_distributed(addr, port)                  # process group + megatron parallel state + RNG seed
     worker.build(mm_dir)                                 # this rank's stage, loaded from its mp_rank file
     worker.compute_log_probs(micro_batches)              # forward-only pipeline schedule (every rank runs it)
-    worker.push_weights(sink_factory, bucket_bytes)      # weight sync, see mm_rl.rollout.weight_sync
+    worker.push_weights(sink_factory, bucket_bytes)      # weight sync, see mm_rl.sync.sender
 
 Every collective method must be called on every rank of the group at the same time (the pipeline schedule and
 the TP gathers block until all ranks arrive); the group does that. Results come back from the ranks that have
@@ -21,10 +21,8 @@ can use it directly. Kept small so the trainer can add the optimizer and the upd
 from __future__ import annotations
 
 import functools
-import math
 import os
 import socket
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,12 +35,10 @@ if TYPE_CHECKING:
     import torch
 
     from mm_rl.config.schema import ActorConfig, ModelConfig, TrainingFlags
-    from mm_rl.rollout.transport import BucketSink
-    from mm_rl.rollout.weight_sync import SyncStats
+    from mm_rl.sync.sender import SyncStats
+    from mm_rl.sync.transport import BucketSink
 
 MicroBatch = dict[str, "torch.Tensor"]
-TIED_COPY = "text_decoder.output_layer.weight"
-WORD_EMBEDDINGS = "text_decoder.embedding.word_embeddings.weight"
 
 
 @dataclass(frozen=True)
@@ -102,8 +98,6 @@ class MegatronWorker:
         self.spec, self.rank = spec, rank
         self.model: Any = None
         self.coords: RankCoords | None = None
-        self._saved: dict[str, torch.Tensor] | None = None
-        self._events: list[tuple[str, Any]] = []
         self._memory = MemorySwitch()
 
     # ------------------------------------------------------------------------------------ set-up
@@ -151,7 +145,6 @@ class MegatronWorker:
         if mm_dir is not None:
             state = torch.load(self._rank_file(Path(mm_dir), iteration), weights_only=True)["model"]
             self.model.load_state_dict(state)
-        self._saved = None
 
     def _rank_file(self, mm_dir: Path, iteration: int | str | None) -> Path:
         from mm_rl.convert.layout import rank_file, resolve_iteration
@@ -179,61 +172,27 @@ class MegatronWorker:
         stage's TP-rank 0 of each DP replica returns the list, the others None.
         """
         import torch
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         model, coords = self._require_model(), self._require_coords()
         captured: list[torch.Tensor] = []
+
+        def keep_log_probs(batch: MicroBatch, out: dict[str, torch.Tensor]) -> torch.Tensor:
+            captured.append(out["log_probs"].detach().clone())
+            return out["log_probs"].sum() * 0.0
+
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            get_forward_backward_func()(
-                forward_step_func=functools.partial(_forward_step, captured, temperature),
-                data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),
-                seq_length=max(int(b["input_ids"].shape[1]) for b in micro_batches),
-                micro_batch_size=max(int(b["input_ids"].shape[0]) for b in micro_batches), forward_only=True)
+            run_schedule(model, micro_batches, keep_log_probs, temperature, forward_only=True)
         model.train(was_training)
         keep = model.layout.has_output and coords.leads_replica_stage()
         return captured if keep else None
-
-    # ------------------------------------------------------------------------- weights (tests)
-    def perturb_weights(self, scale: float, seed: int = 0) -> None:
-        """Add noise (``scale`` x the tensor's mean |value|) to every parameter, keeping the originals.
-
-        The noise of a tensor depends only on its name, this rank's TP shard (replicated tensors get the same
-        noise on every TP rank) and ``seed``, so the ranks stay consistent; the tied output-layer copy on the last
-        stage gets the word embeddings' noise, so it stays equal to them."""
-        import torch
-
-        from mm_rl.convert.mapping import entry_for
-
-        model, coords = self._require_model(), self._require_coords()
-        tied_copy = model.share_embeddings_and_output_weights and not model.layout.has_embedding
-        if self._saved is None:
-            self._saved = {name: p.detach().clone() for name, p in model.named_parameters()}
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                key = WORD_EMBEDDINGS if tied_copy and name == TIED_COPY else name
-                shard = coords.tp_rank if entry_for(name).split is not None else -1
-                generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}|{key}|{shard}".encode()))
-                noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-                param.add_((scale * param.detach().float().abs().mean() * noise).to(param.dtype))
-
-    def restore_weights(self) -> None:
-        """Put back the parameters saved by the first :meth:`perturb_weights`."""
-        import torch
-
-        if self._saved is None:
-            return
-        with torch.no_grad():
-            for name, param in self._require_model().named_parameters():
-                param.copy_(self._saved[name])
-        self._saved = None
 
     # ---------------------------------------------------------------------------- weight sync
     def join_sync_group(self, key: str, senders: dict[int, tuple[str, int]]) -> None:
         """A stage's sender joins its weight-sync pair group with the engine (``senders``: stage -> the address
         this rank gave for it); the other ranks have no part in it."""
-        from mm_rl.rollout.transport import join_pair
+        from mm_rl.sync.transport import join_pair
 
         coords = self._require_coords()
         if coords.is_sender():
@@ -243,17 +202,16 @@ class MegatronWorker:
         """Stream this stage's weights, TP-merged and HF-named, in buckets of about ``bucket_bytes``.
 
         Every rank calls it: TP ranks take part in the gathers, the stage's TP-rank 0 of DP replica 0 builds the
-        buckets and hands them to ``sink_factory(stage)`` (the transport seam, see mm_rl.rollout.transport).
+        buckets and hands them to ``sink_factory(stage)`` (the transport seam, see mm_rl.sync.transport).
         Returns that rank's statistics, None elsewhere (other DP replicas hold the same weights: they do nothing).
         """
-        from mm_rl.rollout.weight_sync import push_stage
+        from mm_rl.sync.sender import push_stage
 
         coords = self._require_coords()
         stats = None
         if coords.dp_rank == 0 and coords.cp_rank == 0:  # other replicas and CP ranks hold the same weights
             stats = push_stage(self._require_model(), self.spec.model, self.spec.tp,
                                sink_factory if coords.is_sender() else None, bucket_bytes)
-        self._events.append(("push_weights", stats.tensors if stats else 0))
         return stats
 
     # ------------------------------------------------------------------- colocated memory switches
@@ -266,21 +224,13 @@ class MegatronWorker:
         freed = {kind: self._memory.offload(kind, self._memory_tensors(kind), keep=kind != "grads")
                  for kind, on in switches.items() if on}
         empty_cache()
-        self._events.append(("offload", switches))
         return freed
 
     def onload(self, params: bool, grads: bool, optimizer: bool) -> dict[str, int]:
         """Bring back what :meth:`offload` took, before training (gradients come back as zeros)."""
         switches = {"params": params, "grads": grads, "optimizer": optimizer}
         restored = {kind: self._memory.onload(kind) for kind, on in switches.items() if on}
-        self._events.append(("onload", switches))
         return restored
-
-    def resident_bytes(self) -> dict[str, int]:
-        """Bytes each kind holds on its device now (tests: offload really empties the storages)."""
-        from mm_rl.workers.offload import KINDS, resident_bytes
-
-        return {kind: resident_bytes(self._memory_tensors(kind)) for kind in KINDS}
 
     def _memory_tensors(self, kind: str) -> list[torch.Tensor]:
         """The tensors behind one switch. Gradients: ``main_grad`` (views into DDP's ``grad_data`` buffer, which
@@ -297,16 +247,12 @@ class MegatronWorker:
                     if isinstance(g, torch.Tensor)]
         owned = {p.untyped_storage()._cdata for p in model_params}
         tensors = []
-        for inner in (part.optimizer for part in chained(getattr(self, "optimizer", None))):
+        for inner in (part.optimizer for part in optimizer_parts(getattr(self, "optimizer", None))):
             tensors += [p for group in inner.param_groups for p in group["params"]]
             tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         return [t for t in tensors if t.untyped_storage()._cdata not in owned]
 
     # ------------------------------------------------------------------------------- bookkeeping
-    def events(self) -> list[tuple[str, Any]]:
-        """(method, detail) of the sync and memory switches in call order (what schedule tests check)."""
-        return list(self._events)
-
     def ready(self) -> bool:
         return True
 
@@ -330,7 +276,7 @@ class MegatronWorker:
             torch.distributed.destroy_process_group()
 
 
-def chained(optimizer: Any) -> list[Any]:
+def optimizer_parts(optimizer: Any) -> list[Any]:
     """The megatron optimizers inside ``optimizer`` (a ChainedOptimizer holds one per parameter kind); none for
     None."""
     if optimizer is None:
@@ -338,22 +284,42 @@ def chained(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _forward_step(captured: list[torch.Tensor], temperature: float, data: Iterator[MicroBatch],
+def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None) -> torch.Tensor:
+    """``tensor`` (on the CPU) all-reduced over ``group`` on this rank's device, returned on the CPU: nccl / hccl
+    take device tensors only, and what the driver receives must be on the CPU."""
+    import torch
+
+    from mm_rl.platform.device import current_device
+
+    on_device = tensor.to(current_device())
+    torch.distributed.all_reduce(on_device, op=op or torch.distributed.ReduceOp.SUM, group=group)
+    return on_device.cpu()
+
+
+def run_schedule(model: Any, micro_batches: Sequence[MicroBatch], loss_of: Callable[..., torch.Tensor],
+                 temperature: float, forward_only: bool) -> None:
+    """megatron's pipeline schedule over ``micro_batches`` (every rank of the group calls it together).
+
+    Every stage gets the whole micro-batch; on the last stage ``loss_of(batch, output)`` turns the model's output
+    (``log_probs``, ``entropy``) into the loss handed to megatron (the log-prob pass returns a zero loss)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    get_forward_backward_func()(
+        forward_step_func=functools.partial(_forward_step, loss_of, temperature),
+        data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),
+        seq_length=max(int(b["input_ids"].shape[1]) for b in micro_batches),
+        micro_batch_size=max(int(b["input_ids"].shape[0]) for b in micro_batches), forward_only=forward_only)
+
+
+def _forward_step(loss_of: Callable[..., torch.Tensor], temperature: float, data: Iterator[MicroBatch],
                   model: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """megatron's forward step: every stage gets the whole micro-batch; the last stage keeps its log-probs."""
+    """megatron's forward step: the model on the next micro-batch, and the loss function of its output."""
     batch = next(data)
     output = model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
                    pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
                    labels=batch["labels"], temperature=temperature)
 
     def loss_func(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-        captured.append(out["log_probs"].detach().clone())
-        return out["log_probs"].sum() * 0.0, {}
+        return loss_of(batch, out), {}
 
     return output, loss_func
-
-
-def threads_for(cpus: float) -> int:
-    """torch threads for a CPU reservation (at least one)."""
-    return max(1, math.floor(cpus))
-

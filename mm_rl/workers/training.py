@@ -20,15 +20,14 @@ gradients over DP ranks, so the loss handed to megatron is multiplied by both to
 
 from __future__ import annotations
 
-import functools
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mm_rl.workers.megatron_worker import MegatronWorker, MicroBatch, chained
+from mm_rl.workers.megatron_worker import MegatronWorker, MicroBatch, all_reduce, optimizer_parts, run_schedule
 
 if TYPE_CHECKING:
     import torch
@@ -102,33 +101,38 @@ class TrainingWorker(MegatronWorker):
         self.spec_optim = spec
 
     # ------------------------------------------------------------------------------------------- update
-    def train_mini_batch(self, micro_batches: Sequence[MicroBatch], loss: LossSpec, denominator: float,
-                         dp_size: int) -> dict[str, float] | None:
+    def train_mini_batch(self, micro_batches: Sequence[MicroBatch], loss: LossSpec,
+                         denominator: float) -> dict[str, float] | None:
         """One optimizer step over this rank's micro-batches of a mini-batch (every rank calls it).
 
         A micro-batch holds the log-prob inputs (see ``compute_log_probs``) plus ``response_mask``,
         ``old_log_probs``, ``advantages`` and (with a KL loss) ``ref_log_probs``, all [B, S] aligned with
-        ``labels``. Returns the metrics (loss terms averaged over micro-batches, ``grad_norm``, ``lr``,
-        ``skipped``) on the last stage's TP-rank 0 of DP replica 0, None elsewhere.
+        ``labels``. Returns the metrics (loss terms of the whole mini-batch, ratios averaged over its
+        micro-batches on every DP replica, ``grad_norm``, ``lr``, ``skipped``) on the last stage's TP-rank 0 of DP
+        replica 0, None elsewhere.
         """
         import torch
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from mm_rl.algorithms.policy_loss import actor_loss
 
         model, coords = self._require_model(), self._require_coords()
         model.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        scale = len(micro_batches) * dp_size  # undo the schedule's 1/num_microbatches and DDP's 1/dp
+        scale = len(micro_batches) * self.spec.dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
         collected: list[dict[str, torch.Tensor]] = []
-        get_forward_backward_func()(
-            forward_step_func=functools.partial(_train_step, collected, loss, denominator, scale),
-            data_iterator=iter(micro_batches), model=[self.ddp], num_microbatches=len(micro_batches),
-            seq_length=max(int(b["input_ids"].shape[1]) for b in micro_batches),
-            micro_batch_size=max(int(b["input_ids"].shape[0]) for b in micro_batches), forward_only=False)
-        self._clear_poison()
+
+        def actor_loss_of(batch: MicroBatch, out: dict[str, torch.Tensor]) -> torch.Tensor:
+            value, metrics = actor_loss(out["log_probs"], batch["old_log_probs"], batch.get("ref_log_probs"),
+                                        batch["advantages"], batch["response_mask"], out["entropy"], loss.rl,
+                                        loss.max_response_len, denominator=denominator)
+            collected.append(metrics)
+            return value * scale
+
+        run_schedule(self.ddp, micro_batches, actor_loss_of, loss.temperature, forward_only=False)
         loss_finite = all(bool(torch.isfinite(m["loss"])) for m in collected)
         metrics = self._step(loss_finite)
-        metrics.update(_sum_metrics(collected) if collected else {})
+        metrics.update(reduce_over_replicas(collected) if collected else {})
         keep = model.layout.has_output and coords.is_sender()
         return metrics if keep else None
 
@@ -138,8 +142,8 @@ class TrainingWorker(MegatronWorker):
 
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
-        bad = torch.tensor([0.0 if loss_finite and math.isfinite(grad_norm) else 1.0])
-        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        bad = all_reduce(torch.tensor([0.0 if loss_finite and math.isfinite(grad_norm) else 1.0]),
+                         op=torch.distributed.ReduceOp.MAX)
         lr = self.optimizer.param_groups[0]["lr"]
         if bad.item() > 0:
             self.optimizer.zero_grad()
@@ -149,27 +153,6 @@ class TrainingWorker(MegatronWorker):
         self.optimizer.step_with_ready_grads()
         self.scheduler.step(increment=1)
         return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0}
-
-    def poison_next_step(self) -> None:
-        """Make the next update's gradients NaN on this rank (tests of the non-finite skip)."""
-        import torch
-
-        param = [p for p in self._require_model().parameters() if p.requires_grad][-1]  # the LLM's last (any batch)
-        handle = param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
-        self._poison = handle
-
-    def _clear_poison(self) -> None:
-        handle = getattr(self, "_poison", None)
-        if handle is not None:
-            handle.remove()
-            self._poison = None
-
-    def parameter_sums(self) -> dict[str, float]:
-        """Each parameter's sum in float64 (tests: which weights did an update change?)."""
-        import torch
-
-        with torch.no_grad():
-            return {name: float(p.detach().double().sum()) for name, p in self._require_model().named_parameters()}
 
     # -------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, staging: str) -> None:
@@ -187,7 +170,7 @@ class TrainingWorker(MegatronWorker):
         rank_dir = self._checkpoint_rank_dir(path)
         if self.spec_optim.use_distributed_optimizer:
             rank_dir.mkdir(parents=True, exist_ok=True)
-            shards = [part.optimizer.state_dict() for part in chained(self.optimizer)]
+            shards = [part.optimizer.state_dict() for part in optimizer_parts(self.optimizer)]
             torch.save(shards, rank_dir / DISTRIB_OPTIM_FILE.format(dp=_optimizer_shard()))
         if coords.dp_rank == 0 and coords.cp_rank == 0:
             state = {"model": self._require_model().state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -228,7 +211,7 @@ class TrainingWorker(MegatronWorker):
                                     "or without the distributed optimizer; resume with the same layout, or set "
                                     "no-load-optim")
         shards = torch.load(path, map_location="cpu", weights_only=False)
-        for part, shard in zip(chained(self.optimizer), shards, strict=True):
+        for part, shard in zip(optimizer_parts(self.optimizer), shards, strict=True):
             part.optimizer.load_state_dict(shard)
         if self.spec_optim.bf16:  # fp32 main weights are separate copies: re-derive them from the loaded model
             self.optimizer.reload_model_params()
@@ -258,32 +241,26 @@ def _overrides(config: Any, spec: OptimizerSpec) -> dict[Any, Any]:
     return overrides
 
 
-def _train_step(collected: list[dict[str, torch.Tensor]], loss: LossSpec, denominator: float, scale: float,
-                data: Iterator[MicroBatch], model: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """megatron's forward step for the update: the actor loss of one micro-batch on the last stage."""
-    from mm_rl.algorithms.policy_loss import actor_loss
-
-    batch = next(data)
-    output = model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                   pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
-                   labels=batch["labels"], temperature=loss.temperature)
-
-    def loss_func(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-        value, metrics = actor_loss(out["log_probs"], batch["old_log_probs"], batch.get("ref_log_probs"),
-                                    batch["advantages"], batch["response_mask"], out["entropy"], loss.rl,
-                                    loss.max_response_len, denominator=denominator)
-        collected.append(metrics)
-        return value * scale, {}
-
-    return output, loss_func
+SUMMED = ("loss", "pg_loss", "kl_loss")  # carry the mini-batch denominator: their sum is the mini-batch's value
 
 
-def _sum_metrics(collected: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Loss terms are sums over micro-batches (each carries the mini-batch denominator); ratios are averaged."""
-    summed = {"loss", "pg_loss", "kl_loss"}
-    keys = collected[0].keys()
-    return {key: float(sum(float(m[key]) for m in collected) / (1 if key in summed else len(collected)))
-            for key in keys}
+def reduce_over_replicas(collected: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """The mini-batch's metrics from this rank's micro-batches and every other DP replica's (a collective over
+    the last stage's data-parallel group; CP ranks hold the whole sequence's loss already, so CP is not summed).
+
+    Loss terms are sums over all micro-batches of the mini-batch (each carries the whole mini-batch's
+    denominator); ratios (clip fractions, entropy, ...) are their mean over all micro-batches."""
+    import torch
+    from megatron.core import parallel_state
+
+    keys = list(collected[0])
+    totals = torch.tensor([sum(float(m[key]) for m in collected) for key in keys] + [float(len(collected))],
+                          dtype=torch.float64)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=False)
+    if torch.distributed.get_world_size(group) > 1:
+        totals = all_reduce(totals, group=group)
+    count = float(totals[-1])
+    return {key: float(totals[i]) / (1 if key in SUMMED else count) for i, key in enumerate(keys)}
 
 
 def rng_state() -> dict[str, Any]:

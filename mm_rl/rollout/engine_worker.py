@@ -6,24 +6,24 @@ notes). So the worker sets ``torch.set_num_threads`` to the CPUs Ray assigned it
 number as ``OMP_NUM_THREADS``: vLLM keeps torch's thread count when that variable is set (else it drops to one).
 
 Weights arrive in buckets (a Ray call carries a list, not a lazy iterator); the engine holds back a layer until all
-of its tensors have arrived, so a sender may cut buckets anywhere (see ``mm_rl.rollout.base.bucket_by_group``).
+of its tensors have arrived, so a sender may cut buckets anywhere (see ``mm_rl.sync.buckets.bucket_by_group``).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mm_rl.config.schema import GenerateConfig
+from mm_rl.config.topology import threads_for
 from mm_rl.rollout.base import RolloutEngine, RolloutOutputs, RolloutRequest, SamplingLike, SamplingSpec
 
 if TYPE_CHECKING:
     import torch
 
-    from mm_rl.rollout.transport import TensorLayout
+    from mm_rl.sync.transport import TensorLayout
 
 
 def build_engine(backend: str, model_path: str | Path, config: GenerateConfig, **kwargs: Any) -> RolloutEngine:
@@ -57,7 +57,7 @@ def set_thread_budget(num_threads: int | None = None) -> int:
 
     if num_threads is None:
         cpus = assigned_cpus()
-        num_threads = max(1, math.floor(cpus)) if cpus else torch.get_num_threads()
+        num_threads = threads_for(cpus) if cpus else torch.get_num_threads()
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     torch.set_num_threads(num_threads)
     return num_threads
@@ -105,14 +105,14 @@ class RolloutWorker:
         return self.engine.update_weights(named_tensors)
 
     def join_sync_group(self, key: str, stage: int, host: str, port: int) -> None:
-        """Join the weight-sync pair group of an actor stage's sender (see mm_rl.rollout.transport)."""
-        from mm_rl.rollout.transport import join_pair
+        """Join the weight-sync pair group of an actor stage's sender (see mm_rl.sync.transport)."""
+        from mm_rl.sync.transport import join_pair
 
         join_pair(key, stage, host, port, rank=1)
 
     def receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> int:
         """Receive one bucket over a pair group (the sender broadcasts it as this call runs) and load it."""
-        from mm_rl.rollout.transport import receive_bucket
+        from mm_rl.sync.transport import receive_bucket
 
         return self.engine.update_weights(receive_bucket(key, stage, layout, nbytes))
 

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mm_rl.sync.buckets import Bucket
+
 if TYPE_CHECKING:
     import torch
 
-NamedTensor = tuple[str, "torch.Tensor"]
-Bucket = list[NamedTensor]
 TensorLayout = tuple[str, str, tuple[int, ...], int]  # name, dtype, shape, byte offset in the flat buffer
 _ALIGN = 64  # byte alignment of each tensor in a flat buffer (any dtype view of it stays aligned)
 

@@ -1,0 +1,100 @@
+"""The driver side of the weight sync: pair the transports once, start a sync on every rank, check its report.
+
+The ranks' half (TP gather, merge, HF names, buckets, send) is :mod:`mm_rl.sync.sender`; the transports are
+:mod:`mm_rl.sync.transport`. The driver never holds a tensor: it hands each stage's sender a picklable sink
+factory and collects the senders' statistics.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from mm_rl.sync.transport import CollectiveSink, ObjectStoreSink
+
+if TYPE_CHECKING:
+    from mm_rl.config.schema import GenerateConfig
+    from mm_rl.sync.sender import SyncStats
+
+
+class SenderGroup(Protocol):
+    """What the sync needs of a group of Megatron ranks (``mm_rl.workers.group.WorkerGroup`` is one): their grid
+    coordinates and a call of a method on every rank at once."""
+
+    coords: Sequence[Any]
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
+
+
+@dataclass
+class SyncReport:
+    """A whole sync: every stage's sender statistics and the wall time seen by the caller."""
+
+    stages: list[SyncStats] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def tensors(self) -> int:
+        return sum(s.tensors for s in self.stages)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.stages)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for s in self.stages for name in s.names]
+
+    @property
+    def applied(self) -> int:
+        return sum(s.applied for s in self.stages)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def bucket_bytes_of(generate: GenerateConfig) -> int:
+    """``generate_config.sync_bucket_mb`` in bytes."""
+    return int(generate.sync_bucket_mb) << 20
+
+
+def join_collective(group: SenderGroup, rollout: Any) -> str:
+    """Pair every stage's sender with the rollout worker in a two-rank device process group (nccl / hccl, gloo on
+    CPU); returns the key that :func:`sync_weights` takes to send over them. Each sender hosts its pair's
+    rendezvous on a port free on its own node; the rollout worker joins the pairs one after another while the
+    senders wait in theirs."""
+    import uuid
+
+    import ray
+
+    key = f"weights-{uuid.uuid4().hex[:8]}"
+    addresses = group.run("rendezvous_address")
+    senders = {c.pp_rank: addresses[i] for i, c in enumerate(group.coords) if c.is_sender()}
+    joined = [rollout.join_sync_group.remote(key, stage, host, port) for stage, (host, port) in senders.items()]
+    group.run("join_sync_group", key, senders)
+    ray.get(joined)
+    return key
+
+
+def sync_weights(group: SenderGroup, rollout: Any, bucket_bytes: int, max_in_flight: int = 1,
+                 collective: str | None = None) -> SyncReport:
+    """Push the actor group's current weights into the rollout worker actor ``rollout`` (all stages at once),
+    through the object store, or over the pair groups of ``collective`` (a :func:`join_collective` key).
+
+    Raises when the engine applied fewer tensors than were sent (a layer it held back: a mapping / checkpoint
+    mismatch that would otherwise leave stale weights in the engine)."""
+    start = time.perf_counter()
+    if collective is None:
+        factory = functools.partial(ObjectStoreSink, rollout, max_in_flight=max_in_flight)
+    else:
+        factory = functools.partial(CollectiveSink, rollout, collective, max_in_flight=max_in_flight)
+    stats = [s for s in group.run("push_weights", factory, bucket_bytes) if s is not None]
+    report = SyncReport(sorted(stats, key=lambda s: s.pp_rank), time.perf_counter() - start)
+    if report.applied != report.tensors:
+        raise RuntimeError(f"weight sync: the engine applied {report.applied} of {report.tensors} tensors sent "
+                           "(an incomplete layer was held back: do the engine's checkpoint and model.json agree?)")
+    return report

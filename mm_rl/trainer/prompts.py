@@ -1,0 +1,97 @@
+"""Where the trainer's prompts come from: the processor, the train / validation sets, the sampler, and the step's
+prompt cache.
+
+The cache keeps the processed rows (ids, pixel values, grid) of the step's train prompts between the rollout and
+the actor passes, so each row is decoded and processed once per step; the trainer empties it at the start of a
+step. Nothing here talks to Ray: it runs in the trainer's process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mm_rl.config.schema import JobConfig
+    from mm_rl.data.dataset import PromptItem
+    from mm_rl.rollout.base import RolloutRequest
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+class PromptSource:
+    """The job's prompts: ``next_indices`` draws a rollout batch, ``requests`` turns rows into engine requests."""
+
+    def __init__(self, processor: Any, train_set: Any, val_set: Any | None, sampler: Any, num_workers: int = 0) -> None:
+        self.processor, self.train_set, self.val_set, self.sampler = processor, train_set, val_set, sampler
+        self.num_workers = num_workers
+        self.pad_id = int(processor.tokenizer.pad_token_id or 0)
+        self.vision_token_ids = vision_token_ids(processor.tokenizer)
+        self.cached: dict[int, PromptItem] = {}  # data-set index -> processed train row, for this step
+
+    @classmethod
+    def from_job(cls, job: JobConfig) -> PromptSource:
+        """The processor, data sets (validation only when asked for) and sampler the job's yaml names."""
+        from mm_rl.data.dataset import PromptDataset, PromptProcessor
+        from mm_rl.data.sampler import PromptSampler
+
+        b = job.backend_config
+        pre = b.data.dataset_param.preprocess_parameters
+        processor = PromptProcessor(pre.model_name_or_path, pre.min_pixels, pre.max_pixels)
+        train_set = PromptDataset.from_config(b.data, "train", processor)
+        wants_val = b.rl_config.val_freq > 0 or b.rl_config.val_before_train
+        val_set = PromptDataset.from_config(b.data, "val", processor) if wants_val else None
+        sampler = PromptSampler(len(train_set), b.rl_config.rollout_batch_size, int(b.training.seed),
+                                shuffle=b.data.shuffle)
+        return cls(processor, train_set, val_set, sampler, b.training.num_workers)
+
+    def next_indices(self) -> list[int]:
+        """The data-set indices of the next rollout batch (the sampler's order is a function of seed and epoch)."""
+        return list(next(self.sampler))
+
+    def val_indices(self) -> list[int]:
+        return list(range(len(self.val_set))) if self.val_set is not None else []
+
+    def requests(self, indices: Sequence[int], split: str = "train") -> list[RolloutRequest]:
+        """Rollout requests of data-set rows; train rows stay cached for the step's micro-batches."""
+        from mm_rl.rollout.base import RolloutRequest
+
+        items = self._load(self._dataset(split), indices)
+        if split == "train":
+            self.cached.update(zip(indices, items, strict=True))
+        return [RolloutRequest.from_item(item) for item in items]
+
+    def ground_truth(self, index: int, split: str = "train") -> str:
+        return self._dataset(split).ground_truth(index)
+
+    def decode(self, responses: Sequence[Sequence[int]]) -> list[str]:
+        return self.processor.tokenizer.batch_decode([list(r) for r in responses], skip_special_tokens=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+    def _dataset(self, split: str) -> Any:
+        if split == "train":
+            return self.train_set
+        if self.val_set is None:
+            raise RuntimeError("the job has no validation set (rl_config.val_freq is 0 and val_before_train off)")
+        return self.val_set
+
+    def _load(self, dataset: Any, indices: Sequence[int]) -> list[PromptItem]:
+        """Decode and process the rows (images, pixels), with ``num-workers`` threads when asked."""
+        if self.num_workers <= 0:
+            return [dataset[i] for i in indices]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(self.num_workers) as pool:
+            return list(pool.map(dataset.__getitem__, indices))
+
+
+def vision_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of the vision special tokens the tokenizer knows (a response must not carry them, see the trainer)."""
+    unknown = tokenizer.unk_token_id
+    ids = (tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS)
+    return frozenset(int(i) for i in ids if i is not None and i != unknown)

@@ -1,0 +1,257 @@
+"""The GRPO job's roles on a Ray cluster: actor and reference ranks, the rollout engine, reward workers, weight sync.
+
+:class:`RayRoles` implements :class:`mm_rl.trainer.roles.Roles`: it starts Ray (or joins the cluster), places
+every role (``mm_rl.trainer.runtime``), and keeps every Ray call behind one of its methods. A failure of any role
+(a dead rank, engine or reward worker) reaches the trainer as a ``WorkerError`` naming that role, one line with
+Ray's error chained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mm_rl.config.schema import JobConfig
+from mm_rl.trainer.roles import MicroBatches, Role, RolloutReady
+from mm_rl.trainer.runtime import ROLLOUT_CPUS, connect, make_placement, plan_resources
+
+if TYPE_CHECKING:
+    import torch
+
+    from mm_rl.rewards.worker import RewardResult
+    from mm_rl.rollout.base import RolloutOutputs, RolloutRequest, SamplingSpec
+    from mm_rl.workers.megatron_worker import WorkerSpec
+    from mm_rl.workers.training import LossSpec, OptimizerSpec
+
+logger = logging.getLogger(__name__)
+
+
+class RayRoles:
+    """Starts every role of the job; ``close`` ends them. ``report`` receives the start-up lines for the user."""
+
+    def __init__(self, job: JobConfig, mm_dir: Path, report: Callable[[str], None],
+                 worker_cls: type | None = None) -> None:
+        self.job, self.report = job, report
+        self.actor: Any = None
+        self.ref: Any = None
+        self.engine: Any = None
+        self.rewards: Any = None
+        self.placement: Any = None
+        self.schedule: Any = None
+        try:
+            self._start(mm_dir, worker_cls)
+        except BaseException:
+            self.close(graceful=False)
+            raise
+
+    @property
+    def has_reference(self) -> bool:
+        return self.ref is not None
+
+    def _start(self, mm_dir: Path, worker_cls: type | None) -> None:
+        self.resources = plan_resources(self.job)
+        self._notices()
+        self.report(f"ray: {connect(self.job, self.resources)}")
+        self.placement = make_placement(self.resources, with_rollout=True)
+        self._start_actor(mm_dir, worker_cls)
+        self._start_reference(mm_dir)
+        self._start_engine()
+        self._start_rewards()
+
+    def _notices(self) -> None:
+        """Flags this device cannot honour are said once, not silently dropped."""
+        t, device = self.job.backend_config.training, self.resources.device
+        if t.use_flash_attn and device == "cpu":
+            self.report("notice: use-flash-attn has no CPU kernel; attention runs through torch's SDPA")
+        if t.bf16 and device == "cpu":
+            self.report("notice: bf16 is for accelerators; on CPU the actor trains in fp32 (oneDNN bf16 is slower)")
+
+    # ------------------------------------------------------------------------------------------- workers
+    def worker_spec(self, trained: bool) -> WorkerSpec:
+        from mm_rl.config.topology import topology
+        from mm_rl.workers.megatron_worker import WorkerSpec
+
+        b, topo = self.job.backend_config, topology(self.job)
+        bf16 = b.training.bf16 and topo.device != "cpu"
+        return WorkerSpec(model=b.model, tp=topo.tp, pp=topo.pp, cp=topo.cp, dp=topo.dp,
+                          actor=b.actor_config if trained else None, flags=b.training, seed=int(b.training.seed),
+                          bf16=bf16)
+
+    def _start_actor(self, mm_dir: Path, worker_cls: type | None) -> None:
+        from mm_rl.workers.group import WorkerGroup
+        from mm_rl.workers.training import TrainingWorker
+
+        res = self.resources
+        spec = self.worker_spec(trained=True)
+        self.report(f"actor: TP {spec.tp} x PP {spec.pp} x DP {spec.dp}"
+                    + (f" x CP {spec.cp}" if spec.cp > 1 else "") + f" megatron ranks on {res.device}")
+        self.actor = WorkerGroup(spec, cpus_per_worker=res.actor_share, placement=self.placement,
+                                 resources_per_worker=res.worker_resources(res.device_share_actor),
+                                 worker_cls=worker_cls or TrainingWorker, role="actor", num_threads=res.threads)
+        self.actor.build(str(mm_dir))
+        self.actor.setup_training(self.optimizer_spec(spec.bf16))
+
+    def optimizer_spec(self, bf16: bool) -> OptimizerSpec:
+        from mm_rl.workers.training import OptimizerSpec
+
+        b = self.job.backend_config
+        t, rl = b.training, b.rl_config
+        per_step = rl.ppo_epochs * max(1, rl.rollout_batch_size * rl.n_samples_per_prompt // rl.mini_batch_size)
+        total = b.megatron_training.train_iters * per_step
+        return OptimizerSpec(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                             adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, lr_decay_style=t.lr_decay_style,
+                             warmup_steps=int(t.lr_warmup_fraction * total), total_steps=total,
+                             vision_encoder_lr=b.actor_config.vision_encoder_lr
+                             if b.actor_config.unfreeze_vision_encoder else None,
+                             bf16=bf16, use_distributed_optimizer=t.use_distributed_optimizer)
+
+    def _start_reference(self, mm_dir: Path) -> None:
+        from mm_rl.workers.group import WorkerGroup
+
+        rl, res = self.job.backend_config.rl_config, self.resources
+        if not (rl.use_kl_loss or rl.use_kl_in_reward):
+            return
+        placement = self.placement if rl.colocate_ref else make_placement(res)
+        self.ref = WorkerGroup(self.worker_spec(trained=False), cpus_per_worker=res.ref_share, placement=placement,
+                               resources_per_worker=res.worker_resources(res.device_share_ref), role="reference",
+                               num_threads=res.threads)
+        self.ref.owns_placement = not rl.colocate_ref
+        self.ref.build(str(mm_dir))
+
+    def _start_engine(self) -> None:
+        from mm_rl.config.topology import topology
+        from mm_rl.rollout.engine_worker import rollout_worker_actor
+        from mm_rl.sync.driver import join_collective
+        from mm_rl.trainer.schedule import RolloutSchedule
+
+        b, res = self.job.backend_config, self.resources
+        pre = b.data.dataset_param.preprocess_parameters
+        threads = topology(self.job).engine_threads()
+        options = self._engine_placement()
+        with named("rollout engine"):
+            self.engine = rollout_worker_actor(num_cpus=ROLLOUT_CPUS if res.device == "cpu" else 0,
+                                               **options).remote(
+                pre.model_name_or_path, b.generate_config, min_pixels=pre.min_pixels, max_pixels=pre.max_pixels,
+                num_threads=threads, seed=int(b.training.seed))
+            self._engine_call("ready")
+        # On CPU the engine and the actor share host memory: sleeping and offloading would free nothing.
+        schedule = dataclasses.replace(b.generate_config, colocate=b.generate_config.colocate and res.device != "cpu")
+        # Weights go device to device to an engine on devices of its own; a colocated engine shares actor rank 0's
+        # device, where nccl / hccl cannot pair two ranks, and on CPU shared memory is faster (bench/sync.py).
+        collective = None
+        if res.rollout_devices:
+            with named("rollout engine joining the weight-sync groups"):
+                collective = join_collective(self.actor, self.engine)
+        self.schedule = RolloutSchedule(self.actor, self.engine, schedule, b.actor_config, collective=collective,
+                                        reference=self.ref if b.rl_config.colocate_ref else None)
+        self.report(f"rollout: {b.generate_config.backend} engine ready")
+
+    def _engine_placement(self) -> dict[str, Any]:
+        """Ray options of the engine's actor: separate, its own bundle of whole devices; colocated, a share of actor
+        rank 0's device (it sleeps while the actor trains); on CPU, none (it runs beside the ranks)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        res = self.resources
+        if res.device == "cpu":
+            return {}
+        bundle, share = (res.world_size, res.rollout_devices) if res.rollout_devices else (0, res.device_share_rollout)
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, bundle),
+                **({"num_gpus": share} if res.device == "cuda" else {"resources": res.worker_resources(share)})}
+
+    def _start_rewards(self) -> None:
+        from mm_rl.rewards.worker import RewardPool
+        from mm_rl.trainer.runtime import REWARD_CPUS
+
+        with named("reward workers"):
+            self.rewards = RewardPool(self.job.backend_config.rl_config.reward, num_cpus=REWARD_CPUS)
+
+    # -------------------------------------------------------------------------------- the Roles interface
+    def data_parallel_size(self, role: Role) -> int:
+        return self._group(role).spec.dp
+
+    def checkpoint_grid(self) -> tuple[int, int]:
+        return self.actor.spec.tp, self.actor.spec.pp
+
+    def before_rollout(self) -> RolloutReady:
+        with named("weight sync into the rollout engine"):
+            report = self.schedule.before_rollout()
+        return RolloutReady(report, self.schedule.offloaded_bytes if self.schedule.generate.colocate else None)
+
+    def before_training(self) -> None:
+        with named("rollout engine going to sleep"):
+            self.schedule.before_training()
+
+    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingSpec, seed: int) -> RolloutOutputs:
+        self._engine_call("reseed", seed)
+        return self._engine_call("generate", list(requests), sampling)
+
+    def score(self, responses: Sequence[str], truths: Sequence[str]) -> RewardResult:
+        with named("reward workers"):
+            return self.rewards.score(responses, truths)
+
+    def log_probs(self, role: Role, shards: Sequence[MicroBatches], temperature: float) -> list[list[torch.Tensor]]:
+        return self._group(role).compute_log_probs_sharded(shards, temperature)
+
+    def train_mini_batch(self, shards: Sequence[MicroBatches], loss: LossSpec, denominator: float) -> \
+            dict[str, float]:
+        return self.actor.train_mini_batch(shards, loss, denominator)
+
+    def save(self, staging: Path) -> None:
+        self.actor.save_checkpoint(str(staging))
+
+    def load(self, save_dir: Path, step: int, load_optim: bool, load_rng: bool) -> None:
+        self.actor.load_checkpoint(str(save_dir), step, load_optim, load_rng)
+
+    def _group(self, role: Role) -> Any:
+        group = self.actor if role == "actor" else self.ref
+        if group is None:
+            raise RuntimeError(f"the job has no {role} model")
+        return group
+
+    def _engine_call(self, method: str, *args: Any) -> Any:
+        """``method`` of the engine's actor, its failure named."""
+        import ray
+
+        with named("rollout engine"):
+            return ray.get(getattr(self.engine, method).remote(*args))
+
+    def close(self, graceful: bool = True) -> None:
+        """End every role (a failed run skips the ranks' group teardown: a dead rank would block it)."""
+        import ray
+
+        for group in (self.ref, self.actor):
+            if group is not None:
+                try:
+                    group.shutdown(graceful)
+                except Exception as error:  # noqa: BLE001 - teardown goes on; the run's own error matters more
+                    logger.warning("shutting down the %s group: %s", group.role, error)
+        if self.engine is not None:
+            with contextlib.suppress(Exception):  # best effort: the engine may be what failed
+                ray.get(self.engine.close.remote(), timeout=60)
+            ray.kill(self.engine)
+        if self.rewards is not None:
+            self.rewards.shutdown()
+        if self.placement is not None and ray.is_initialized():
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.placement)
+        self.actor = self.ref = self.engine = self.rewards = self.placement = None
+
+
+@contextlib.contextmanager
+def named(role: str) -> Iterator[None]:
+    """A Ray failure inside the block is raised as a WorkerError naming ``role`` (one line, the cause chained);
+    a WorkerError raised deeper (a rank of a group) already names its role and passes unchanged."""
+    import ray
+
+    from mm_rl.workers.group import WorkerError, error_line
+
+    try:
+        yield
+    except ray.exceptions.RayError as error:
+        raise WorkerError(f"{role} failed: {error_line(error)}") from error

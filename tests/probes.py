@@ -1,0 +1,120 @@
+"""Test probes on the Megatron ranks: a worker class with hooks that production ranks do not carry.
+
+Pass :class:`ProbeWorker` as ``worker_cls`` of a ``WorkerGroup`` (or of ``RayRoles``): it is a ``TrainingWorker``
+(so it can also serve as a reference rank) that can perturb and restore its weights, poison its next update,
+report parameter sums and resident bytes, and logs its sync and memory-switch calls in order.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import ray.cloudpickle
+
+from mm_rl.workers.training import TrainingWorker
+
+# Ray workers import classes by module name; this module lives in tests/, which they may not see.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+TIED_COPY = "text_decoder.output_layer.weight"
+WORD_EMBEDDINGS = "text_decoder.embedding.word_embeddings.weight"
+
+
+class ProbeWorker(TrainingWorker):
+    """A trained (or reference) rank with test hooks; see the module docstring."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._saved: dict[str, Any] | None = None
+        self._events: list[tuple[str, Any]] = []
+        self._poison: Any = None
+
+    def build(self, *args: Any, **kwargs: Any) -> None:
+        super().build(*args, **kwargs)
+        self._saved = None
+
+    # ------------------------------------------------------------------------------------------ weights
+    def perturb_weights(self, scale: float, seed: int = 0) -> None:
+        """Add noise (``scale`` x the tensor's mean |value|) to every parameter, keeping the originals.
+
+        The noise of a tensor depends only on its name, this rank's TP shard (replicated tensors get the same
+        noise on every TP rank) and ``seed``, so the ranks stay consistent; the tied output-layer copy on the last
+        stage gets the word embeddings' noise, so it stays equal to them."""
+        import torch
+
+        from mm_rl.convert.mapping import entry_for
+
+        model, coords = self._require_model(), self._require_coords()
+        tied_copy = model.share_embeddings_and_output_weights and not model.layout.has_embedding
+        if self._saved is None:
+            self._saved = {name: p.detach().clone() for name, p in model.named_parameters()}
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                key = WORD_EMBEDDINGS if tied_copy and name == TIED_COPY else name
+                shard = coords.tp_rank if entry_for(name).split is not None else -1
+                generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}|{key}|{shard}".encode()))
+                noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+                param.add_((scale * param.detach().float().abs().mean() * noise).to(param.dtype))
+
+    def restore_weights(self) -> None:
+        """Put back the parameters saved by the first :meth:`perturb_weights`."""
+        import torch
+
+        if self._saved is None:
+            return
+        with torch.no_grad():
+            for name, param in self._require_model().named_parameters():
+                param.copy_(self._saved[name])
+        self._saved = None
+
+    def parameter_sums(self) -> dict[str, float]:
+        """Each parameter's sum in float64 (which weights did an update change?)."""
+        import torch
+
+        with torch.no_grad():
+            return {name: float(p.detach().double().sum()) for name, p in self._require_model().named_parameters()}
+
+    # ------------------------------------------------------------------------------------------- update
+    def poison_next_step(self) -> None:
+        """Make the next update's gradients NaN on this rank (the non-finite skip)."""
+        import torch
+
+        param = [p for p in self._require_model().parameters() if p.requires_grad][-1]  # the LLM's last (any batch)
+        self._poison = param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+
+    def train_mini_batch(self, *args: Any, **kwargs: Any) -> dict[str, float] | None:
+        try:
+            return super().train_mini_batch(*args, **kwargs)
+        finally:
+            if self._poison is not None:
+                self._poison.remove()
+                self._poison = None
+
+    # ------------------------------------------------------------------------------ sync and memory log
+    def push_weights(self, sink_factory: Callable[[int], Any], bucket_bytes: int) -> Any:
+        stats = super().push_weights(sink_factory, bucket_bytes)
+        self._events.append(("push_weights", stats.tensors if stats else 0))
+        return stats
+
+    def offload(self, params: bool, grads: bool, optimizer: bool) -> dict[str, int]:
+        freed = super().offload(params, grads, optimizer)
+        self._events.append(("offload", {"params": params, "grads": grads, "optimizer": optimizer}))
+        return freed
+
+    def onload(self, params: bool, grads: bool, optimizer: bool) -> dict[str, int]:
+        restored = super().onload(params, grads, optimizer)
+        self._events.append(("onload", {"params": params, "grads": grads, "optimizer": optimizer}))
+        return restored
+
+    def events(self) -> list[tuple[str, Any]]:
+        """(method, detail) of the sync and memory switches in call order."""
+        return list(self._events)
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes each kind holds on its device now (offload really empties the storages)."""
+        from mm_rl.workers.offload import KINDS, resident_bytes
+
+        return {kind: resident_bytes(self._memory_tensors(kind)) for kind in KINDS}

@@ -1,0 +1,199 @@
+"""The GRPO loop's step logic against a fake of the Roles interface: no Ray, no model, no engine.
+
+What is driven here: dynamic sampling (more batches until enough groups vary, seeds per batch), validation (the
+sync / sleep around it, val metrics), the non-finite streak (skips counted, a good step resets, the limit stops
+the run), and the resume bookkeeping (sampler, KL controller and streak restored, the metrics file cut back, the
+checkpoint's grid checked against the job's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mm_rl.config.loader import load_job
+from mm_rl.rewards.worker import RewardResult
+from mm_rl.rollout.base import BatchTiming, RolloutOutput, RolloutOutputs, RolloutRequest, RolloutSample
+from mm_rl.sync.driver import SyncReport
+from mm_rl.trainer.checkpoint import CheckpointError
+from mm_rl.trainer.grpo import GRPOTrainer, TrainingStopped, sampling_seed
+from mm_rl.trainer.metrics import METRICS_FILE, read_metrics
+from mm_rl.trainer.roles import RolloutReady
+
+PROMPT = [5, 6, 7]
+VISION = 99  # a "vision token" id the fake tokenizer knows
+
+
+class FakePrompts:
+    """Consecutive batches of ``batch`` indices; text-only rows."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch, self.position = batch, 0
+        self.pad_id, self.vision_token_ids = 0, frozenset({VISION})
+        self.cached: dict[int, SimpleNamespace] = {}
+
+    def next_indices(self) -> list[int]:
+        start, self.position = self.position, self.position + self.batch
+        return list(range(start, start + self.batch))
+
+    def val_indices(self) -> list[int]:
+        return [1000, 1001]
+
+    def requests(self, indices, split="train"):
+        if split == "train":
+            self.cached.update({i: SimpleNamespace(pixel_values=torch.zeros(0, 8),
+                                                   image_grid_thw=torch.zeros(0, 3, dtype=torch.long))
+                                for i in indices})
+        return [RolloutRequest(list(PROMPT), uid=i) for i in indices]
+
+    def ground_truth(self, index, split="train"):
+        return "1"
+
+    def decode(self, responses):
+        return [" ".join(map(str, r)) for r in responses]
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+class FakeRoles:
+    """Scripted rollouts and updates; records every call.
+
+    ``rewards(seed, prompt_uid, sample)`` gives each response's reward (the response encodes it, the scorer reads
+    it back); ``skip`` lists the update calls (0-based) that report a non-finite step."""
+
+    def __init__(self, n: int, rewards, skip=(), grid=(1, 1)) -> None:
+        self.n, self.rewards, self.skip, self.grid = n, rewards, set(skip), grid
+        self.has_reference = True
+        self.calls: list[tuple] = []
+        self.updates = 0
+
+    def data_parallel_size(self, role):
+        return 1
+
+    def checkpoint_grid(self):
+        return self.grid
+
+    def before_rollout(self):
+        self.calls.append(("before_rollout",))
+        return RolloutReady(SyncReport())
+
+    def before_training(self):
+        self.calls.append(("before_training",))
+
+    def generate(self, requests, sampling, seed):
+        self.calls.append(("generate", seed, len(requests)))
+        outputs = []
+        for request in requests:
+            samples = [RolloutSample([int(100 * self.rewards(seed, request.uid, k)), 2], torch.zeros(2), "stop")
+                       for k in range(sampling.n)]
+            outputs.append(RolloutOutput(request.prompt_ids, samples, BatchTiming(0.1, 2 * sampling.n), request.uid))
+        return RolloutOutputs(outputs)
+
+    def score(self, responses, truths):
+        scores = [int(text.split()[0]) / 100 for text in responses]
+        return RewardResult(scores, {"accuracy": scores}, 0)
+
+    def log_probs(self, role, shards, temperature):
+        self.calls.append(("log_probs", role))
+        return [[torch.full(b["input_ids"].shape, -0.5) for b in shard] for shard in shards]
+
+    def train_mini_batch(self, shards, loss, denominator):
+        skipped = float(self.updates in self.skip)
+        self.updates += 1
+        return {"loss": 0.1, "pg_loss": 0.1, "kl_loss": 0.01, "grad_norm": 1.0, "lr": 1e-3, "skipped": skipped}
+
+    def save(self, staging: Path):
+        (staging / "mp_rank_00").mkdir()
+        torch.save({"model": {}}, staging / "mp_rank_00" / "model_optim_rng.pt")
+
+    def load(self, save_dir, step, load_optim, load_rng):
+        self.calls.append(("load", Path(save_dir), step))
+
+    def close(self, graceful=True):
+        self.calls.append(("close", graceful))
+
+
+def _job(tmp_path, *overrides):
+    return load_job(None, [f"--af_output_dir={tmp_path}", "--backend_config.rl_config.rollout_batch_size=2",
+                           "--backend_config.rl_config.n_samples_per_prompt=2",
+                           "--backend_config.megatron_training.global_batch_size=4",
+                           "--backend_config.actor_config.micro_batch_size=2", *overrides])
+
+
+def _trainer(job, roles, lines=None):
+    return GRPOTrainer(job, roles, FakePrompts(job.backend_config.rl_config.rollout_batch_size),
+                       report=(lines.append if lines is not None else lambda line: None))
+
+
+def test_dynamic_sampling_draws_batches_until_enough_groups_vary(tmp_path):
+    """Batch 0: one of two groups varies; batch 1: the other prompt pair both vary -> two batches, seeded per
+    batch, and only varying groups are trained on."""
+    job = _job(tmp_path, "--backend_config.rl_config.dynamic_sampling.enable=true",
+               "--backend_config.rl_config.dynamic_sampling.max_num_gen_batches=4")
+    seed = int(job.backend_config.training.seed)
+    first = sampling_seed(seed, 1, 0)
+    roles = FakeRoles(2, lambda s, uid, k: 0.5 if (s == first and uid == 0) else float(k))
+    metrics = _trainer(job, roles).train_step(1)
+    seeds = [call[1] for call in roles.calls if call[0] == "generate"]
+    assert seeds == [sampling_seed(seed, 1, 0), sampling_seed(seed, 1, 1)]
+    assert metrics["dynamic_sampling/gen_batches"] == 2.0
+    assert metrics["dynamic_sampling/groups_varying"] == 2.0
+    assert metrics["reward/std"] > 0 and metrics["batch/groups"] == 2.0
+    phases = [c[0] for c in roles.calls if c[0] != "generate"]
+    assert phases == ["before_rollout", "before_training", "log_probs", "log_probs"]
+    assert [c[1] for c in roles.calls if c[0] == "log_probs"] == ["actor", "reference"]
+
+
+def test_validation_syncs_generates_greedy_and_reports_val_metrics(tmp_path):
+    job = _job(tmp_path, "--backend_config.rl_config.val_freq=1")
+    roles = FakeRoles(2, lambda s, uid, k: 1.0 if uid == 1000 else 0.0)
+    trainer = _trainer(job, roles)
+    metrics = trainer.validate(3)
+    assert roles.calls[0] == ("before_rollout",) and roles.calls[-1] == ("before_training",)
+    assert roles.calls[1] == ("generate", sampling_seed(trainer.seed, 3, -1), 2)
+    assert metrics["val/reward/score"] == pytest.approx(0.5)
+    assert "timing/validation" in metrics
+
+
+def test_non_finite_steps_are_counted_reset_and_stop_the_run(tmp_path):
+    """max_consecutive_nonfinite 2: skip, good (resets), skip, skip -> stop with advice."""
+    job = _job(tmp_path, "--backend_config.rl_config.max_consecutive_nonfinite=2",
+               "--backend_config.megatron_training.train_iters=10",
+               "--backend_config.megatron_training.save_interval=100")
+    lines: list[str] = []
+    trainer = _trainer(job, FakeRoles(2, lambda s, uid, k: float(k), skip={0, 2, 3}), lines)
+    with pytest.raises(TrainingStopped, match="max_consecutive_nonfinite = 2.*resume"):
+        trainer.fit()
+    assert trainer.step == 3  # steps 1-3 completed, step 4 stopped the run
+    assert sum("skipped" in line for line in lines) == 3
+    assert [r["actor/skipped_updates"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1.0, 0.0, 1.0]
+
+
+def test_resume_restores_the_bookkeeping_and_cuts_the_metrics(tmp_path):
+    job = _job(tmp_path, "--backend_config.megatron_training.train_iters=3",
+               "--backend_config.megatron_training.save_interval=2")
+    rewards = lambda s, uid, k: float(k)  # noqa: E731
+    first = _trainer(job, FakeRoles(2, rewards, skip={2}))
+    first.fit()  # checkpoints at steps 2 and 3; step 3 had a skipped update
+    state = first.prompts.state_dict(), first.kl_ctrl.state_dict(), first.nonfinite_in_a_row
+    assert state[2] == 1
+    with open(tmp_path / METRICS_FILE, "a") as f:
+        f.write('{"step": 4, "reward/score": 0.0}\n')  # a step past the checkpoint (a killed run)
+    roles = FakeRoles(2, rewards)
+    again = _trainer(job, roles)
+    assert again.resume() == 3
+    assert roles.calls == [("load", Path(job.backend_config.megatron_training.save), 3, )]
+    assert (again.prompts.state_dict(), again.kl_ctrl.state_dict(), again.nonfinite_in_a_row) == state
+    assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1, 2, 3]
+    assert again.fit() == []  # already at train_iters
+
+    other = _trainer(job, FakeRoles(2, rewards, grid=(2, 1)))
+    with pytest.raises(CheckpointError, match="TP 1 x PP 1 but the job runs TP 2 x PP 1"):
+        other.resume()
