@@ -40,9 +40,11 @@ setup(
     version="0.1.0",
     description="RL post-training (GRPO) for multimodal models on megatron-core, vLLM and Ray",
     python_requires=">=3.11,<3.12",
-    packages=find_packages(include=["mm_rl", "mm_rl.*", "cli", "cli.*"]),
+    # cli/ installs as mm_rl_cli: a top-level package named plain "cli" would clash with any other one.
+    packages=find_packages(include=["mm_rl", "mm_rl.*"]) + ["mm_rl_cli"],
+    package_dir={"mm_rl_cli": "cli"},
     package_data={"mm_rl": ["py.typed"]},
     install_requires=COMMON,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["ascendfactory-cli = cli.main:main"]},
+    entry_points={"console_scripts": ["ascendfactory-cli = mm_rl_cli.main:main"]},
 )

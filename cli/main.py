@@ -170,8 +170,8 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from mm_rl.checkpoint import CheckpointError
     from mm_rl.convert.errors import ConversionError
-    from mm_rl.trainer.checkpoint import CheckpointError
     from mm_rl.trainer.grpo import TrainingStopped
     from mm_rl.trainer.job import run_job, summary
     from mm_rl.workers.group import WorkerError

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mm_rl.trainer.checkpoint import CheckpointError, CheckpointManager
+from mm_rl.checkpoint import CheckpointError, CheckpointManager
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,7 +133,7 @@ def test_latest_falls_back_with_warning(tmp_path, caplog):
     (partial / "model_optim_rng.pt").write_bytes(b"half")
     import shutil
     shutil.rmtree(tmp_path / "iter_0000003")
-    with caplog.at_level(logging.WARNING, logger="mm_rl.trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mm_rl.checkpoint"):
         assert mgr.latest() == 2
     assert "iter_0000003" in caplog.text and "falling back to iter_0000002" in caplog.text
     # a truncated rank file makes its iteration incomplete too
@@ -193,7 +193,7 @@ CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     import torch
-    from mm_rl.trainer.checkpoint import CheckpointManager
+    from mm_rl.checkpoint import CheckpointManager
 
     class Stall:
         # pickled in the middle of a rank file: the parent kills the process while it is being written

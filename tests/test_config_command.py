@@ -2,12 +2,12 @@
 
 import pytest
 
-from cli.main import main
 from mm_rl.config.create import ClusterSpec, create_job
 from mm_rl.config.loader import ConfigError, load_job, load_section
 from mm_rl.config.plan import batch_sizes, split_layers
 from mm_rl.config.presets import load_preset
 from mm_rl.config.schema import ModelConfig
+from mm_rl_cli.main import main
 
 REAL = ["qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b"]
 

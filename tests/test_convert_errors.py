@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import save_file
 from test_convert import hf_tensors, model_for, randomize, rank_state, to_hf, to_mg
 
-from cli.main import main
 from mm_rl.config.loader import ConfigError
 from mm_rl.convert.errors import ConversionError
 from mm_rl.convert.layout import save_model_state
 from mm_rl.models.tiny import build_tiny_checkpoint
+from mm_rl_cli.main import main
 
 hf2mg_module = importlib.import_module("mm_rl.convert.hf2mg")  # the package attribute is the function
 hf_writer_module = importlib.import_module("mm_rl.convert.hf_writer")

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from mm_rl.checkpoint import CheckpointError
 from mm_rl.config.loader import load_job
 from mm_rl.rewards.worker import RewardResult
 from mm_rl.rollout.base import BatchTiming, RolloutOutput, RolloutOutputs, RolloutRequest, RolloutSample
 from mm_rl.sync.driver import SyncReport
-from mm_rl.trainer.checkpoint import CheckpointError
 from mm_rl.trainer.grpo import GRPOTrainer, TrainingStopped, sampling_seed
 from mm_rl.trainer.metrics import METRICS_FILE, read_metrics
 from mm_rl.trainer.roles import RolloutReady

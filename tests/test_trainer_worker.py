@@ -66,7 +66,7 @@ def _batch(group, seed: int = 0) -> list[dict[str, torch.Tensor]]:
 
 def _save_iteration_1(group, root) -> Path:
     """Checkpoint iteration 1 of ``group`` under ``root``; returns its first rank directory."""
-    from mm_rl.trainer.checkpoint import CheckpointManager
+    from mm_rl.checkpoint import CheckpointManager
 
     manager = CheckpointManager(root, keep_last=0)
     staging = manager.stage(1)

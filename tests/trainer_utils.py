@@ -12,7 +12,7 @@ from mm_rl.config.loader import load_job
 from mm_rl.config.schema import JobConfig
 
 REPO = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "cli.main"]
+CLI = [sys.executable, "-m", "mm_rl_cli.main"]
 
 ASSET_KEYS = ("af_output_dir", "backend_config.megatron_training.tokenizer_name_or_path",
               "backend_config.data.dataset_param.basic_parameters.dataset_dir")

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from mm_rl.convert.errors import ConversionError, listing
+from mm_rl.files import fsync_tree, replace_dir, write_atomic
 
 LATEST = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -67,20 +68,8 @@ def read_latest(root: Path) -> Iteration | None:
 
 
 def write_latest(root: Path, iteration: Iteration) -> None:
-    """Write the latest file atomically (a temporary file renamed over it)."""
-    text = RELEASE if iteration == RELEASE else str(int(iteration))
-    fd, tmp = tempfile.mkstemp(prefix=f".{LATEST}.", dir=root)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, root / LATEST)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_path(root)
+    """Write the latest file atomically (a temporary file renamed over it) and durably."""
+    write_atomic(root / LATEST, RELEASE if iteration == RELEASE else str(int(iteration)))
 
 
 def remove_latest_if(root: Path, iteration: Iteration) -> None:
@@ -179,40 +168,22 @@ def staged_dir(target: Path, before_swap: Callable[[], None] | None = None) -> I
     host are removed first."""
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_leftovers(target)
-    prefix = f".{target.name}.partial.{socket.gethostname()}.{os.getpid()}."
-    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=_leftover_prefix(target, "partial"), dir=target.parent))
     try:
         yield staging
         staging.chmod(0o755)
         fsync_tree(staging)
         if before_swap is not None:
             before_swap()
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.{socket.gethostname()}.{os.getpid()}.",
-                                        dir=target.parent))
-            target.rename(old / target.name)
-            staging.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            staging.rename(target)
+        replace_dir(staging, target, prefix=_leftover_prefix(target, "old"))
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def fsync_tree(root: Path) -> None:
-    """Flush every file and directory under ``root`` to disk before it is renamed into place: otherwise a crash
-    soon after could leave a complete-looking directory (and a latest file naming it) with empty files."""
-    for path in sorted(root.rglob("*"), key=lambda p: -len(p.parts)) + [root]:
-        fsync_path(path)
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _leftover_prefix(target: Path, kind: str) -> str:
+    """``.{name}.{kind}.{host}.{pid}.``: the host and pid tell ``_remove_dead_leftovers`` whose leftover it is."""
+    return f".{target.name}.{kind}.{socket.gethostname()}.{os.getpid()}."
 
 
 def _remove_dead_leftovers(target: Path) -> None:

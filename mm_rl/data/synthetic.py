@@ -43,6 +43,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
+from mm_rl.files import replace_dir
+
 INSTRUCTION = (
     "You FIRST think about the reasoning process as an internal monologue and then provide the final answer. "
     "The reasoning process MUST BE enclosed within <think> </think> tags. The final answer MUST BE put in \\boxed{}."
@@ -511,12 +513,10 @@ def _check_replaceable(out_dir: Path) -> None:
 
 
 def _swap_in(staging: Path, out_dir: Path, args: dict[str, Any]) -> None:
-    if out_dir.exists():  # empty, or our set with other arguments: move it aside, then rename the new one in
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        out_dir.rename(old / "set")
-        shutil.rmtree(old, ignore_errors=True)
+    """Rename the finished set into place; an existing out_dir (empty, or our set with other arguments) is
+    moved aside and removed."""
     try:
-        staging.rename(out_dir)
+        replace_dir(staging, out_dir)
     except OSError:
         if not _is_complete(out_dir, args):  # lost a race: fine only if the winner wrote the same set
             raise

@@ -31,6 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mm_rl.files import replace_dir
+
 # Fixed token ids (the learned BPE vocabulary is ids 0..999).
 NUM_LEARNED_TOKENS = 1000
 ENDOFTEXT_TOKEN_ID = 1000
@@ -370,12 +372,8 @@ def build_tiny_checkpoint(
         for path in staging.iterdir():  # some writers create 0600 files; mkdtemp creates the directory 0700
             path.chmod(0o644)
         staging.chmod(0o755)
-        if out_dir.exists():  # an empty dir or an older tiny build: move it aside, then swap in the new one
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            out_dir.rename(old / "checkpoint")
-            shutil.rmtree(old, ignore_errors=True)
-        try:
-            staging.rename(out_dir)
+        try:  # an existing out_dir (empty, or an older tiny build) is moved aside and removed
+            replace_dir(staging, out_dir)
         except OSError:
             if not _is_complete(out_dir, args):  # lost a race only if the winner built the same thing
                 raise

@@ -117,8 +117,3 @@ def setup_process(num_threads: int | None = None) -> None:
 
         megatron_cpu.install()
     _setup_done = True
-
-
-def is_setup_done() -> bool:
-    """Whether :func:`setup_process` has run in this process."""
-    return _setup_done

@@ -299,8 +299,3 @@ def install() -> None:
     _install_rng_bridge()
     _install_tensor_method_bridges()
     _installed = True
-
-
-def is_installed() -> bool:
-    """Whether the CPU bridges are active in this process."""
-    return _installed

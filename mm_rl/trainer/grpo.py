@@ -84,7 +84,7 @@ class GRPOTrainer:
     def __init__(self, job: JobConfig, roles: Roles, prompts: PromptSource, *,
                  report: Callable[[str], None] = print) -> None:
         from mm_rl.algorithms.kl import make_kl_controller
-        from mm_rl.trainer.checkpoint import CheckpointManager
+        from mm_rl.checkpoint import CheckpointManager
 
         self.job, self.roles, self.prompts, self.report = job, roles, prompts, report
         b = job.backend_config
@@ -390,7 +390,7 @@ class GRPOTrainer:
 
     def _check_checkpoint_grid(self, step: int) -> None:
         """A checkpoint must have this job's TP x PP (a different layout needs mg2hf + hf2mg first)."""
-        from mm_rl.trainer.checkpoint import CheckpointError
+        from mm_rl.checkpoint import CheckpointError
 
         saved, running = self.checkpoints.grid(step), self.roles.checkpoint_grid()
         if saved != running:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from mm_rl.files import atomic_path, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +48,6 @@ def to_float(value: Any) -> float:
 def _json_value(value: float) -> float | None:
     """JSON has no NaN/inf: a non-finite value is written as null so every line stays strict JSON."""
     return value if math.isfinite(value) else None
-
-
-def _atomic_write(path: Path, write: Any, suffix: str = "") -> None:
-    """Write through a temp file in the same folder and rename, so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _complete_lines(path: Path) -> list[str]:
@@ -96,15 +83,13 @@ def truncate_after(path: Path | str, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in _complete_lines(path) if json.loads(line)["step"] <= step]
-    text = "".join(f"{line}\n" for line in kept)
-    _atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    write_atomic(path, "".join(f"{line}\n" for line in kept), sync=False)
 
 
 def _repair_torn_tail(path: Path) -> None:
     """Rewrite a file whose last line is torn, so the next append starts on a line of its own."""
     if path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
-        text = "".join(f"{line}\n" for line in _complete_lines(path))
-        _atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+        write_atomic(path, "".join(f"{line}\n" for line in _complete_lines(path)), sync=False)
 
 
 def _import_optional(name: str) -> Any:
@@ -248,5 +233,7 @@ def plot_metrics(
     if not panels:
         axes[0].text(0.5, 0.5, "no metrics yet", ha="center", va="center")
     png_path = Path(png_path)
-    _atomic_write(png_path, lambda tmp: figure.savefig(tmp, format="png", dpi=100), suffix=".png")
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(png_path, suffix=".png") as tmp:
+        figure.savefig(tmp, format="png", dpi=100)
     return png_path

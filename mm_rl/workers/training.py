@@ -164,7 +164,7 @@ class TrainingWorker(MegatronWorker):
         that group, which is the DP rank without context parallelism)."""
         import torch
 
-        from mm_rl.trainer.checkpoint import CheckpointManager
+        from mm_rl.checkpoint import CheckpointManager
 
         coords, path = self._require_coords(), Path(staging)
         rank_dir = self._checkpoint_rank_dir(path)
@@ -182,8 +182,8 @@ class TrainingWorker(MegatronWorker):
         """Load iteration ``step`` of ``save_dir`` into this rank (``no-load-optim`` / ``no-load-rng`` honoured)."""
         import torch
 
+        from mm_rl.checkpoint import CheckpointManager
         from mm_rl.convert.layout import iteration_name
-        from mm_rl.trainer.checkpoint import CheckpointManager
 
         coords = self._require_coords()
         state = CheckpointManager(save_dir, 0).load(step, coords.tp_rank, coords.pp_rank, load_optim, load_rng)

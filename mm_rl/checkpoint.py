@@ -1,4 +1,5 @@
-"""The trainer's checkpoints: MindSpeed-MM / Megatron layout, published atomically, pruned, resumable.
+"""Training checkpoints, written by the actor ranks and committed by the trainer: MindSpeed-MM / Megatron layout,
+published atomically, pruned, resumable.
 
 ```
 save_dir/latest_checkpointed_iteration.txt     the step number, rewritten atomically after the directory exists
@@ -20,7 +21,6 @@ import logging
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,12 +32,18 @@ from mm_rl.convert.layout import (
     CHECKPOINT_VERSION,
     LATEST,
     RANK_FILE,
-    fsync_path,
-    fsync_tree,
     iteration_name,
     rank_file,
     read_latest,
     write_latest,
+)
+from mm_rl.files import (
+    fsync_path,
+    fsync_tree,
+    remove_dir_atomically,
+    replace_dir,
+    save_torch_synced,
+    unique_sibling,
 )
 
 logger = logging.getLogger(__name__)
@@ -90,7 +96,7 @@ class CheckpointManager:
             return self._staging[step]
         iteration_name(step)  # validates the step
         self.save_dir.mkdir(parents=True, exist_ok=True)
-        staging = self.save_dir / f".{iteration_name(step)}.tmp-{uuid.uuid4().hex}"
+        staging = unique_sibling(self.save_dir / iteration_name(step), _staging_prefix(step))
         staging.mkdir()
         self._staging[step] = staging
         return staging
@@ -104,13 +110,13 @@ class CheckpointManager:
         path = rank_file(staging, tp, pp, pp_size)
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = {**state, "checkpoint_version": CHECKPOINT_VERSION, "iteration": _staging_step(staging)}
-        _save_synced(payload, path)
+        save_torch_synced(payload, path)
         return path
 
     def write_trainer_state(self, staging: Path, trainer_state: Mapping[str, Any]) -> Path:
         """Write ``trainer_state.pt`` (whatever the trainer needs to resume: sampler, metrics, KL, ...)."""
         path = staging / TRAINER_STATE
-        _save_synced(dict(trainer_state), path)
+        save_torch_synced(dict(trainer_state), path)
         return path
 
     def commit(self, staging: Path, step: int, expected: set[tuple[int, int]] | None = None) -> Path:
@@ -119,13 +125,9 @@ class CheckpointManager:
         target = self.save_dir / iteration_name(step)
         self._write_marker(staging, step, expected)
         fsync_tree(staging)
-        if target.exists():  # re-saving a step: the latest file may name it, so it must never be half-replaced
-            old = self.save_dir / f".{target.name}.tmp-{uuid.uuid4().hex}"
-            target.rename(old)
-            staging.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            staging.rename(target)
+        # Re-saving a step: the latest file may name it, so it must never be half-replaced; the old tree is
+        # renamed to a staging-like name that cleanup_stale removes should a crash leave it.
+        replace_dir(staging, target, prefix=_staging_prefix(step))
         fsync_path(self.save_dir)
         self._staging.pop(step, None)
         write_latest(self.save_dir, step)
@@ -156,9 +158,7 @@ class CheckpointManager:
             return []
         doomed = [s for s in self.complete_steps()[:-self.keep_last] if s != keep]
         for step in doomed:
-            trash = self.save_dir / f".{iteration_name(step)}.tmp-{uuid.uuid4().hex}"
-            (self.save_dir / iteration_name(step)).rename(trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            remove_dir_atomically(self.save_dir / iteration_name(step), prefix=_staging_prefix(step))
         return doomed
 
     def cleanup_stale(self) -> list[Path]:
@@ -311,19 +311,17 @@ def _grid_shape(staging: Path, ranks: dict[str, tuple[int, int]]) -> tuple[int, 
     return tp_size, pp_size
 
 
+def _staging_prefix(step: int) -> str:
+    """``.iter_NNNNNNN.tmp-``: staging directories and trees being removed share it, so that ``cleanup_stale``
+    (``_STAGING_RE``: the prefix plus hex) finds every leftover of a killed save or prune."""
+    return f".{iteration_name(step)}.tmp-"
+
+
 def _staging_step(staging: Path) -> int:
     match = _STAGING_RE.fullmatch(staging.name)
     if match is None:
         raise CheckpointError(f"{staging} is not a staging directory made by CheckpointManager.stage")
     return int(match.group(1))
-
-
-def _save_synced(obj: object, path: Path) -> None:
-    """torch.save then fsync: the marker must only ever be written after the data is on disk."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _load(path: Path) -> dict[str, Any]:
