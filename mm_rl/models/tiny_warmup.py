@@ -70,7 +70,7 @@ _VERSION = 4  # 2: image token types for transformers' 3D positions; 3: the reas
 # What pins the CPU kernels to AVX2 in the warm-up's process: ATen's own vectorised kernels, MKL's BLAS and
 # oneDNN each pick their instruction set at start-up, and each reads its own variable (read before torch loads).
 # Measured on an AVX-512 machine: the default kernels gave restates 0.38 after 500 steps (0.80 after 800), too
-# little for GRPO to learn from in the demo's 60 steps; with these, restates 0.97 as on AVX2 machines.
+# little for GRPO to learn from in the demo's steps; with these, restates 0.97 as on AVX2 machines.
 KERNEL_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 _WEIGHTS = "model.safetensors"
 _IGNORE = -100
