@@ -132,12 +132,10 @@ class RayRoles:
         pre = b.data.dataset_param.preprocess_parameters
         threads = topology(self.job).engine_threads()
         options = self._engine_placement()
-        with named("rollout engine"):
-            self.engine = rollout_worker_actor(num_cpus=ROLLOUT_CPUS if res.device == "cpu" else 0,
-                                               **options).remote(
-                pre.model_name_or_path, b.generate_config, min_pixels=pre.min_pixels, max_pixels=pre.max_pixels,
-                num_threads=threads, seed=int(b.training.seed))
-            self._engine_call("ready")
+        self.engine = rollout_worker_actor(num_cpus=ROLLOUT_CPUS if res.device == "cpu" else 0, **options).remote(
+            pre.model_name_or_path, b.generate_config, min_pixels=pre.min_pixels, max_pixels=pre.max_pixels,
+            num_threads=threads, seed=int(b.training.seed))
+        self._engine_call("ready")  # a start-up failure surfaces here, named
         # On CPU the engine and the actor share host memory: sleeping and offloading would free nothing.
         schedule = dataclasses.replace(b.generate_config, colocate=b.generate_config.colocate and res.device != "cpu")
         # Weights go device to device to an engine on devices of its own; a colocated engine shares actor rank 0's
