@@ -29,6 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mm_rl.platform.transfer import to_device, to_host
 from mm_rl.workers.offload import MemorySwitch
 
 if TYPE_CHECKING:
@@ -139,9 +140,14 @@ class MegatronWorker:
         import torch
 
         from mm_rl.models.qwen2_5_vl.model import build_model
+        from mm_rl.platform.device import current_device
 
         dtype = torch.bfloat16 if self.spec.bf16 else torch.float32
         self.model = build_model(self.spec.model, self.spec.flags, self.spec.actor, params_dtype=dtype)
+        # megatron's layers create their weights on the current device, plain torch modules (the ViT's patch
+        # embedding, the norms) on the CPU: the whole stage goes to this rank's device (megatron-LM's get_model
+        # does the same with .cuda()). The same Parameter objects stay, with megatron's attributes.
+        self.model.to(current_device())
         if mm_dir is not None:
             state = torch.load(self._rank_file(Path(mm_dir), iteration), weights_only=True)["model"]
             self.model.load_state_dict(state)
@@ -177,7 +183,7 @@ class MegatronWorker:
         captured: list[torch.Tensor] = []
 
         def keep_log_probs(batch: MicroBatch, out: dict[str, torch.Tensor]) -> torch.Tensor:
-            captured.append(out["log_probs"].detach().clone())
+            captured.append(out["log_probs"].detach())
             return out["log_probs"].sum() * 0.0
 
         was_training = model.training
@@ -186,7 +192,7 @@ class MegatronWorker:
             run_schedule(model, micro_batches, keep_log_probs, temperature, forward_only=True)
         model.train(was_training)
         keep = model.layout.has_output and coords.leads_replica_stage()
-        return captured if keep else None
+        return to_host(captured) if keep else None
 
     # ---------------------------------------------------------------------------- weight sync
     def join_sync_group(self, key: str, senders: dict[int, tuple[str, int]]) -> None:
@@ -313,8 +319,11 @@ def run_schedule(model: Any, micro_batches: Sequence[MicroBatch], loss_of: Calla
 
 def _forward_step(loss_of: Callable[..., torch.Tensor], temperature: float, data: Iterator[MicroBatch],
                   model: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """megatron's forward step: the model on the next micro-batch, and the loss function of its output."""
-    batch = next(data)
+    """megatron's forward step: the model on the next micro-batch (moved to this rank's device here, the one
+    driver -> rank boundary of every pass), and the loss function of its output."""
+    from mm_rl.platform.device import current_device
+
+    batch = to_device(next(data), current_device())
     output = model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
                    pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
                    labels=batch["labels"], temperature=temperature)

@@ -1,0 +1,313 @@
+"""The accelerator boundaries of a Megatron rank, checked on a CPU machine with tensors labelled as device tensors.
+
+A rank gets its micro-batches on the CPU (Ray unpickles them there), moves them to its device in ``to_device``
+and hands results back through ``to_host``. On a GPU, a tensor left on the wrong side fails the first op that
+mixes it with the other side, or reaches the driver as a device tensor. Here the real forward / backward runs
+on CPU values while every tensor the rank's device would hold says ``cuda:0`` (``npu:0`` where autograd runs:
+see tests/labelled_device.py), and an op mixing them with CPU tensors raises :class:`DeviceMismatch`, as CUDA
+would. The rank runs in a spawned process (its process group, megatron state and the label's process-wide
+registrations die with it); each child runs the plain CPU rank and the labelled one on the same batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from labelled_device import DeviceMismatch, Labelled, assert_on_host, label, labelled_device
+from mp_utils import load_rank_results, save_rank_result, spawn
+
+from mm_rl.platform.transfer import to_device, to_host
+
+IMAGE, VSTART, VEND, PAD = 1006, 1003, 1004, 1000  # the tiny model's image pad / vision start / end, <|endoftext|>
+PATCH_DIM = 3 * 2 * 14 * 14  # channels x temporal patch x patch^2
+FIELDS = ("old_log_probs", "ref_log_probs", "advantages")
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+def _image_tokens(grid: tuple[int, int, int]) -> list[int]:
+    t, h, w = grid
+    return [VSTART] + [IMAGE] * (t * h * w // 4) + [VEND]
+
+
+def micro_batches() -> list[dict[str, torch.Tensor]]:
+    """The trainer's micro-batches (``mm_rl.trainer.batch.micro_batches``) of six samples, two per micro-batch:
+    one image + text beside text, text only, two images of different sizes beside text; with the per-token
+    fields of a training step."""
+    from mm_rl.trainer.batch import Sample
+    from mm_rl.trainer.batch import micro_batches as build
+
+    g = torch.Generator().manual_seed(0)
+
+    def text(n: int) -> list[int]:
+        return torch.randint(0, 1000, (n,), generator=g).tolist()
+
+    def item(grids: list[tuple[int, int, int]]) -> SimpleNamespace:
+        grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+        return SimpleNamespace(pixel_values=torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=g),
+                               image_grid_thw=grid)
+
+    items = {0: item([(1, 4, 4)]), 1: item([]), 2: item([(1, 4, 8), (1, 4, 4)])}
+    prompts = {0: text(3) + _image_tokens((1, 4, 4)) + text(2), 1: text(5),
+               2: text(2) + _image_tokens((1, 4, 8)) + text(1) + _image_tokens((1, 4, 4)) + text(2)}
+    samples = [Sample(index, group, prompts[index], text(length), "stop")
+               for group, (index, length) in enumerate([(0, 4), (1, 3), (1, 2), (1, 5), (2, 5), (1, 4)])]
+    for sample in samples:
+        sample.old_log_probs = -torch.rand(sample.response_len, generator=g)
+        sample.ref_log_probs = sample.old_log_probs - 0.05
+        sample.advantages = torch.randn(sample.response_len, generator=g)
+    return build(samples, items, 2, PAD, FIELDS)
+
+
+@pytest.fixture(scope="module")
+def mm_dir(tmp_path_factory) -> Path:
+    """The tiny checkpoint converted to MindSpeed-MM's layout (TP1 / PP1)."""
+    from mm_rl.config.schema import Hf2MgCfg, HfConfig, ParallelConfig
+    from mm_rl.convert import hf2mg, model_config_from_hf
+    from mm_rl.models.tiny import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    hf_dir = build_tiny_checkpoint(root / "hf", seed=0)
+    parallel = ParallelConfig(tp_size=1, llm_pp_layers=[4], vit_pp_layers=[2])
+    hf2mg(Hf2MgCfg(mm_dir=str(root / "mm"), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel),
+          model_config_from_hf(hf_dir))
+    return root
+
+
+# ------------------------------------------------------------------------------------ the boundary functions
+@dataclasses.dataclass(frozen=True)
+class _Stats:
+    loss: torch.Tensor
+    steps: int
+
+
+def test_to_device_moves_every_tensor_of_a_training_micro_batch_and_keeps_the_rest():
+    """The target is named, never assumed: on ``meta`` nothing of the trainer's micro-batch stays behind."""
+    batch = {**micro_batches()[0], "uid": "sample-0", "temperature": 0.7}
+    assert {"pixel_values", "image_grid_thw", "response_mask", *FIELDS} <= batch.keys()
+    moved = to_device(batch, torch.device("meta"))
+    assert moved.keys() == batch.keys()
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            assert moved[key].device.type == "meta" and moved[key].shape == value.shape, key
+            assert moved[key].dtype == value.dtype, key
+        else:
+            assert moved[key] == value, key
+
+
+def test_to_host_brings_nested_device_results_back_as_plain_cpu_tensors():
+    labelled = [label(torch.randn(2, 3)) for _ in range(3)]
+    result = {"log_probs": labelled[:2], "stats": _Stats(labelled[2], 4), "pair": (labelled[0], "x")}
+    with pytest.raises(AssertionError, match=r"result\['log_probs'\]\[0\] is on cuda:0"):
+        assert_on_host(result)
+    host = to_host(result)
+    assert_on_host(host)
+    assert isinstance(host["stats"], _Stats) and host["stats"].steps == 4 and host["pair"][1] == "x"
+    assert torch.equal(host["log_probs"][1], labelled[1].value)
+    assert torch.equal(host["stats"].loss, labelled[2].value)
+
+
+def test_the_harness_applies_cudas_device_rule():
+    """What makes the rank tests able to fail: a labelled tensor may meet CPU scalars and CPU indices, never a
+    CPU tensor of dim > 0."""
+    values = torch.arange(6.0).reshape(2, 3)
+    with labelled_device("cuda:0") as device:
+        x = values.to(device)
+        assert isinstance(x, Labelled) and x.device == device and torch.zeros(2, device="cuda").device == device
+        assert torch.equal((x * torch.tensor(2.0)).cpu(), values * 2)
+        assert torch.equal(x[torch.tensor([1, 0])].cpu(), values[[1, 0]])
+        with pytest.raises(DeviceMismatch, match=r"aten\.add\.Tensor: a tensor on cuda:0 meets a CPU tensor \(2, 3\)"):
+            x + torch.ones(2, 3)
+        with pytest.raises(DeviceMismatch, match="numpy"):
+            x.numpy()
+        assert type(x.cpu()) is torch.Tensor and x.tolist() == values.tolist()
+
+
+# ------------------------------------------------------------------------------------------- a rank's forward
+def _quiet() -> None:
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|apex).* not installed")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
+
+
+def _start(worker_cls: Any, mm_root: str, port: int) -> Any:
+    """A rank 0 of a world of one (the production init: gloo process group, megatron parallel state)."""
+    from mm_rl.convert import model_config_from_hf
+    from mm_rl.workers.megatron_worker import WorkerSpec
+
+    _quiet()
+    worker = worker_cls(WorkerSpec(model_config_from_hf(Path(mm_root) / "hf")), 0)
+    worker.init_distributed("127.0.0.1", port)
+    return worker
+
+
+def _error(run: Any) -> str | None:
+    """None when ``run()`` mixes no devices, else the DeviceMismatch's message (op and caller)."""
+    try:
+        run()
+    except DeviceMismatch as error:
+        return str(error)
+    return None
+
+
+def _on_host(value: Any) -> str | None:
+    """None when every tensor in ``value`` is a plain CPU tensor, else the assertion's message."""
+    try:
+        assert_on_host(value)
+    except AssertionError as error:
+        return str(error)
+    return None
+
+
+def _host_copy(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Plain copies whatever came back (a labelled tensor cannot be unpickled in the test process)."""
+    return [getattr(v, "value", v).clone() for v in values]
+
+
+def _log_prob_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str) -> None:
+    from labelled_device import label_module, labelled_device, plain_tensors
+
+    import mm_rl.workers.megatron_worker as megatron_worker
+    from mm_rl.workers.megatron_worker import MegatronWorker
+
+    worker = _start(MegatronWorker, mm_root, port)
+    batches, mm = micro_batches(), str(Path(mm_root) / "mm")
+    worker.build(mm)
+    result: dict[str, Any] = {"plain": worker.compute_log_probs(batches)}
+    with labelled_device("cuda:0"):
+        worker.build(mm)  # as on a GPU: what megatron allocates is on the device, torch.nn modules on the host
+        result["left_on_host"] = plain_tensors(worker.model)
+        result["unmoved_model"] = _error(lambda: worker.compute_log_probs(batches[1:2]))
+        label_module(worker.model)  # what the missing model.to(device) would do
+        labelled = worker.compute_log_probs(batches)
+        result["labelled"] = _host_copy(labelled)
+        result["labelled_on_host"] = _on_host(labelled)
+        with mock.patch.object(megatron_worker, "to_device", lambda batch, device: dict(batch)):
+            result["without_to_device"] = _error(lambda: worker.compute_log_probs(batches))
+        with mock.patch.object(megatron_worker, "to_host", lambda value: value):
+            kept = worker.compute_log_probs(batches)
+            result["without_to_host"] = _on_host(kept)
+    save_rank_result(out_dir, rank, result)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def log_prob_run(mm_dir, tmp_path_factory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("log_probs")
+    spawn(_log_prob_rank, 1, str(mm_dir), str(out))
+    return load_rank_results(out, 1)[0]
+
+
+def test_log_probs_of_a_labelled_rank_come_back_on_the_host_equal_to_the_cpu_rank(log_prob_run):
+    """``compute_log_probs`` on the trainer's CPU micro-batches (images and text only) with every weight, buffer
+    and activation of the rank on cuda:0: no op mixes devices, and the results are plain CPU tensors equal to
+    the CPU rank's (CUDA's kernel choices computed on CPU: 1e-6)."""
+    assert log_prob_run["labelled_on_host"] is None
+    plain, labelled = log_prob_run["plain"], log_prob_run["labelled"]
+    assert len(plain) == len(labelled) == 3
+    for ours, reference in zip(labelled, plain, strict=True):
+        assert type(reference) is torch.Tensor and reference.device.type == "cpu"
+        torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
+
+
+def test_without_to_device_the_cpu_batch_meets_the_device_weights(log_prob_run):
+    """The negative control: with the driver -> rank boundary bypassed the same run fails at the first op
+    that mixes the CPU micro-batch with device weights."""
+    assert log_prob_run["without_to_device"] is not None
+    assert "a tensor on cuda:0 meets a CPU tensor" in log_prob_run["without_to_device"]
+
+
+def test_without_to_host_the_results_would_reach_the_driver_on_the_device(log_prob_run):
+    assert log_prob_run["without_to_host"] is not None
+    assert "result[0] is on cuda:0" in log_prob_run["without_to_host"]
+
+
+def test_a_rank_builds_its_whole_model_on_its_device(log_prob_run):
+    """On a GPU, megatron allocates its layers' weights on the current device, but torch.nn modules (the RMSNorm
+    weights, the ViT's patch-embedding Conv3d) are created on the host, and megatron-core leaves moving the model
+    to the caller (Megatron-LM's get_model calls ``.cuda()``). A rank must own no host parameter (without the move
+    the first RMSNorm of a GPU rank's forward fails; ``unmoved_model`` names the op and the caller)."""
+    assert log_prob_run["left_on_host"] == [], log_prob_run["unmoved_model"]
+
+
+# ------------------------------------------------------------------------------------------- a rank's update
+def _train_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str) -> None:
+    from labelled_device import label_module, labelled_device, register_npu_label
+
+    from mm_rl.config.schema import RLConfig
+    from mm_rl.workers.megatron_worker import all_reduce
+    from mm_rl.workers.training import LossSpec, OptimizerSpec, TrainingWorker
+
+    spec = OptimizerSpec(lr=1e-3, min_lr=1e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.999, clip_grad=1.0,
+                         lr_decay_style="cosine", warmup_steps=0, total_steps=4)
+    loss = LossSpec(RLConfig(kl_loss_coef=0.1, use_kl_loss=True), max_response_len=5)
+    batches, mm = micro_batches(), str(Path(mm_root) / "mm")
+    plain = _start(TrainingWorker, mm_root, port)
+    plain.build(mm)
+    initial = {k: v.clone() for k, v in plain.model.state_dict().items() if isinstance(v, torch.Tensor)}
+    plain.setup_training(spec)
+    result: dict[str, Any] = {"initial": initial, "plain_metrics": plain.train_mini_batch(batches, loss, 8.0)}
+    result["plain"] = {k: v for k, v in plain.model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    register_npu_label()  # autograd over device-labelled tensors (see labelled_device)
+    worker = TrainingWorker(plain.spec, 0)
+    worker.coords = plain.coords
+    with labelled_device("npu:0"):
+        worker.build(mm)
+        label_module(worker.model, "npu:0")
+        worker.setup_training(spec)
+        metrics = worker.train_mini_batch(batches, loss, 8.0)
+        state = worker.model.state_dict()
+        flag = torch.tensor([1.0])  # what the non-finite check once all-reduced on the rank's nccl group
+        result["cpu_collective"] = _error(lambda: torch.distributed.all_reduce(flag))
+        reduced = all_reduce(flag)
+        result["reduced"] = (type(reduced).__name__, str(reduced.device), reduced.tolist())
+    result["labelled_metrics"] = metrics
+    result["metric_types"] = sorted({type(v).__name__ for v in metrics.values()})
+    result["labelled_device"] = str(next(worker.model.parameters()).device)
+    result["grad_buffer_device"] = str(worker.ddp.buffers[0].grad_data.device)
+    result["labelled"] = {k: getattr(v, "value", v).clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    save_rank_result(out_dir, rank, result)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def train_run(mm_dir, tmp_path_factory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("train")
+    spawn(_train_rank, 1, str(mm_dir), str(out))
+    return load_rank_results(out, 1)[0]
+
+
+def test_an_update_on_a_labelled_rank_returns_floats_and_equals_the_cpu_rank(train_run):
+    """``train_mini_batch`` (forward, backward into megatron's DDP grad buffers, grad norm and clipping, Adam
+    step) with the model, grad buffers and optimizer state on the device: no op mixes devices, the metrics come
+    back as plain floats equal to the CPU rank's, and so do the weights.
+
+    Weights: Adam's first step is lr x g / (|g| + eps), so a gradient within ~1e-10 of zero moves its weight by
+    a visibly different fraction of lr; the CPU rank differs from CUDA's kernel choices by that much. Every
+    weight is within 1% of a step (1e-5 at lr 1e-3) and each tensor's sum within 1e-5 relative."""
+    assert train_run["labelled_device"] == "npu:0" and train_run["grad_buffer_device"] == "npu:0"
+    assert train_run["metric_types"] == ["float"]
+    plain, labelled = train_run["plain_metrics"], train_run["labelled_metrics"]
+    assert plain.keys() == labelled.keys() and plain["skipped"] == 0.0
+    for key in plain:
+        assert labelled[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
+    moved = max((train_run["plain"][k] - v).abs().max().item() for k, v in train_run["initial"].items())
+    assert moved > 5e-4  # the step moved the weights (so equal weights mean the same step)
+    for name, reference in train_run["plain"].items():
+        ours = train_run["labelled"][name]
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5, msg=name)
+        assert abs(ours.sum().item() - reference.sum().item()) <= 1e-5 * (1 + abs(reference.sum().item())), name
+
+
+def test_collectives_of_a_device_rank_take_device_tensors(train_run):
+    """nccl / hccl reject host tensors: a CPU flag all-reduced as it was before fails under the labels, the rank's
+    ``all_reduce`` helper (the update's non-finite flag and metrics) moves it to the device and hands back a CPU
+    tensor. The update above ran every collective of its step under the same rule."""
+    assert train_run["cpu_collective"] is not None and "device tensors only" in train_run["cpu_collective"]
+    assert train_run["reduced"] == ("Tensor", "cpu", [1.0])
