@@ -31,6 +31,7 @@ class ProbeWorker(TrainingWorker):
         self._saved: dict[str, Any] | None = None
         self._events: list[tuple[str, Any]] = []
         self._poison: Any = None
+        self._allocated: list[tuple[int, int, int]] = []
 
     def build(self, *args: Any, **kwargs: Any) -> None:
         super().build(*args, **kwargs)
@@ -100,9 +101,16 @@ class ProbeWorker(TrainingWorker):
         return stats
 
     def offload(self, params: bool, grads: bool, optimizer: bool) -> dict[str, int]:
+        before = device_allocated()
         freed = super().offload(params, grads, optimizer)
         self._events.append(("offload", {"params": params, "grads": grads, "optimizer": optimizer}))
+        self._allocated.append((before, device_allocated(), sum(freed.values())))
         return freed
+
+    def device_memory_log(self) -> list[tuple[int, int, int]]:
+        """Per offload: the device's allocated bytes before and after, and the bytes the switches reported freed
+        (on CPU the allocator counts nothing: zeros)."""
+        return list(self._allocated)
 
     def onload(self, params: bool, grads: bool, optimizer: bool) -> dict[str, int]:
         restored = super().onload(params, grads, optimizer)
@@ -118,3 +126,13 @@ class ProbeWorker(TrainingWorker):
         from mm_rl.workers.offload import KINDS, resident_bytes
 
         return {kind: resident_bytes(self._memory_tensors(kind)) for kind in KINDS}
+
+
+def device_allocated() -> int:
+    """Bytes the device's caching allocator holds in tensors now (0 on CPU)."""
+    import torch
+
+    from mm_rl.platform.device import device_kind
+
+    kind = device_kind()
+    return 0 if kind == "cpu" else int(getattr(torch, kind).memory_allocated())

@@ -231,8 +231,9 @@ def test_colocated_schedule_frees_actor_and_reference_during_the_rollout(ray_ses
         schedule.before_training()
         assert (actor.run("resident_bytes")[0], reference.run("resident_bytes")[0]) == before
         assert actor.run("parameter_sums")[0] == weights
-        assert schedule.events == ["engine.wake_up(weights)", "sync", "actor.offload", "reference.offload",
-                                   "engine.wake_up(kv_cache)", "engine.sleep", "actor.onload", "reference.onload"]
+        assert schedule.events == ["actor.offload(grads, optimizer)", "reference.offload", "engine.wake_up(weights)",
+                                   "sync", "actor.offload(params)", "engine.wake_up(kv_cache)", "engine.sleep",
+                                   "actor.onload", "reference.onload"]
         sample = out.samples[0]
         ids = torch.tensor([request.prompt_ids + sample.response_ids])
         actor_lp = actor.compute_log_probs([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}])[0]

@@ -264,11 +264,15 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts):
         updates = calls.count("update_weights")
         assert updates >= 2 and calls == ["wake_up"] + ["update_weights"] * updates + ["wake_up", "generate", "sleep"]
         switches = {"params": True, "grads": True, "optimizer": False}
+        before_sync = {"params": False, "grads": True, "optimizer": False}
+        after_sync = {"params": True, "grads": False, "optimizer": False}
         for events, start, coords in zip(layout.group.run("events"), worker_logs, layout.group.coords, strict=True):
-            assert events[start:] == [("push_weights", events[start][1]), ("offload", switches), ("onload", switches)]
-            assert (events[start][1] > 0) == coords.is_sender()
-        assert schedule.events == ["engine.wake_up(weights)", "sync", "actor.offload", "engine.wake_up(kv_cache)",
-                                   "engine.sleep", "actor.onload"]
+            pushed = events[start + 1][1]
+            assert events[start:] == [("offload", before_sync), ("push_weights", pushed), ("offload", after_sync),
+                                      ("onload", switches)]
+            assert (pushed > 0) == coords.is_sender()
+        assert schedule.events == ["actor.offload(grads, optimizer)", "engine.wake_up(weights)", "sync",
+                                   "actor.offload(params)", "engine.wake_up(kv_cache)", "engine.sleep", "actor.onload"]
     finally:
         ray.get(layout.engine.wake_up.remote())
 

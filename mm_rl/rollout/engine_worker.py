@@ -123,6 +123,12 @@ class RolloutWorker:
         self.engine.sleep(level)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take back the memory ``tags`` name (all when None). Before the KV cache, this process's allocator hands
+        back its free blocks (the weight sync's received buckets): the cache is sized to what is free."""
+        from mm_rl.platform.device import empty_cache
+
+        if tags is None or "kv_cache" in tags:
+            empty_cache()
         self.engine.wake_up(tags)
 
     def call_log(self) -> list[tuple[str, Any]]:

@@ -57,16 +57,21 @@ class RayRoles:
         self._notices()
         self.report(f"ray: {connect(self.job, self.resources)}")
         self.placement = make_placement(self.resources, with_rollout=True)
-        self._start_actor(mm_dir, worker_cls)
-        self._start_reference(mm_dir)
+        # The ranks' processes first (they fix which device is rank 0's), then the engine, asleep when colocated,
+        # and only then the models: vLLM starts only with gpu_memory_utilization of its device free.
+        self._start_actor(worker_cls)
+        self._start_reference()
         self._start_engine()
+        self._build_models(mm_dir)
+        self._join_sync()
         self._start_rewards()
 
     def _notices(self) -> None:
         """Flags this device cannot honour are said once, not silently dropped."""
         t, device = self.job.backend_config.training, self.resources.device
-        if t.use_flash_attn and device == "cpu":
-            self.report("notice: use-flash-attn has no CPU kernel; attention runs through torch's SDPA")
+        if t.use_flash_attn:
+            self.report("notice: use-flash-attn: the ViT's attention runs through torch's SDPA; the LLM's is still "
+                        "megatron's local attention (S x S scores, counted by the memory estimate)")
         if t.bf16 and device == "cpu":
             self.report("notice: bf16 is for accelerators; on CPU the actor trains in fp32 (oneDNN bf16 is slower)")
 
@@ -81,7 +86,7 @@ class RayRoles:
                           actor=b.actor_config if trained else None, flags=b.training, seed=int(b.training.seed),
                           bf16=bf16)
 
-    def _start_actor(self, mm_dir: Path, worker_cls: type | None) -> None:
+    def _start_actor(self, worker_cls: type | None) -> None:
         from mm_rl.workers.group import WorkerGroup
         from mm_rl.workers.training import TrainingWorker
 
@@ -92,8 +97,13 @@ class RayRoles:
         self.actor = WorkerGroup(spec, cpus_per_worker=res.actor_share, placement=self.placement,
                                  resources_per_worker=res.worker_resources(res.device_share_actor),
                                  worker_cls=worker_cls or TrainingWorker, role="actor", num_threads=res.threads)
+
+    def _build_models(self, mm_dir: Path) -> None:
+        """The actor's stages (with DDP and the optimizer) and the reference's, loaded from the converted shards."""
         self.actor.build(str(mm_dir))
-        self.actor.setup_training(self.optimizer_spec(spec.bf16))
+        self.actor.setup_training(self.optimizer_spec(self.actor.spec.bf16))
+        if self.ref is not None:
+            self.ref.build(str(mm_dir))
 
     def optimizer_spec(self, bf16: bool) -> OptimizerSpec:
         from mm_rl.workers.training import OptimizerSpec
@@ -109,7 +119,7 @@ class RayRoles:
                              if b.actor_config.unfreeze_vision_encoder else None,
                              bf16=bf16, use_distributed_optimizer=t.use_distributed_optimizer)
 
-    def _start_reference(self, mm_dir: Path) -> None:
+    def _start_reference(self) -> None:
         from mm_rl.workers.group import WorkerGroup
 
         rl, res = self.job.backend_config.rl_config, self.resources
@@ -120,12 +130,10 @@ class RayRoles:
                                resources_per_worker=res.worker_resources(res.device_share_ref), role="reference",
                                num_threads=res.threads)
         self.ref.owns_placement = not rl.colocate_ref
-        self.ref.build(str(mm_dir))
 
     def _start_engine(self) -> None:
         from mm_rl.config.topology import topology
         from mm_rl.rollout.engine_worker import rollout_worker_actor
-        from mm_rl.sync.driver import join_collective
         from mm_rl.trainer.schedule import RolloutSchedule
 
         b, res = self.job.backend_config, self.resources
@@ -138,15 +146,20 @@ class RayRoles:
         self._engine_call("ready")  # a start-up failure surfaces here, named
         # On CPU the engine and the actor share host memory: sleeping and offloading would free nothing.
         schedule = dataclasses.replace(b.generate_config, colocate=b.generate_config.colocate and res.device != "cpu")
-        # Weights go device to device to an engine on devices of its own; a colocated engine shares actor rank 0's
-        # device, where nccl / hccl cannot pair two ranks, and on CPU shared memory is faster (bench/sync.py).
-        collective = None
-        if res.rollout_devices:
-            with named("rollout engine joining the weight-sync groups"):
-                collective = join_collective(self.actor, self.engine)
-        self.schedule = RolloutSchedule(self.actor, self.engine, schedule, b.actor_config, collective=collective,
+        self.schedule = RolloutSchedule(self.actor, self.engine, schedule, b.actor_config,
                                         reference=self.ref if b.rl_config.colocate_ref else None)
+        with named("rollout engine going to sleep"):
+            self.schedule.engine_started()
         self.report(f"rollout: {b.generate_config.backend} engine ready")
+
+    def _join_sync(self) -> None:
+        """Weights go device to device to an engine on devices of its own; a colocated engine shares actor rank 0's
+        device, where nccl / hccl cannot pair two ranks, and on CPU shared memory is faster (bench/sync.py)."""
+        from mm_rl.sync.driver import join_collective
+
+        if self.resources.rollout_devices:
+            with named("rollout engine joining the weight-sync groups"):
+                self.schedule.collective = join_collective(self.actor, self.engine)
 
     def _engine_placement(self) -> dict[str, Any]:
         """Ray options of the engine's actor: separate, its own bundle of whole devices; colocated, a share of actor
@@ -156,7 +169,8 @@ class RayRoles:
         res = self.resources
         if res.device == "cpu":
             return {}
-        bundle, share = (res.world_size, res.rollout_devices) if res.rollout_devices else (0, res.device_share_rollout)
+        bundle, share = ((res.world_size, res.rollout_devices) if res.rollout_devices
+                         else (self.actor.bundles[0], res.device_share_rollout))  # beside actor rank 0
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, bundle),
                 **({"num_gpus": share} if res.device == "cuda" else {"resources": res.worker_resources(share)})}
 

@@ -1,12 +1,19 @@
 """The order of the weight sync and the memory switches around each rollout.
 
-Colocated mode: before a rollout the engine takes back the memory of its weights, the weights are synced, the
-actor offloads what ``offload_train_param / grad / optimizer`` name (:mod:`mm_rl.workers.offload`; with
-``offload_train_param`` a colocated reference model's weights go too), and only then the engine takes back its KV
-cache, into the memory the actor freed. Before training the engine sleeps at level 2 (weights dropped, not copied
-to the host: the next sync rewrites all of them) and the actor loads its state back. On a CPU-only machine engine
-and actor share host memory, so the trainer runs the separate schedule there (only the sync); the colocated one is
-the same calls, and tests check their order.
+Colocated mode (verl's order; the device holds at most one side's large state at a time):
+
+1. the actor offloads what the sync does not read (``offload_train_grad`` / ``offload_train_optimizer``, and with
+   ``offload_train_param`` a colocated reference model's weights);
+2. the engine takes back the memory of its weights, and the actor's weights are synced into it;
+3. the actor offloads its parameters (``offload_train_param``) and hands its allocator's free blocks back (the
+   sync's gather buffers too);
+4. the engine takes back its KV cache, into the memory the actor freed.
+
+Before training the engine sleeps at level 2 (weights dropped, not copied to the host: the next sync rewrites all
+of them) and the actor loads its state back. At start-up the engine is started and put to sleep before the actor
+builds its model (:meth:`RolloutSchedule.engine_started`): vLLM refuses to start unless ``gpu_memory_utilization``
+of the device is free. On a CPU-only machine engine and actor share host memory, so the trainer runs the separate
+schedule there (only the sync); the colocated one is the same calls, and tests check their order.
 """
 
 from __future__ import annotations
@@ -38,21 +45,33 @@ class RolloutSchedule:
         return {"params": self.actor.offload_train_param, "grads": self.actor.offload_train_grad,
                 "optimizer": self.actor.offload_train_optimizer}
 
-    def before_rollout(self) -> SyncReport:
-        """Colocated: engine weights' memory back, sync, actor offload, engine KV cache back. Else only the sync."""
+    def engine_started(self) -> None:
+        """Colocated: the freshly started engine sleeps before the actor's model takes the device."""
         import ray
 
         if self.generate.colocate:
+            ray.get(self.rollout.sleep.remote(self.sleep_level))
+            self.events.append("engine.sleep")
+
+    def before_rollout(self) -> SyncReport:
+        """Colocated: offload what the sync does not read, engine weights back, sync, offload the parameters, engine
+        KV cache back (see the module docstring). Separate: only the sync."""
+        import ray
+
+        switches, freed = self.offload_switches, 0
+        if self.generate.colocate:
+            freed += self.group.offload(params=False, grads=switches["grads"], optimizer=switches["optimizer"])
+            self.events.append("actor.offload(grads, optimizer)")
+            if self.reference is not None and switches["params"]:
+                freed += self.reference.offload(params=True, grads=False, optimizer=False)
+                self.events.append("reference.offload")
             ray.get(self.rollout.wake_up.remote(["weights"]))
             self.events.append("engine.wake_up(weights)")
         report = sync_weights(self.group, self.rollout, bucket_bytes_of(self.generate), collective=self.collective)
         self.events.append("sync")
         if self.generate.colocate:
-            freed = self.group.offload(**self.offload_switches)
-            self.events.append("actor.offload")
-            if self.reference is not None and self.actor.offload_train_param:
-                freed += self.reference.offload(params=True, grads=False, optimizer=False)
-                self.events.append("reference.offload")
+            freed += self.group.offload(params=switches["params"], grads=False, optimizer=False)
+            self.events.append("actor.offload(params)")
             self.offloaded_bytes = freed
             ray.get(self.rollout.wake_up.remote(["kv_cache"]))
             self.events.append("engine.wake_up(kv_cache)")
