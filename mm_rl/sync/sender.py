@@ -70,16 +70,20 @@ def stage_pipeline(model: ModelConfig, tp: int, pp: int) -> Pipeline:
 
 
 def gather_shards(tensor: torch.Tensor, split: bool, group: Any) -> list[torch.Tensor] | None:
-    """Every TP rank's shard on TP-rank 0 (rank order), None on the others; a replicated tensor is not sent."""
+    """Every TP rank's shard on TP-rank 0 (rank order), None on the others; a replicated tensor is not sent.
+
+    An all-gather into one flat buffer rather than a gather to rank 0: HCCL has no ``gather`` (torch_npu's
+    ``ProcessGroupHCCL``), and nccl / hccl / gloo all have ``all_gather_into_tensor``. The other ranks drop their
+    copy at once (one tensor at a time)."""
     import torch
 
     size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     if size == 1 or not split:
         return [tensor] if rank == 0 else None
     tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(size)] if rank == 0 else None
-    torch.distributed.gather(tensor, parts, group=group, group_dst=0)
-    return parts
+    flat = torch.empty(size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    torch.distributed.all_gather_into_tensor(flat, tensor.view(-1), group=group)
+    return list(flat.view(size, *tensor.shape).unbind(0)) if rank == 0 else None
 
 
 def strip_vocab_padding(bound: Bound, shards: list[torch.Tensor], model: ModelConfig) -> list[torch.Tensor]:
