@@ -507,3 +507,18 @@ def test_log_probs_and_entropy_match_autograd_reference(vocab_size: int | None, 
     assert torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
     assert torch.allclose(ours, logits.grad, atol=1e-5)
     assert log_probs.dtype == torch.float32 and ours.dtype == torch.float64
+
+
+def test_log_probs_upcast_before_the_temperature() -> None:
+    """bf16 logits are divided by the temperature in fp32, as the sampler does: dividing in bf16 first rounds every
+    scaled logit to bf16 again (the values differ from the fp32 division by up to ~1e-2 here)."""
+    from mm_rl.models.qwen2_5_vl.logprobs import log_probs_and_entropy
+
+    g = torch.Generator().manual_seed(1)
+    logits = (8 * torch.randn(3, 7, 64, generator=g)).to(torch.bfloat16)
+    labels = torch.randint(0, 64, (3, 7), generator=g)
+    log_probs, _ = log_probs_and_entropy(logits, labels, temperature=0.7, group=None)
+    exact = torch.log_softmax(logits.float() / 0.7, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    rounded = torch.log_softmax((logits / 0.7).float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    assert (exact - rounded).abs().max() > 1e-3  # the case distinguishes the two orders
+    assert torch.allclose(log_probs, exact, atol=1e-5)

@@ -77,6 +77,8 @@ def _apply_plan(node: DictConfig, preset: Preset) -> None:
     b.actor_config.pipeline_model_parallel_size = plan.pp
     b.model.image_encoder.vision_encoder.pipeline_num_layers = plan.vit_pp_layers
     b.model.text_decoder.pipeline_num_layers = plan.llm_pp_layers
+    for kind in plan.offload:
+        b.actor_config[f"offload_train_{kind}"] = True
     gbs, prompts = batch_sizes(plan.dp, job.backend_config.actor_config.micro_batch_size,
                                job.backend_config.rl_config.n_samples_per_prompt, preset.target_gbs,
                                preset.target_prompts)

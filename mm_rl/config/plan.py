@@ -10,13 +10,16 @@ LLM layer sees the whole sequence, and the output layer (vocab x hidden) costs a
 Memory model per device (bytes): trainable parameters cost param + fp32 grad + (fp32 master + Adam m, v) / DP
 with the distributed optimizer (2 + 4 + 12 / DP in bf16; 4 + 4 + 8 / DP in fp32), frozen ones only their
 weights, the colocated reference model its weights; activations per layer and micro-batch follow
-s*b*h*(10 + 24/t + 5*a*s/(h*t)) (the attention-score term vanishes with flash attention), with 1F1B keeping
-PP - stage micro-batches in flight; the last stage adds fp32 logits and their gradient.
+s*b*h*(10 + 24/t + 5*a*s/(h*t)) (the attention-score term vanishes with a fused attention: the ViT's SDPA with
+use-flash-attn, not yet the LLM's), with 1F1B keeping PP - stage micro-batches in flight; the last stage adds fp32
+logits and their gradient. The colocated rollout engine's share (its weights and KV cache at
+``gpu_memory_utilization``) is estimated beside the training phase: it holds that share while it generates.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -24,6 +27,15 @@ from mm_rl.config.schema import JobConfig, ModelConfig
 from mm_rl.config.topology import topology
 
 GIB = 1024**3
+# The LLM's core attention is megatron's local DotProductAttention on every device (the layer spec of
+# mm_rl.models.qwen2_5_vl.model; a test ties the two): it keeps the S x S scores and their softmax for backward
+# whatever use-flash-attn says, so the estimate counts them. The ViT's segment attention runs torch's SDPA.
+LLM_ATTENTION_KEEPS_SCORES = True
+OFFLOAD_KINDS = ("param", "grad", "optimizer")  # actor_config.offload_train_<kind>
+# What the planner lets the actor offload during a colocated rollout, in order: gradients are dropped, not copied
+# (free to move), optimizer state is only needed at the step's end, parameters are needed by the sync and the next
+# forward.
+OFFLOAD_LADDER: tuple[tuple[str, ...], ...] = ((), ("grad",), ("grad", "optimizer"), ("grad", "optimizer", "param"))
 DEFAULT_DEVICE_MEMORY_GB = {"npu": 64.0, "cuda": 80.0, "cpu": 24.0}
 
 
@@ -125,10 +137,16 @@ class StageMemory:
     optimizer: float
     reference: float
     activations: float
+    rollout: float = 0.0  # while a colocated engine generates: what the actor keeps resident + the engine's share
+
+    @property
+    def training(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.reference + self.activations
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.reference + self.activations
+        """The peak of the two phases a device goes through (training, and rollout beside a colocated engine)."""
+        return max(self.training, self.rollout)
 
 
 def estimate_memory(cfg: JobConfig) -> list[StageMemory]:
@@ -151,15 +169,31 @@ def estimate_memory(cfg: JobConfig) -> list[StageMemory]:
         act = in_flight * _stage_activations(cfg, s, vit_layers, llm_layers, tp, cp)
         if s == pp - 1:
             act += 2 * 4 * (t.seq_length // cp) * actor.micro_batch_size * model.text_decoder.vocab_size / tp
-        out.append(StageMemory(
+        stage = StageMemory(
             stage=s,
             weights=total_params * weight_bytes / GIB,
             grads=trainable / tp * 4 / GIB,
             optimizer=trainable / tp * opt_bytes / GIB,
             reference=total_params * weight_bytes / GIB if b.rl_config.colocate_ref else 0.0,
             activations=act / GIB,
-        ))
+        )
+        out.append(dataclasses.replace(stage, rollout=_rollout_phase(cfg, stage)))
     return out
+
+
+def _rollout_phase(cfg: JobConfig, stage: StageMemory) -> float:
+    """GiB a device needs while a colocated engine generates on it: the engine's ``gpu_memory_utilization`` share of
+    the device (vLLM sizes weights + KV cache to it, and refuses to start or wake without it free) plus what the
+    actor does not offload (``offload_train_*``; a colocated reference leaves with the parameters). Counted on every
+    stage: an engine may sit beside any actor rank. Activations are gone between the phases."""
+    b = cfg.backend_config
+    if not b.generate_config.colocate or cfg.env.DEVICE == "cpu":
+        return 0.0
+    actor = b.actor_config
+    kept = ((0.0 if actor.offload_train_param else stage.weights + stage.reference)
+            + (0.0 if actor.offload_train_grad else stage.grads)
+            + (0.0 if actor.offload_train_optimizer else stage.optimizer))
+    return kept + b.generate_config.gpu_memory_utilization * device_memory_gb(cfg)
 
 
 def _stage_params(cfg: JobConfig, counts: LayerCounts, s: int, vit_layers: list[int],
@@ -185,18 +219,19 @@ def _stage_activations(cfg: JobConfig, s: int, vit_layers: list[int], llm_layers
     b = cfg.backend_config
     text, vit = b.model.text_decoder, b.model.image_encoder.vision_encoder
     mbs = b.actor_config.micro_batch_size
-    flash = b.training.use_flash_attn
 
-    def per_layer(tokens: float, hidden: int, heads: int) -> float:
-        score = 0.0 if flash else 5 * heads * tokens / (hidden * tp)
+    def per_layer(tokens: float, hidden: int, heads: int, scores: bool) -> float:
+        score = 5 * heads * tokens / (hidden * tp) if scores else 0.0
         return tokens * mbs * hidden * (10 + 24 / tp + score)
 
     seq = b.training.seq_length / cp
     vit_tokens = image_tokens(cfg) * vit.spatial_merge_size**2
     # A frozen ViT runs without autograd: it keeps no activations for backward.
     trains_vit = b.actor_config.unfreeze_vision_encoder
-    vit_act = per_layer(vit_tokens, vit.hidden_size, vit.num_attention_heads) if trains_vit else 0.0
-    return llm_layers[s] * per_layer(seq, text.hidden_size, text.num_attention_heads) + vit_layers[s] * vit_act
+    vit_act = per_layer(vit_tokens, vit.hidden_size, vit.num_attention_heads,
+                        scores=not b.training.use_flash_attn) if trains_vit else 0.0
+    llm_act = per_layer(seq, text.hidden_size, text.num_attention_heads, scores=LLM_ATTENTION_KEEPS_SCORES)
+    return llm_layers[s] * llm_act + vit_layers[s] * vit_act
 
 
 @dataclass(frozen=True)
@@ -208,6 +243,7 @@ class ParallelPlan:
     llm_pp_layers: list[int]
     memory: list[StageMemory]
     device_memory_gb: float
+    offload: tuple[str, ...] = ()  # what the actor offloads while a colocated engine generates (offload_train_*)
 
     @property
     def fits(self) -> bool:
@@ -216,16 +252,20 @@ class ParallelPlan:
     def describe(self) -> str:
         lines = [f"parallel layout: world {self.tp * self.pp * self.dp} = TP {self.tp} x PP {self.pp} x DP {self.dp}"
                  f"; vit_pp_layers {self.vit_pp_layers}; llm_pp_layers {self.llm_pp_layers}",
-                 "estimated memory per device, GiB (training phase):",
-                 "  stage  weights  grads  optimizer  reference  activations   total"]
+                 "estimated memory per device, GiB (training phase; rollout: beside a colocated engine):",
+                 "  stage  weights  grads  optimizer  reference  activations  training  rollout"]
         for m in self.memory:
             lines.append(f"  {m.stage:>5}  {m.weights:7.2f}  {m.grads:5.2f}  {m.optimizer:9.2f}  "
-                         f"{m.reference:9.2f}  {m.activations:11.2f}  {m.total:6.2f}")
+                         f"{m.reference:9.2f}  {m.activations:11.2f}  {m.training:8.2f}  {m.rollout:7.2f}")
+        if self.offload:
+            lines.append("colocated rollout: the actor offloads its " + ", ".join(self.offload)
+                         + " while the engine generates (actor_config.offload_train_*)")
         peak = max(m.total for m in self.memory)
         if not self.fits:
             lines.append(f"WARNING: the estimate ({peak:.1f} GiB) exceeds the device memory "
                          f"({self.device_memory_gb:.0f} GiB): raise TP/PP, enable use-distributed-optimizer, "
-                         "lower seq-length or micro_batch_size")
+                         "lower seq-length or micro_batch_size; in the rollout phase, set actor_config."
+                         "offload_train_* or lower generate_config.gpu_memory_utilization")
         return "\n".join(lines)
 
 
@@ -237,9 +277,19 @@ def current_plan(cfg: JobConfig) -> ParallelPlan:
     t = cfg.backend_config.training
     tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
     dp = topology(cfg).dp
-    m = cfg.backend_config.model
+    m, actor = cfg.backend_config.model, cfg.backend_config.actor_config
+    offload = tuple(kind for kind in OFFLOAD_KINDS if getattr(actor, f"offload_train_{kind}"))
     return ParallelPlan(tp, pp, dp, list(m.image_encoder.vision_encoder.pipeline_num_layers),
-                        list(m.text_decoder.pipeline_num_layers), estimate_memory(cfg), device_memory_gb(cfg))
+                        list(m.text_decoder.pipeline_num_layers), estimate_memory(cfg), device_memory_gb(cfg),
+                        offload)
+
+
+def with_offload(cfg: JobConfig, kinds: tuple[str, ...]) -> JobConfig:
+    """A copy of ``cfg`` whose actor offloads ``kinds`` (of :data:`OFFLOAD_KINDS`) during a colocated rollout."""
+    out = copy.deepcopy(cfg)
+    for kind in OFFLOAD_KINDS:
+        setattr(out.backend_config.actor_config, f"offload_train_{kind}", kind in kinds)
+    return out
 
 
 def tp_candidates(cfg: JobConfig) -> list[int]:
@@ -269,7 +319,9 @@ def with_layout(cfg: JobConfig, tp: int, pp: int, vit_layers: list[int], llm_lay
 
 
 def plan_parallel(cfg: JobConfig) -> ParallelPlan:
-    """The smallest model-parallel layout (TP inside a node first) whose memory estimate fits the device.
+    """The smallest model-parallel layout (TP inside a node first) whose memory estimate fits the device, each
+    layout tried with the actor offloading nothing, then more and more of its state during a colocated rollout
+    (:data:`OFFLOAD_LADDER`: what is cheapest to move back first).
 
     If none fits, the layout with the lowest peak estimate, whose ``describe()`` carries the warning.
     """
@@ -281,12 +333,15 @@ def plan_parallel(cfg: JobConfig) -> ParallelPlan:
                       if (world // tp) % (pp * cp) == 0 and pp <= model.text_decoder.num_layers),
                      key=lambda o: (o[0] * o[1], o[1]))
     plans = []
+    ladder = OFFLOAD_LADDER if cfg.backend_config.generate_config.colocate and cfg.env.DEVICE != "cpu" else ((),)
     for tp, pp in options:
         vit_layers, llm_layers = split_layers(model, pp, seq, image_tokens(cfg))
-        plan = current_plan(with_layout(cfg, tp, pp, vit_layers, llm_layers))
-        if plan.fits:
-            return plan
-        plans.append(plan)
+        layout = with_layout(cfg, tp, pp, vit_layers, llm_layers)
+        for kinds in ladder:
+            plan = current_plan(with_offload(layout, kinds))
+            if plan.fits:
+                return plan
+            plans.append(plan)
     return min(plans, key=lambda p: max(m.total for m in p.memory))
 
 

@@ -1,7 +1,9 @@
 """The TP x PP (x DP) grid of :class:`~mm_rl.workers.megatron_worker.MegatronWorker` actors, called together.
 
-One placement group holds a bundle per rank (packed onto as few nodes as possible; rank i in bundle i), so the
-ranks start together and keep their CPUs / devices. Rank 0 reports its node address and a free port; every rank
+One placement group holds a bundle per rank (packed onto as few nodes as possible), so the ranks start together
+and keep their CPUs / devices. Ranks take the bundles in node order (:func:`rank_bundles`): a PACK group does not
+number its bundles by node, and megatron's TP (and Ulysses CP) groups, consecutive ranks, must each sit inside one
+node, where their collectives run on the intra-node links. Rank 0 reports its node address and a free port; every rank
 joins the process group there. ``run`` calls a method on every rank at once, which is what collective methods
 need (the pipeline schedule, the TP gathers of the weight sync): calling ranks one by one would deadlock.
 """
@@ -46,13 +48,14 @@ class WorkerGroup:
             placement = placement_group([{"CPU": cpus_per_worker, **extra}] * spec.world_size, strategy=strategy)
         self.placement = placement
         ray.get(self.placement.ready())
+        self.bundles = rank_bundles(bundle_nodes(self.placement)[:spec.world_size], spec.tp * spec.cp)
         actor = ray.remote(worker_cls)
         gpus = extra.pop("GPU", 0)
         self.workers = [
             actor.options(num_cpus=cpus_per_worker, num_gpus=gpus, resources=extra or None,
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, rank)).remote(
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, bundle)).remote(
                 self.spec, rank)
-            for rank in range(spec.world_size)
+            for rank, bundle in enumerate(self.bundles)
         ]
         self.coords: list[RankCoords] = []
         address, port = self._get([self.workers[0].rendezvous_address.remote()], "rendezvous_address")[0]
@@ -176,6 +179,32 @@ class WorkerGroup:
                 ray.kill(worker)
             if self.owns_placement:
                 remove_placement_group(self.placement)
+
+
+def bundle_nodes(placement: Any) -> list[str]:
+    """The node of each bundle of a ready placement group, in bundle order."""
+    from ray.util.placement_group import placement_group_table
+
+    table = placement_group_table(placement)["bundles_to_node_id"]
+    return [table[index] for index in sorted(table)]
+
+
+def rank_bundles(nodes: Sequence[str], inner: int) -> list[int]:
+    """The bundle of each rank: bundles grouped by node (nodes in order of their first bundle, bundles in index order
+    within a node), so that every ``inner`` consecutive ranks (TP x CP, megatron's innermost groups) share a node.
+    Raises when the placement cannot give that (a node holding a number of bundles that ``inner`` does not divide)."""
+    first: dict[str, int] = {}
+    for index, node in enumerate(nodes):
+        first.setdefault(node, index)
+    order = sorted(range(len(nodes)), key=lambda index: (first[nodes[index]], index))
+    for start in range(0, len(order), inner):
+        spread = {nodes[index] for index in order[start:start + inner]}
+        if len(spread) > 1:
+            per_node = {node: nodes.count(node) for node in first}
+            raise RuntimeError(f"ranks {start}..{start + inner - 1} form one TP x CP group but their bundles lie "
+                               f"on {len(spread)} nodes (bundles per node: {per_node}): a TP x CP group must sit "
+                               "inside one node; give every node a multiple of TP x CP free devices")
+    return order
 
 
 def error_line(error: BaseException) -> str:

@@ -264,13 +264,16 @@ def reduce_over_replicas(collected: list[dict[str, torch.Tensor]]) -> dict[str, 
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG a rank draws from: Python, numpy, torch (and the device), megatron's tracker."""
+    """Every RNG a rank draws from: Python, numpy, torch's CPU generator, the device's default generator (CUDA /
+    NPU; on CPU that is the CPU one) and megatron's tracker (its named device states)."""
     import numpy as np
     import torch
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+    from mm_rl.platform.device import device_rng_state
+
     return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "tracker": get_cuda_rng_tracker().get_states()}
+            "device": device_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -278,7 +281,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
     import torch
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+    from mm_rl.platform.device import set_device_rng_state
+
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if state.get("device") is not None:  # absent in checkpoints of CPU runs and of earlier versions
+        set_device_rng_state(state["device"])
     get_cuda_rng_tracker().set_states(state["tracker"])

@@ -39,15 +39,24 @@ def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _shifted_logits(
-    logits: torch.Tensor, vocab_start: int, vocab_size: int | None, group: dist.ProcessGroup | None, size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 logits minus the global per-token max (padded vocab rows masked), and that max."""
+def _scaled(logits: torch.Tensor, temperature: float, vocab_start: int, vocab_size: int | None) -> torch.Tensor:
+    """fp32 logits divided by the temperature, padded vocab rows masked. Upcast first: dividing bf16 logits rounds
+    every one of them to bf16 again (an error of up to 2^-8 relative, which the sampler's fp32 division lacks)."""
     z = logits.float()
-    local = z.shape[-1]
-    if vocab_size is not None and vocab_start + local > vocab_size:
-        z = z.clone()
+    if temperature != 1.0:
+        z = z / temperature
+    if vocab_size is not None and vocab_start + z.shape[-1] > vocab_size:
+        z = z.clone() if z is logits else z
         z[..., max(vocab_size - vocab_start, 0) :] = _MASKED
+    return z
+
+
+def _shifted_logits(
+    logits: torch.Tensor, temperature: float, vocab_start: int, vocab_size: int | None,
+    group: dist.ProcessGroup | None, size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits / temperature minus the global per-token max (padded vocab rows masked), and that max."""
+    z = _scaled(logits, temperature, vocab_start, vocab_size)
     top = z.max(dim=-1).values
     if size > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
@@ -64,11 +73,12 @@ class _LogProbEntropy(torch.autograd.Function):
         labels: torch.Tensor,
         vocab_size: int | None,
         group: dist.ProcessGroup | None,
+        temperature: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rank, size = _world(group)
         local = logits.shape[-1]
         vocab_start = rank * local
-        shifted, top = _shifted_logits(logits, vocab_start, vocab_size, group, size)
+        shifted, top = _shifted_logits(logits, temperature, vocab_start, vocab_size, group, size)
         exp = shifted.exp()
         target = labels - vocab_start
         owned = (target >= 0) & (target < local)
@@ -80,19 +90,16 @@ class _LogProbEntropy(torch.autograd.Function):
         log_sum = sum_exp.log()
         mean_shifted = weighted / sum_exp
         ctx.save_for_backward(logits, labels, top, log_sum, mean_shifted)
-        ctx.vocab = (vocab_start, vocab_size, size, group)
+        ctx.vocab = (vocab_start, vocab_size, temperature)
         return picked - log_sum, log_sum - mean_shifted
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:
         logits, labels, top, log_sum, mean_shifted = ctx.saved_tensors
-        vocab_start, vocab_size, _, _ = ctx.vocab
-        z = logits.float()
-        if vocab_size is not None and vocab_start + z.shape[-1] > vocab_size:
-            z = z.clone()
-            z[..., max(vocab_size - vocab_start, 0) :] = _MASKED
+        vocab_start, vocab_size, temperature = ctx.vocab
+        z = _scaled(logits, temperature, vocab_start, vocab_size)
         shifted = z - top.unsqueeze(-1)
         probs = (shifted - log_sum.unsqueeze(-1)).exp()
         grad = torch.zeros_like(z)
@@ -104,7 +111,9 @@ class _LogProbEntropy(torch.autograd.Function):
             owned = (target >= 0) & (target < z.shape[-1])
             index = target.clamp(0, z.shape[-1] - 1).unsqueeze(-1)
             grad.scatter_add_(-1, index, (grad_logprob * owned).unsqueeze(-1))
-        return grad.to(logits.dtype), None, None, None
+        if temperature != 1.0:  # d(z / T) / dz
+            grad /= temperature
+        return grad.to(logits.dtype), None, None, None, None
 
 
 def log_probs_and_entropy(
@@ -120,10 +129,9 @@ def log_probs_and_entropy(
     ``logits`` [..., V / TP] is this rank's vocab slice (rank r holds columns r*V/TP .. (r+1)*V/TP) and
     ``labels`` [...] are global token ids (callers shift: labels[s] is the token that position s predicts).
     ``vocab_size`` is the real vocabulary when the embedding is padded; ``temperature`` divides the logits
-    first (as the sampler did). ``group`` defaults to megatron's TP group ("tp"); None means unsplit logits.
+    after the upcast to fp32 (as the sampler does). ``group`` defaults to megatron's TP group ("tp"); None means
+    unsplit logits.
     Labels outside the vocabulary give a meaningless log-prob; mask those tokens in the loss.
     """
     tp_group = _tp_group() if group == "tp" else group
-    if temperature != 1.0:
-        logits = logits / temperature
-    return _LogProbEntropy.apply(logits, labels, vocab_size, tp_group)  # type: ignore[no-any-return]
+    return _LogProbEntropy.apply(logits, labels, vocab_size, tp_group, float(temperature))  # type: ignore[no-any-return]

@@ -371,12 +371,9 @@ class Qwen2_5_VLModel(torch.nn.Module):
 
     def _text_decoder(self, padded_vocab: int) -> torch.nn.Module:
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         text = self.model_cfg.text_decoder
-        spec = get_gpt_layer_local_spec(normalization=megatron_normalization(text.normalization))
-        if self.cp is not None:
-            spec.submodules.self_attention.submodules.core_attention = UlyssesAttention
+        spec = llm_layer_spec(text.normalization, ulysses=self.cp is not None)
         decoder = GPTModel(
             config=self.config,
             transformer_layer_spec=spec,
@@ -586,6 +583,17 @@ def _build_image_encoder(
         freeze_encoder=not (actor and actor.unfreeze_vision_encoder),
         freeze_projector=bool(actor and actor.freeze_vision_projector),
     )
+
+
+def llm_layer_spec(normalization: str, ulysses: bool) -> Any:
+    """The LLM layer: megatron's local spec, its core attention wrapped for Ulysses CP. That core attention is
+    megatron's ``DotProductAttention`` (S x S scores), which the memory planner counts (``mm_rl.config.plan``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization=megatron_normalization(normalization))
+    if ulysses:
+        spec.submodules.self_attention.submodules.core_attention = UlyssesAttention
+    return spec
 
 
 def build_model(

@@ -1,0 +1,262 @@
+"""The accelerator path's rules, shown on CPU wherever CPU can show them.
+
+Each test names the device failure it guards against. What only a device can show (memory really freed, bf16
+gaps, NCCL / HCCL) is in tests/device/.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mp_utils import init_megatron, load_rank_results, save_rank_result, shutdown, spawn
+
+
+# ------------------------------------------------------------------------------------- rank placement
+def test_ranks_take_bundles_in_node_order_so_tp_groups_share_a_node():
+    """A PACK placement group numbers its bundles without regard to nodes (here interleaved); ranks take them
+    grouped by node, so the TP pairs (0, 1) and (2, 3) each sit on one node."""
+    from mm_rl.workers.group import rank_bundles
+
+    nodes = ["a", "b", "a", "b"]
+    order = rank_bundles(nodes, inner=2)
+    assert order == [0, 2, 1, 3]
+    assert [nodes[b] for b in order] == ["a", "a", "b", "b"]
+    assert rank_bundles(nodes, inner=1) == [0, 2, 1, 3]  # DP-only: any order works, the same rule applies
+
+
+def test_a_tp_group_split_over_nodes_is_refused_with_the_counts():
+    from mm_rl.workers.group import rank_bundles
+
+    with pytest.raises(RuntimeError, match=r"ranks 0..3 form one TP x CP group .* \{'a': 3, 'b': 5\}"):
+        rank_bundles(["a", "a", "a", "b", "b", "b", "b", "b"], inner=4)
+
+
+# ---------------------------------------------------------------------------------------- engine executor
+def test_engine_with_tp_uses_vllms_multiprocessing_executor_inside_a_placement_group(tmp_path):
+    """Inside a Ray placement group vLLM would pick its Ray executor for TP > 1 (which wants a bundle per rank and
+    refuses the engine's one multi-device bundle); the engine's settings name the multiprocessing executor, and
+    vLLM's own ParallelConfig, resolved in an actor of a placement group, keeps it."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from mm_rl.rollout.vllm_engine import executor_backend
+
+    assert executor_backend(1, in_process=True) == "uni"
+    assert executor_backend(2, in_process=True) == executor_backend(2, in_process=False) == "mp"
+
+    @ray.remote(num_cpus=1)
+    def resolved(backend: str | None) -> str:
+        from vllm.config import ParallelConfig
+
+        return str(ParallelConfig(tensor_parallel_size=2, distributed_executor_backend=backend)
+                   .distributed_executor_backend)
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        group = placement_group([{"CPU": 1}])
+        ray.get(group.ready())
+        strategy = PlacementGroupSchedulingStrategy(group, 0)
+        assert ray.get(resolved.options(scheduling_strategy=strategy).remote(None)) == "ray"  # what we avoid
+        assert ray.get(resolved.options(scheduling_strategy=strategy).remote(executor_backend(2, True))) == "mp"
+        remove_placement_group(group)
+    finally:
+        ray.shutdown()
+
+
+# ------------------------------------------------------------------------------- weight-sync TP gather
+def _gather_worker(rank: int, world: int, port: int, out: str) -> None:
+    """A TP2 stage's gather with ``torch.distributed.gather`` made to fail as HCCL's does."""
+    init_megatron(rank, world, port, tp=2)
+
+    def no_gather(*_args, **_kwargs):
+        raise RuntimeError("ProcessGroupHCCL does not support gather")
+
+    torch.distributed.gather = no_gather
+    from megatron.core import parallel_state
+
+    from mm_rl.sync.sender import gather_shards
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    shard = torch.arange(6.0).view(2, 3) + 10 * rank
+    save_rank_result(out, rank, {"split": gather_shards(shard, True, group),
+                                 "replicated": gather_shards(shard, False, group)})
+    shutdown()
+
+
+def test_tp_gather_of_the_weight_sync_needs_no_gather_collective(tmp_path):
+    spawn(_gather_worker, 2, str(tmp_path))
+    first, second = load_rank_results(tmp_path, 2)
+    expected = [torch.arange(6.0).view(2, 3), torch.arange(6.0).view(2, 3) + 10]
+    assert [t.tolist() for t in first["split"]] == [t.tolist() for t in expected]
+    assert first["replicated"][0].tolist() == expected[0].tolist()
+    assert second["split"] is None and second["replicated"] is None
+
+
+# ----------------------------------------------------------------------------------------- checkpoints
+def test_checkpoints_carry_the_device_generator(monkeypatch):
+    """On a device the default generator (dropout outside megatron's tracker, sampling) is checkpointed and
+    restored; a CPU machine has none beside the CPU one. The device's generator is stood in for by a recorder."""
+    from mm_rl.platform import device
+
+    saved = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    restored: list[torch.Tensor] = []
+
+    class FakeCuda:
+        @staticmethod
+        def get_rng_state() -> torch.Tensor:
+            return saved
+
+        @staticmethod
+        def set_rng_state(state: torch.Tensor) -> None:
+            restored.append(state)
+
+    assert device.device_rng_state() is None  # CPU: nothing beyond the CPU generator
+    monkeypatch.setattr(device, "device_kind", lambda: "cuda")
+    monkeypatch.setattr(torch, "cuda", FakeCuda)
+    state = device.device_rng_state()
+    assert state.tolist() == [1, 2, 3]
+    device.set_device_rng_state(state)
+    assert restored and restored[0].tolist() == [1, 2, 3]
+
+
+def _rng_worker(rank: int, world: int, port: int, out: str) -> None:
+    init_megatron(rank, world, port)
+    from mm_rl.workers.training import rng_state, set_rng_state
+
+    state = rng_state()
+    first = torch.rand(3)
+    torch.rand(5)
+    set_rng_state(state)
+    save_rank_result(out, rank, {"keys": sorted(state), "device": state["device"], "again": torch.rand(3),
+                                 "first": first})
+    shutdown()
+
+
+def test_rank_rng_state_round_trips_with_its_device_entry(tmp_path):
+    spawn(_rng_worker, 1, str(tmp_path))
+    (result,) = load_rank_results(tmp_path, 1)
+    assert result["keys"] == ["device", "numpy", "random", "torch", "tracker"]
+    assert result["device"] is None  # a CPU rank
+    assert torch.equal(result["again"], result["first"])
+
+
+# ------------------------------------------------------------------------------------------- planner
+def _plan_job(**overrides):
+    from mm_rl.config.create import ClusterSpec, create_job
+
+    _, job, _ = create_job("qwen2_5_vl_7b", "geo3k", ClusterSpec(nnodes=1, nproc_per_node=8, device="npu"),
+                           overrides=[f"{k}={v}" for k, v in overrides.items()])
+    return job
+
+
+def test_memory_estimate_keeps_the_llm_attention_scores_whatever_use_flash_attn_says():
+    """The LLM runs megatron's local core attention on every device: the S x S scores are there with or without
+    the flag (the estimate once dropped them whenever the flag was set)."""
+    from mm_rl.config.plan import estimate_memory
+
+    key = "backend_config.training.use-flash-attn"
+    flash, math_attention = estimate_memory(_plan_job(**{key: True})), estimate_memory(_plan_job(**{key: False}))
+    assert [m.activations for m in flash] == [m.activations for m in math_attention]
+
+
+def test_llm_core_attention_is_the_one_the_planner_assumes():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from mm_rl.config.plan import LLM_ATTENTION_KEEPS_SCORES
+    from mm_rl.models.qwen2_5_vl.model import llm_layer_spec
+
+    spec = llm_layer_spec("RMSNorm", ulysses=False)
+    assert spec.submodules.self_attention.submodules.core_attention is DotProductAttention
+    assert LLM_ATTENTION_KEEPS_SCORES  # megatron's local DotProductAttention keeps baddbmm scores + fp32 softmax
+
+
+def test_colocated_rollout_phase_counts_the_engine_share_beside_what_the_actor_keeps():
+    """While a colocated engine generates, a device holds its gpu_memory_utilization share plus whatever the actor
+    does not offload; offloading everything leaves the engine's share alone."""
+    from mm_rl.config.plan import device_memory_gb, estimate_memory
+
+    util, actor = "backend_config.generate_config.gpu_memory_utilization", "backend_config.actor_config"
+    kept = _plan_job(**{util: 0.5, f"{actor}.offload_train_param": False, f"{actor}.offload_train_grad": False,
+                        f"{actor}.offload_train_optimizer": False})
+    offloaded = _plan_job(**{util: 0.5, f"{actor}.offload_train_param": True, f"{actor}.offload_train_grad": True,
+                             f"{actor}.offload_train_optimizer": True})
+    share = 0.5 * device_memory_gb(kept)
+    for full, empty in zip(estimate_memory(kept), estimate_memory(offloaded), strict=True):
+        assert full.rollout == pytest.approx(share + full.weights + full.reference + full.grads + full.optimizer)
+        assert empty.rollout == pytest.approx(share)
+        assert full.total == max(full.training, full.rollout)
+    separate = _plan_job(**{"backend_config.generate_config.colocate": False,
+                            "backend_config.generate_config.infer_tensor_parallel_size": 4})
+    assert all(m.rollout == 0.0 for m in estimate_memory(separate))
+
+
+# ------------------------------------------------------------------------------------------------- NPU
+def test_colocated_npu_engine_keeps_weights_out_of_the_nz_layout(monkeypatch):
+    """vllm-ascend refuses wake_up on FRACTAL_NZ weights (its default): a colocated engine on NPU runs with
+    VLLM_ASCEND_ENABLE_NZ=0; a separate one, and every engine elsewhere, keeps the default."""
+    from mm_rl.config.schema import GenerateConfig
+    from mm_rl.rollout import vllm_engine
+
+    colocated, separate = GenerateConfig(colocate=True), GenerateConfig(colocate=False)
+    assert vllm_engine.device_environment(colocated) == {}  # CPU
+    monkeypatch.setattr(vllm_engine, "device_kind", lambda: "npu")
+    assert vllm_engine.device_environment(colocated) == {"VLLM_ASCEND_ENABLE_NZ": "0"}
+    assert vllm_engine.device_environment(separate) == {}
+    monkeypatch.setattr(vllm_engine, "device_kind", lambda: "cuda")
+    assert vllm_engine.device_environment(colocated) == {}
+
+
+def test_megatron_type_checks_see_cuda_names_inside_the_bridged_functions():
+    """torch_npu names an NPU parameter 'torch.npu.BFloat16Tensor'; megatron's optimizer compares with
+    'torch.cuda.*' strings. Inside a bridged function every name reads as CUDA's."""
+    from mm_rl.platform.megatron_cpu import _with_cuda_tensor_methods, as_cuda_type
+
+    assert as_cuda_type("torch.npu.BFloat16Tensor") == "torch.cuda.BFloat16Tensor"
+    assert as_cuda_type("torch.FloatTensor") == "torch.cuda.FloatTensor"
+    assert as_cuda_type("torch.cuda.HalfTensor") == "torch.cuda.HalfTensor"
+    bridged = _with_cuda_tensor_methods(lambda t: t.type(), cpu=False)
+    assert bridged(torch.zeros(1, dtype=torch.bfloat16)) == "torch.cuda.BFloat16Tensor"
+    assert torch.zeros(1).type() == "torch.FloatTensor"  # outside, nothing changes
+
+
+def test_every_megatron_type_comparison_lies_in_a_bridged_function():
+    """A tripwire for megatron upgrades: each `.type()` compared with a 'torch.cuda.' name in the optimizer modules
+    sits in a function the NPU bridge wraps (or one only the wrapped DistributedOptimizer.__init__ calls)."""
+    import ast
+    import importlib
+    import inspect
+
+    from mm_rl.platform.megatron_cpu import TYPE_CHECK_SITES
+
+    wrapped = {qualname.split(".")[-1] for _, qualname in TYPE_CHECK_SITES} | {"_build_model_and_main_param_groups"}
+    found = set()
+    for module_name in {module for module, _ in TYPE_CHECK_SITES}:
+        tree = ast.parse(inspect.getsource(importlib.import_module(module_name)))
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef):
+                continue
+            for node in ast.walk(function):
+                text = ast.unparse(node) if isinstance(node, ast.Compare) else ""
+                if ".type()" in text and "torch.cuda." in text:
+                    found.add(function.name)
+    assert found and found <= wrapped, found - wrapped
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    assert "_build_model_and_main_param_groups" in inspect.getsource(DistributedOptimizer.__init__)
+
+
+def test_planner_offloads_what_a_colocated_rollout_needs_and_writes_it_into_the_job():
+    """A 7B on one 8-device node: with 141 GB devices the engine's share fits once the gradients are dropped; with
+    64 GB only with the Adam state away too. The planner picks the least offload that fits, and the job carries
+    it."""
+    from mm_rl.config.create import ClusterSpec, create_job
+    from mm_rl.config.plan import OFFLOAD_KINDS
+
+    chosen = []
+    for memory in (141, 64):
+        _, job, plan = create_job("qwen2_5_vl_7b", "x", ClusterSpec(1, 8, "npu", device_memory_gb=memory))
+        actor = job.backend_config.actor_config
+        chosen.append({kind for kind in OFFLOAD_KINDS if getattr(actor, f"offload_train_{kind}")})
+        assert plan.fits and set(plan.offload) == chosen[-1]
+    assert chosen == [{"grad"}, {"grad", "optimizer"}]
