@@ -12,7 +12,7 @@ The context also points this process's device at the label: ``mm_rl.platform.dev
 mm_rl module that imported it) and, through megatron's CPU bridge, ``torch.cuda.current_device()`` and the
 bridge's tensor factories of the bridged megatron modules, so what megatron allocates (TP weights, rotary
 tables, DDP grad buffers, optimizer scalars) is labelled as on a GPU. Build a model inside the context to get
-what a GPU build gives, then :func:`label_module` for what a ``model.cuda()`` would move.
+what a GPU build gives (a rank's ``build`` then moves the rest, as ``model.cuda()`` does).
 
 A CPU build has no CUDA device guard, which torch's bindings take for some methods of a device tensor
 (indexing, ``copy_``) and autograd for every device tensor: under the ``cuda`` label the context registers the
@@ -379,26 +379,6 @@ def labelled_device(device: str | torch.device = "cuda:0") -> Iterator[torch.dev
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
         clear_megatron_buffers()
-
-
-def label_module(module: torch.nn.Module, device: str | torch.device = "cuda:0") -> int:
-    """Label ``module``'s plain parameters and buffers in place (what ``module.cuda()`` does on a GPU): the same
-    Parameter objects, their attributes kept. Returns how many tensors were labelled."""
-    target = torch.device(device)
-    count = 0
-    for sub in module.modules():
-        for param in list(sub._parameters.values()):
-            if param is None or isinstance(param, Labelled):
-                continue
-            new = torch.nn.Parameter(Labelled(param.detach(), target), requires_grad=param.requires_grad)
-            new.__dict__.update({k: v for k, v in param.__dict__.items() if k not in new.__dict__})
-            torch.utils.swap_tensors(param, new)
-            count += 1
-        for name, buf in list(sub._buffers.items()):
-            if buf is not None and not isinstance(buf, Labelled):
-                sub._buffers[name] = Labelled(buf.detach(), target)
-                count += 1
-    return count
 
 
 def plain_tensors(module: torch.nn.Module) -> list[str]:

@@ -170,7 +170,7 @@ def _host_copy(values: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _log_prob_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str) -> None:
-    from labelled_device import label_module, labelled_device, plain_tensors
+    from labelled_device import labelled_device, plain_tensors
 
     import mm_rl.workers.megatron_worker as megatron_worker
     from mm_rl.workers.megatron_worker import MegatronWorker
@@ -180,10 +180,9 @@ def _log_prob_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str)
     worker.build(mm)
     result: dict[str, Any] = {"plain": worker.compute_log_probs(batches)}
     with labelled_device("cuda:0"):
-        worker.build(mm)  # as on a GPU: what megatron allocates is on the device, torch.nn modules on the host
+        worker.build(mm)  # as on a GPU: megatron allocates its layers on the device, build() moves the rest
         result["left_on_host"] = plain_tensors(worker.model)
         result["unmoved_model"] = _error(lambda: worker.compute_log_probs(batches[1:2]))
-        label_module(worker.model)  # what the missing model.to(device) would do
         labelled = worker.compute_log_probs(batches)
         result["labelled"] = _host_copy(labelled)
         result["labelled_on_host"] = _on_host(labelled)
@@ -196,11 +195,16 @@ def _log_prob_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str)
     torch.distributed.destroy_process_group()
 
 
+def _spawned(rank_fn: Any, mm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``rank_fn``'s results from a one-rank child process (labels and megatron state stay out of pytest's)."""
+    out = tmp_path_factory.mktemp(rank_fn.__name__.strip("_"))
+    spawn(rank_fn, 1, str(mm_dir), str(out))
+    return load_rank_results(out, 1)[0]
+
+
 @pytest.fixture(scope="module")
 def log_prob_run(mm_dir, tmp_path_factory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("log_probs")
-    spawn(_log_prob_rank, 1, str(mm_dir), str(out))
-    return load_rank_results(out, 1)[0]
+    return _spawned(_log_prob_rank, mm_dir, tmp_path_factory)
 
 
 def test_log_probs_of_a_labelled_rank_come_back_on_the_host_equal_to_the_cpu_rank(log_prob_run):
@@ -237,7 +241,7 @@ def test_a_rank_builds_its_whole_model_on_its_device(log_prob_run):
 
 # ------------------------------------------------------------------------------------------- a rank's update
 def _train_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str) -> None:
-    from labelled_device import label_module, labelled_device, register_npu_label
+    from labelled_device import labelled_device, register_npu_label
 
     from mm_rl.config.schema import RLConfig
     from mm_rl.workers.megatron_worker import all_reduce
@@ -259,7 +263,6 @@ def _train_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str) ->
     worker.coords = plain.coords
     with labelled_device("npu:0"):
         worker.build(mm)
-        label_module(worker.model, "npu:0")
         worker.setup_training(spec)
         metrics = worker.train_mini_batch(batches, loss, 8.0)
         state = worker.model.state_dict()
@@ -278,9 +281,7 @@ def _train_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str) ->
 
 @pytest.fixture(scope="module")
 def train_run(mm_dir, tmp_path_factory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("train")
-    spawn(_train_rank, 1, str(mm_dir), str(out))
-    return load_rank_results(out, 1)[0]
+    return _spawned(_train_rank, mm_dir, tmp_path_factory)
 
 
 def test_an_update_on_a_labelled_rank_returns_floats_and_equals_the_cpu_rank(train_run):
