@@ -143,7 +143,7 @@ def test_permutation_invariance_is_exact():
     lengths = torch.randint(1, 7, (32,), generator=gen)
     mask = (torch.arange(6) < lengths.unsqueeze(1)).long()
     perm = torch.randperm(32, generator=gen)
-    for name in ("grpo", "rloo", "reinforce_plus_plus"):
+    for name in ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
         adv = compute_advantages(name, scores, mask, groups)
         adv_perm = compute_advantages(name, scores[perm], mask[perm], groups[perm])
         assert torch.equal(adv_perm, adv[perm]), name
@@ -165,13 +165,50 @@ def test_reinforce_pp_with_group_baseline_hand_values():
     expected = torch.tensor([[w[0], w[1]], [w[2], 0.0], [w[3], 0.0], [w[4], w[5]]])
     adv = reinforce_pp_advantages(scores, mask, groups, epsilon=eps)
     torch.testing.assert_close(adv, expected, rtol=0, atol=1e-6)
-    torch.testing.assert_close(compute_advantages("reinforce_plus_plus", scores, mask, groups), expected,
+    torch.testing.assert_close(compute_advantages("reinforce_plus_plus_baseline", scores, mask, groups), expected,
                                rtol=0, atol=1e-6)
     # without shifting the mean only the scale changes, and the uniform group stays exactly 0
     no_shift = reinforce_pp_advantages(scores, mask, groups, epsilon=eps, shift_mean=False)
     expected_ns = torch.tensor([[0.5, 0.5], [-0.5, 0.0], [0.0, 0.0], [0.0, 0.0]]) / (std + eps)
     torch.testing.assert_close(no_shift, expected_ns, rtol=0, atol=1e-6)
     assert (no_shift[2:] == 0).all()
+
+
+def test_plain_reinforce_pp_whitens_returns_without_a_group_baseline():
+    """verl's reinforce_plus_plus: no baseline, so the groups of the test above give other numbers."""
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    groups = torch.tensor([0, 0, 1, 1])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0], [1, 1]])
+    # gamma 1: every valid token gets its sequence's score: 1, 1 | 0 | 1 | 1, 1 -> mean 5/6
+    tokens = [1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    mean, std = statistics.fmean(tokens), statistics.stdev(tokens)  # unbiased, as verl's masked_whiten
+    w = [(t - mean) / (std + 1e-6) for t in tokens]
+    expected = torch.tensor([[w[0], w[1]], [w[2], 0.0], [w[3], 0.0], [w[4], w[5]]])
+    adv = compute_advantages("reinforce_plus_plus", scores, mask, groups)
+    torch.testing.assert_close(adv, expected, rtol=0, atol=1e-6)
+    assert abs(w[0] - 0.4082473) < 1e-5 and abs(w[2] + 2.0412370) < 1e-5  # 1/sqrt(6), -5/sqrt(6)
+    # the group ids play no part: relabel them all as one group, or as six
+    for other in (torch.zeros(4, dtype=torch.long), torch.arange(4)):
+        assert torch.equal(compute_advantages("reinforce_plus_plus", scores, mask, other), adv)
+
+
+def test_grpo_biased_std_hand_values():
+    # same groups as test_grpo_hand_values, population std: group 7 sqrt(2/9), group 3 sqrt(1/18)
+    eps = 1e-6
+    s7, s3 = math.sqrt(2 / 9) + eps, math.sqrt(1 / 18) + eps
+    expected = torch.tensor([(2 / 3) / s7, (-1 / 6) / s3, (-1 / 3) / s7, (-1 / 6) / s3, (-1 / 3) / s7, (1 / 3) / s3])
+    adv = grpo_advantages(SCORES, GROUPS, epsilon=eps, unbiased_std=False)
+    torch.testing.assert_close(adv, expected, rtol=0, atol=1e-6)
+    assert abs(adv[0].item() - math.sqrt(2)) < 1e-5  # (2/3) / sqrt(2/9)
+    token = compute_advantages("grpo", SCORES, MASK, GROUPS, epsilon=eps, unbiased_std=False)
+    torch.testing.assert_close(token, expected.unsqueeze(1) * MASK, rtol=0, atol=1e-6)
+    # the default is the unbiased std (verl, TRL): larger by sqrt(n / (n - 1)) = sqrt(3 / 2)
+    default = grpo_advantages(SCORES, GROUPS, epsilon=0.0)
+    torch.testing.assert_close(grpo_advantages(SCORES, GROUPS, epsilon=0.0, unbiased_std=False),
+                               default * math.sqrt(3 / 2), rtol=1e-6, atol=0)
+    # uniform groups and groups of one stay exactly 0
+    assert grpo_advantages(torch.tensor([0.3, 0.3, 0.7]), torch.tensor([1, 1, 2]), unbiased_std=False).tolist() == \
+        [0.0, 0.0, 0.0]
 
 
 def test_reinforce_pp_discounted_returns_hand_values():

@@ -1,5 +1,6 @@
 """The job yaml: schema, loading, overrides, interpolation, and one test per validation rule."""
 
+import dataclasses
 import json
 
 import pytest
@@ -214,6 +215,23 @@ RULE_CASES = {
                             f"{GEN}.colocate=false"], "env.NPROC_PER_NODE",
                            [NPU, "env.NPROC_PER_NODE=5", f"{ACTOR}.tensor_model_parallel_size=2",
                             f"{GEN}.colocate=false"]),
+    "group_size_baseline": ([f"{RL}.adv_estimator=reinforce_plus_plus_baseline", f"{RL}.n_samples_per_prompt=1"],
+                            f"{RL}.n_samples_per_prompt",
+                            [f"{RL}.adv_estimator=reinforce_plus_plus", f"{RL}.n_samples_per_prompt=1",
+                             "backend_config.megatron_training.global_batch_size=8"]),
+    "clip_low_band": ([f"{RL}.clip_ratio_low=1.0"], f"{RL}.clip_ratio_low",
+                      [f"{RL}.clip_ratio_low=1.0", f"{RL}.policy_loss=cispo"]),
+    "gspo_per_sequence": ([f"{RL}.policy_loss=gspo"], f"{RL}.loss_agg_mode",
+                          [f"{RL}.policy_loss=gspo", f"{RL}.loss_agg_mode=seq-mean-token-mean"]),
+    "sapo_tau": ([f"{RL}.policy_loss=sapo", f"{RL}.tau_neg=0"], f"{RL}.tau_neg",
+                 [f"{RL}.policy_loss=sapo", f"{RL}.tau_neg=1.05"]),
+    "is_threshold": ([f"{RL}.rollout_correction.rollout_is_threshold=1.0"],
+                     f"{RL}.rollout_correction.rollout_is_threshold",
+                     [f"{RL}.rollout_correction.rollout_is=sequence",
+                      f"{RL}.rollout_correction.rollout_is_threshold=5"]),
+    "bypass_no_op": ([f"{RL}.rollout_correction.bypass_mode=true", f"{RL}.rollout_correction.rollout_is=token"],
+                     f"{RL}.rollout_correction.rollout_is",
+                     [f"{RL}.rollout_correction.bypass_mode=true", f"{RL}.one_step_off_policy=true"]),
 }
 
 
@@ -309,4 +327,32 @@ def test_topology_is_the_one_place_for_world_dp_engine_devices_and_threads():
     assert topo.rank_threads(cores=56) == 2 and topo.engine_threads() is None  # half of 56 // 14 on accelerators
     cpu = topology(load_job(None, ["--env.NPROC_PER_NODE=2", f"{gen}.colocate=false"]))
     assert (cpu.world_size, cpu.rollout_devices, cpu.rank_threads(cores=8), cpu.engine_threads(cores=8)) == (2, 0, 4, 8)
+    overlap = dataclasses.replace(cpu, rollout_overlaps=True)  # one-step-off-policy: the engine runs beside the ranks
+    assert (overlap.rank_threads(cores=8), overlap.engine_threads(cores=8)) == (2, 4)
+    assert (overlap.rank_threads(cores=2), overlap.engine_threads(cores=2)) == (1, 1)
     assert topo.with_layout(1, 2).dp == 7 and topo.with_layout(7, 2).dp == 1
+
+
+def test_one_step_off_policy_needs_an_engine_that_does_not_sleep_and_no_dynamic_sampling():
+    rl = "backend_config.rl_config"
+    on = f"{rl}.one_step_off_policy=true"
+    assert not broken_keys(on)  # CPU: the engine runs on the host beside the ranks
+    accelerator = ("env.DEVICE=npu", "env.NPROC_PER_NODE=2", "backend_config.training.bf16=true")
+    assert broken_keys(on, *accelerator) == {f"{rl}.one_step_off_policy"}
+    assert not broken_keys(on, *accelerator, "backend_config.generate_config.colocate=false")
+    assert broken_keys(on, f"{rl}.dynamic_sampling.enable=true") == {f"{rl}.dynamic_sampling.enable"}
+
+
+def test_algorithm_choices_load_with_their_defaults():
+    rl = job().backend_config.rl_config
+    assert (rl.adv_estimator, rl.grpo_std, rl.policy_loss, rl.tau_pos, rl.tau_neg) == \
+        ("grpo", "unbiased", "ppo_clip", 1.0, 1.05)
+    rc = rl.rollout_correction
+    assert (rc.rollout_is, rc.rollout_is_mode, rc.rollout_is_threshold, rc.bypass_mode) == ("auto", "truncate", 2.0,
+                                                                                          False)
+    off = job(f"{RL}.rollout_correction.rollout_is=null", f"{RL}.rollout_correction.rollout_is_mode=mask",
+              f"{RL}.grpo_std=biased", f"{RL}.policy_loss=cispo").backend_config.rl_config
+    assert off.rollout_correction.rollout_is is None and off.rollout_correction.rollout_is_mode == "mask"
+    assert (off.grpo_std, off.policy_loss) == ("biased", "cispo")
+    with pytest.raises(ConfigError, match="rollout_is"):
+        job(f"{RL}.rollout_correction.rollout_is=off")  # yaml reads off as false: null is the way to turn it off

@@ -4,11 +4,14 @@ One concern per module:
 
 - ``masked``: reductions over a 0/1 response mask (sum, mean, variance, whitening, summary statistics);
 - ``token_level``: sequence values placed on or broadcast over response tokens;
-- ``advantages``: GRPO / Dr.GRPO, RLOO and REINFORCE++ (with group baseline) advantage estimators;
+- ``advantages``: GRPO / Dr.GRPO, RLOO and REINFORCE++ (plain, and with a group baseline) advantage estimators;
 - ``kl``: per-token KL estimators (k1, abs, k2/mse, k3/low_var_kl), KL folded into the reward, and the fixed /
   adaptive KL-coefficient controllers;
 - ``aggregation``: how a [batch, response_len] loss matrix becomes one scalar (token-mean, seq-mean-...);
-- ``policy_loss``: the clipped (clip-higher, dual-clip) PPO surrogate and the full actor loss (+ KL, - entropy);
+- ``policy_loss``: the policy losses (PPO clip with clip-higher and dual clip, GSPO, CISPO, SAPO) and the full
+  actor loss (+ KL, - entropy);
+- ``rollout_correction``: importance-sampling weights (token / sequence, truncated or masked) for the gap between
+  the rollout engine's sampling distribution and the actor's old policy;
 - ``reward_shaping``: the dynamic-sampling zero-variance group filter and the DAPO overlong penalty.
 
 Conventions shared by every function: per-token tensors are ``[batch, response_len]`` with a 0/1

@@ -1,14 +1,16 @@
-"""Advantage estimators for outcome rewards: GRPO (and Dr.GRPO), RLOO and REINFORCE++ with a group baseline.
+"""Advantage estimators for outcome rewards: GRPO (and Dr.GRPO), RLOO and REINFORCE++ with or without a group baseline.
 
 Each prompt is sampled ``n`` times; ``group_ids[i]`` names the prompt of sample ``i`` (the samples of a group may
 lie anywhere in the batch). The estimators differ in the baseline and the scale:
 
 - GRPO: ``A_i = (r_i - mean_g) / (std_g + epsilon)``, ``std_g`` the unbiased (Bessel, ``n - 1``) standard
-  deviation of the group's rewards. ``norm_by_std=False`` gives Dr.GRPO: ``A_i = r_i - mean_g``.
+  deviation of the group's rewards, as verl and TRL take it (``unbiased_std=False``: the population std, ``n``).
+  ``norm_by_std=False`` gives Dr.GRPO: ``A_i = r_i - mean_g``.
 - RLOO: ``A_i = r_i - mean_{j in g, j != i} r_j = n / (n - 1) * (r_i - mean_g)``.
-- REINFORCE++ (baseline variant): the group mean of the sequence rewards is subtracted at the last response
-  token, the (discounted) return-to-go is taken per token, and the returns are whitened over all valid tokens
-  of the batch.
+- REINFORCE++ (``reinforce_plus_plus``, verl's meaning): the (discounted) return-to-go of the token rewards is
+  taken per token and whitened over all valid tokens of the batch; no group baseline.
+- REINFORCE++ with baseline (``reinforce_plus_plus_baseline``): the group mean of the sequence rewards is
+  subtracted at the last response token first, then as above.
 
 Exactness: a group whose rewards are all equal (a group of size 1 included) carries no learning signal, and
 GRPO / RLOO give it EXACTLY 0.0 advantage: such groups are detected by comparing the group's max and min score
@@ -42,7 +44,7 @@ __all__ = [
     "sequence_scores",
 ]
 
-ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus")
+ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 _F64 = torch.float64
 
 
@@ -129,11 +131,12 @@ def _finish(seq_adv64: torch.Tensor, stats: GroupStats, dtype: torch.dtype,
 
 
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, *, response_mask: torch.Tensor | None = None,
-                    epsilon: float = 1e-6, norm_by_std: bool = True) -> torch.Tensor:
+                    epsilon: float = 1e-6, norm_by_std: bool = True, unbiased_std: bool = True) -> torch.Tensor:
     """GRPO outcome advantage ``(r_i - mean_g) / (std_g + epsilon)``; Dr.GRPO ``r_i - mean_g`` without std.
 
     ``scores`` is ``[batch]`` or token rewards ``[batch, len]`` (summed over ``response_mask``). ``std_g`` is
-    unbiased (``n - 1``), as in DeepSeekMath's reference implementations; Dr.GRPO (``norm_by_std=False``) drops
+    unbiased (``n - 1``) by default, as verl (``torch.std``) and TRL take it; ``unbiased_std=False`` divides by
+    ``n`` (population std: advantages larger by ``sqrt(n / (n - 1))``). Dr.GRPO (``norm_by_std=False``) drops
     the division, which otherwise up-weights prompts whose group is nearly uniform (too easy or too hard).
     All-equal groups and groups of one give exactly 0. Returns ``[batch, len]`` when ``response_mask`` is given
     (0 on masked tokens), else ``[batch]``.
@@ -142,8 +145,15 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, *, response_m
     stats = group_stats(seq, group_ids)
     adv = seq.detach().to(_F64) - stats.mean[stats.inverse]
     if norm_by_std:
-        adv = adv / (stats.std[stats.inverse] + epsilon)
+        std = stats.std if unbiased_std else _population_std(stats)
+        adv = adv / (std[stats.inverse] + epsilon)
     return _finish(adv, stats, _out_dtype(seq), response_mask)
+
+
+def _population_std(stats: GroupStats) -> torch.Tensor:
+    """The groups' std with divisor ``n`` from the unbiased one (``n - 1``); 0 for a group of one."""
+    n = stats.count.to(_F64)
+    return stats.std * ((n - 1).clamp(min=0) / n).sqrt()
 
 
 def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, *,
@@ -224,19 +234,22 @@ def reinforce_pp_advantages(rewards: torch.Tensor, response_mask: torch.Tensor,
 
 def compute_advantages(estimator: str, scores: torch.Tensor, response_mask: torch.Tensor,
                        group_ids: torch.Tensor, *, epsilon: float = 1e-6, norm_by_std: bool = True,
-                       gamma: float = 1.0) -> torch.Tensor:
-    """Token-level ``[batch, len]`` advantages by name: ``grpo`` | ``rloo`` | ``reinforce_plus_plus``.
+                       gamma: float = 1.0, unbiased_std: bool = True) -> torch.Tensor:
+    """Token-level ``[batch, len]`` advantages by name (:data:`ESTIMATORS`, verl's names and meanings).
 
     ``scores`` is ``[batch]`` (outcome scores) or ``[batch, len]`` token rewards (e.g. after KL in reward).
-    ``epsilon`` and ``norm_by_std`` map to ``RLConfig.adv_epsilon`` / ``norm_adv_by_std`` (``norm_by_std`` is
-    GRPO-only); ``gamma`` is REINFORCE++-only.
+    ``epsilon``, ``norm_by_std`` and ``unbiased_std`` map to ``RLConfig.adv_epsilon`` / ``norm_adv_by_std`` /
+    ``grpo_std`` (the last two GRPO-only); ``gamma`` is REINFORCE++-only. ``reinforce_plus_plus`` ignores
+    ``group_ids`` (no baseline); ``reinforce_plus_plus_baseline`` subtracts each group's mean.
     """
     if estimator == "grpo":
         return grpo_advantages(scores, group_ids, response_mask=response_mask, epsilon=epsilon,
-                               norm_by_std=norm_by_std)
+                               norm_by_std=norm_by_std, unbiased_std=unbiased_std)
     if estimator == "rloo":
         return rloo_advantages(scores, group_ids, response_mask=response_mask)
     if estimator == "reinforce_plus_plus":
+        return reinforce_pp_advantages(scores, response_mask, None, gamma=gamma, epsilon=epsilon)
+    if estimator == "reinforce_plus_plus_baseline":
         return reinforce_pp_advantages(scores, response_mask, group_ids, gamma=gamma, epsilon=epsilon)
     raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ESTIMATORS}")
 

@@ -11,7 +11,11 @@ the response length and ``S = {i : T_i > 0}`` the sequences with at least one va
   it each token ``1 / T_i`` (the original GRPO objective; short responses' tokens weigh more);
 - ``seq-mean-token-sum-norm``: ``mean_{i in S} (sum_t m_it l_it / H)`` with the constant horizon ``H`` = the
   maximum response length (``generate_config.sampling_config.max_tokens``) -- Dr.GRPO's length-unbiased
-  normalisation: a constant divisor, so no length bias.
+  normalisation: a constant divisor, so no length bias. The mean over sequences is Dr.GRPO's ``1 / G`` (its
+  objective averages the ``G`` responses' token sums divided by the generation budget). verl's mode of the same
+  name drops that mean, ``sum_{i,t} m_it l_it / H`` (``H`` its ``loss_scale_factor``, by default the padded
+  width of the batch), so its loss grows with the number of sequences in a micro-batch; mm_rl keeps the
+  per-sequence mean, whose scale does not depend on the batch size.
 
 Rows with no valid token (micro-batch padding) are left out of the sequence means, so they change nothing.
 

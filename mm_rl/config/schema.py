@@ -311,19 +311,43 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    rollout_is: Literal["auto", "token", "sequence"] | None = opt(
+        "auto", "importance-sampling correction of the rollout engine vs the actor: weights pi_old / pi_engine per "
+        "token or per sequence (product over its tokens); null: off; auto: off, token when one_step_off_policy "
+        "(and not bypass_mode)")
+    rollout_is_mode: Literal["truncate", "mask"] = opt(
+        "truncate", "truncate (TIS): weights above the threshold are cut to it; mask (MIS): tokens / sequences "
+        "whose weight is above it are left out of the policy-gradient term")
+    rollout_is_threshold: float = opt(2.0, "weight bound C (> 1); verl's typical range 1.5-5 per token, 2-10 per "
+                                      "sequence")
+    bypass_mode: bool = opt(False, "use the engine's log-probs as the old log-probs and skip the old log-prob "
+                            "pass: the PPO ratio is taken against the engine directly, nothing is left to correct")
+
+
+@dataclass
 class RLConfig:
     rollout_batch_size: int = opt(8, "prompts drawn per step")
     n_samples_per_prompt: int = opt(8, "responses per prompt (the GRPO group)")
     mini_batch_size: int = ref("backend_config.megatron_training.global_batch_size",
                                "samples per optimizer step (follows GBS)")
     ppo_epochs: int = opt(1, "passes over each rollout batch")
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = opt("grpo", "advantage estimator")
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = opt(
+        "grpo", "advantage estimator (verl's names: reinforce_plus_plus whitens token returns over the batch, "
+        "reinforce_plus_plus_baseline subtracts the group mean first)")
     norm_adv_by_std: bool = opt(True, "divide by the group std (false: Dr.GRPO)")
+    grpo_std: Literal["unbiased", "biased"] = opt(
+        "unbiased", "GRPO's group std: unbiased (n - 1, as verl and TRL) or biased (population, n)")
     gamma: float = opt(1.0, "discount of REINFORCE++ returns")
     adv_epsilon: float = opt(1e-6, "added to the std before dividing")
     clip_ratio_low: float = opt(0.2, "PPO clip below 1")
     clip_ratio_high: float = opt(0.2, "PPO clip above 1 (raise for DAPO clip-higher)")
     clip_ratio_c: float = opt(3.0, "dual-clip bound for negative advantages (> 1)")
+    policy_loss: Literal["ppo_clip", "gspo", "cispo", "sapo"] = opt(
+        "ppo_clip", "policy loss: ppo_clip (PPO + dual clip), gspo (sequence ratio, clipped per sequence), cispo "
+        "(clipped IS weight, stop-gradient, on all tokens), sapo (soft sigmoid gate)")
+    tau_pos: float = opt(1.0, "SAPO gate temperature where the advantage is > 0")
+    tau_neg: float = opt(1.05, "SAPO gate temperature where the advantage is <= 0 (above tau_pos: faster decay)")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         opt("token-mean", "how token losses become the batch loss"))
     use_kl_loss: bool = opt(True, "KL to the reference as a loss term")
@@ -335,9 +359,13 @@ class RLConfig:
     reward: RewardConfig = section(RewardConfig)
     dynamic_sampling: DynamicSamplingConfig = section(DynamicSamplingConfig)
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig)
+    rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig,
+                                                          "importance-sampling correction of the engine's sampling")
     val_freq: int = opt(0, "validate every N steps; 0 disables")
     val_before_train: bool = opt(False, "validate once before the first step")
     colocate_ref: bool = opt(True, "reference model on the actor's devices")
+    one_step_off_policy: bool = opt(False, "generate step k+1's rollouts while the actor trains on step k's "
+                                    "(rollouts one weight version behind; needs a separate engine)")
     max_consecutive_nonfinite: int = opt(3, "stop after this many steps in a row with NaN/inf loss or grads")
 
 

@@ -100,6 +100,23 @@ def rollout_engine_fits(cfg: JobConfig) -> Iterator[Violation]:
 
 
 @rule
+def one_step_off_policy_needs_a_free_engine(cfg: JobConfig) -> Iterator[Violation]:
+    """The next batch generates while the actor trains: the engine cannot sleep on the actor's devices then, and
+    dynamic sampling's extra batches would have to wait for the update."""
+    rl, g = cfg.backend_config.rl_config, cfg.backend_config.generate_config
+    if not rl.one_step_off_policy:
+        return
+    if g.colocate and cfg.env.DEVICE != "cpu":
+        yield Violation(f"{RL}.one_step_off_policy", True, "a colocated engine sleeps while the actor trains, so it "
+                        "cannot generate ahead", f"set {GEN}.colocate: false (the engine on devices of its own), or "
+                        "one_step_off_policy: false")
+    if rl.dynamic_sampling.enable:
+        yield Violation(f"{RL}.dynamic_sampling.enable", True, "dynamic sampling draws its extra batches after "
+                        "seeing the first one's rewards, which the one-step-off-policy pipeline has not waited for",
+                        f"turn one of them off ({RL}.one_step_off_policy or dynamic_sampling.enable)")
+
+
+@rule
 def world_divisible(cfg: JobConfig) -> Iterator[Violation]:
     topo = topology(cfg)
     model_parallel, world = topo.tp * topo.pp * topo.cp, topo.world_size
@@ -315,7 +332,7 @@ def learning_rate(cfg: JobConfig) -> Iterator[Violation]:
 @rule
 def rl_settings(cfg: JobConfig) -> Iterator[Violation]:
     rl, gen = cfg.backend_config.rl_config, cfg.backend_config.generate_config
-    if rl.adv_estimator in ("grpo", "rloo") and rl.n_samples_per_prompt < 2:
+    if rl.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and rl.n_samples_per_prompt < 2:
         yield Violation(f"{RL}.n_samples_per_prompt", rl.n_samples_per_prompt,
                         f"{rl.adv_estimator} compares samples within a group: needs at least 2", "use 4 to 16")
     for key in ("clip_ratio_low", "clip_ratio_high"):
@@ -337,6 +354,42 @@ def rl_settings(cfg: JobConfig) -> Iterator[Violation]:
     if not 0 < gen.gpu_memory_utilization <= 1:
         yield Violation(f"{GEN}.gpu_memory_utilization", gen.gpu_memory_utilization, "must lie in (0, 1]",
                         "use e.g. 0.6")
+
+
+@rule
+def policy_loss_settings(cfg: JobConfig) -> Iterator[Violation]:
+    """Each policy loss's own parameters: a ratio band needs ``1 - clip_ratio_low > 0`` (CISPO alone may drop its
+    lower bound), GSPO is a per-sequence objective, SAPO's gate divides by its temperatures."""
+    rl = cfg.backend_config.rl_config
+    if rl.policy_loss != "cispo" and rl.clip_ratio_low >= 1:
+        yield Violation(f"{RL}.clip_ratio_low", rl.clip_ratio_low, f"{rl.policy_loss} clips the ratio below at "
+                        "1 - clip_ratio_low, which must stay > 0",
+                        "use e.g. 0.2 (only cispo takes >= 1: no lower bound)")
+    if rl.policy_loss == "gspo" and rl.loss_agg_mode != "seq-mean-token-mean":
+        yield Violation(f"{RL}.loss_agg_mode", rl.loss_agg_mode, "gspo's ratio and clip are per sequence: its "
+                        "objective weighs every sequence the same (GSPO's 1/G mean)",
+                        "set loss_agg_mode: seq-mean-token-mean")
+    for key in ("tau_pos", "tau_neg"):
+        if getattr(rl, key) <= 0:
+            yield Violation(f"{RL}.{key}", getattr(rl, key), "the SAPO gate (4 / tau) * sigmoid(tau * (r - 1)) needs "
+                            "tau > 0", "use the paper's tau_pos 1.0, tau_neg 1.05")
+
+
+@rule
+def rollout_correction_settings(cfg: JobConfig) -> Iterator[Violation]:
+    """The importance-sampling bound, and a correction that bypass mode would make a silent no-op."""
+    rc = cfg.backend_config.rl_config.rollout_correction
+    key = f"{RL}.rollout_correction"
+    if rc.rollout_is_threshold <= 1:
+        yield Violation(f"{key}.rollout_is_threshold", rc.rollout_is_threshold, "weights scatter around 1 (a matched "
+                        "token's is 1): a bound <= 1 cuts or drops about half the tokens even when the engine and the "
+                        "actor agree up to rounding",
+                        "use e.g. 2.0 (token) or 2.0-10.0 (sequence)")
+    if rc.bypass_mode and rc.rollout_is in ("token", "sequence"):
+        yield Violation(f"{key}.rollout_is", rc.rollout_is, "bypass_mode takes the engine's log-probs as the old "
+                        "ones, so every weight pi_old / pi_engine is 1: the correction would do nothing",
+                        "set rollout_is: auto (or null) to bypass, or bypass_mode: false to correct (an old "
+                        "log-prob pass, then the weights)")
 
 
 @rule

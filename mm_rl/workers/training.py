@@ -106,10 +106,10 @@ class TrainingWorker(MegatronWorker):
         """One optimizer step over this rank's micro-batches of a mini-batch (every rank calls it).
 
         A micro-batch holds the log-prob inputs (see ``compute_log_probs``) plus ``response_mask``,
-        ``old_log_probs``, ``advantages`` and (with a KL loss) ``ref_log_probs``, all [B, S] aligned with
-        ``labels``. Returns the metrics (loss terms of the whole mini-batch, ratios averaged over its
-        micro-batches on every DP replica, ``grad_norm``, ``lr``, ``skipped``) on the last stage's TP-rank 0 of DP
-        replica 0, None elsewhere.
+        ``old_log_probs``, ``advantages``, (with a KL loss) ``ref_log_probs`` and (with the rollout correction in
+        force) ``engine_log_probs``, all [B, S] aligned with ``labels``. Returns the metrics (loss terms of the
+        whole mini-batch, ratios averaged and maxima taken over its micro-batches on every DP replica,
+        ``grad_norm``, ``lr``, ``skipped``) on the last stage's TP-rank 0 of DP replica 0, None elsewhere.
         """
         import torch
 
@@ -125,7 +125,8 @@ class TrainingWorker(MegatronWorker):
         def actor_loss_of(batch: MicroBatch, out: dict[str, torch.Tensor]) -> torch.Tensor:
             value, metrics = actor_loss(out["log_probs"], batch["old_log_probs"], batch.get("ref_log_probs"),
                                         batch["advantages"], batch["response_mask"], out["entropy"], loss.rl,
-                                        loss.max_response_len, denominator=denominator)
+                                        loss.max_response_len, denominator=denominator,
+                                        engine_logprob=batch.get("engine_log_probs"))
             collected.append(metrics)
             return value * scale
 
@@ -242,6 +243,7 @@ def _overrides(config: Any, spec: OptimizerSpec) -> dict[Any, Any]:
 
 
 SUMMED = ("loss", "pg_loss", "kl_loss")  # carry the mini-batch denominator: their sum is the mini-batch's value
+MAXED_SUFFIX = "_max"  # a maximum (e.g. rollout_corr/rollout_is_max): the largest over the micro-batches
 
 
 def reduce_over_replicas(collected: list[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -249,18 +251,24 @@ def reduce_over_replicas(collected: list[dict[str, torch.Tensor]]) -> dict[str, 
     the last stage's data-parallel group; CP ranks hold the whole sequence's loss already, so CP is not summed).
 
     Loss terms are sums over all micro-batches of the mini-batch (each carries the whole mini-batch's
-    denominator); ratios (clip fractions, entropy, ...) are their mean over all micro-batches."""
+    denominator); maxima (keys ending in ``_max``) their maximum; ratios (clip fractions, entropy, ...) their mean
+    over all micro-batches."""
     import torch
     from megatron.core import parallel_state
 
-    keys = list(collected[0])
+    keys = [key for key in collected[0] if not key.endswith(MAXED_SUFFIX)]
+    maxed = [key for key in collected[0] if key.endswith(MAXED_SUFFIX)]
     totals = torch.tensor([sum(float(m[key]) for m in collected) for key in keys] + [float(len(collected))],
                           dtype=torch.float64)
+    peaks = torch.tensor([max(float(m[key]) for m in collected) for key in maxed], dtype=torch.float64)
     group = parallel_state.get_data_parallel_group(with_context_parallel=False)
     if torch.distributed.get_world_size(group) > 1:
         totals = all_reduce(totals, group=group)
+        if maxed:
+            peaks = all_reduce(peaks, group=group, op=torch.distributed.ReduceOp.MAX)
     count = float(totals[-1])
-    return {key: float(totals[i]) / (1 if key in SUMMED else count) for i, key in enumerate(keys)}
+    out = {key: float(totals[i]) / (1 if key in SUMMED else count) for i, key in enumerate(keys)}
+    return out | {key: float(peaks[i]) for i, key in enumerate(maxed)}
 
 
 def rng_state() -> dict[str, Any]:
