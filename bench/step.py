@@ -7,6 +7,8 @@ reward, old_logp, ref_logp, advantages, update) the median seconds and share of 
 accounts for, the medians of ``throughput/*``, and one baseline from the same run: the last step's prompts
 generated again straight on the rollout engine (same sampling and seed, ``--repeat`` times, median), whose
 tokens per second the rollout phase's are compared with (1.00x = the trainer adds nothing around the engine).
+Then the same steps with ``rl_config.one_step_off_policy`` (each step's batch generated while the previous step
+trained): the median step time of both, and their ratio.
 
     python bench/step.py [--job output/tiny_grpo/job.yaml] [--steps 5] [--repeat 3] [--json] [a.b.c=value ...]
 """
@@ -104,28 +106,46 @@ def report(rows: list[dict[str, float]], raw_tok_per_s: float) -> dict[str, floa
             | {"baseline/raw_generate_tok_per_s": raw_tok_per_s, "baseline/rollout_vs_raw": rollout / raw_tok_per_s})
 
 
-def main(argv: list[str]) -> int:
+def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]], float | None]:
+    """``steps`` GRPO steps of ``job`` (the trainer's step counter advanced as ``fit`` does), and the raw engine
+    baseline when ``repeat``."""
     import ray
 
     from mm_rl.trainer.grpo import build_trainer
     from mm_rl.trainer.job import convert_in
     from mm_rl.trainer.metrics import step_line
 
+    trainer = build_trainer(job, convert_in(job, print))
+    try:
+        rows = []
+        for step in range(1, steps + 1):
+            metrics = trainer.train_step(step)
+            trainer.step = step
+            print(step_line(step, steps, metrics) + f" | {metrics['timing/step']:.2f} s")
+            rows.append(metrics)
+        if trainer.pending is not None:
+            trainer.pending.result()
+        raw = raw_generate(trainer, steps, repeat) if repeat else None
+    finally:
+        trainer.close()
+        ray.shutdown()
+    return rows, raw
+
+
+def main(argv: list[str]) -> int:
     args, overrides = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_step_") as folder:
-        job = load(args.job, Path(folder), overrides)
-        trainer = build_trainer(job, convert_in(job, print))
-        try:
-            rows = []
-            for step in range(1, args.steps + 1):
-                metrics = trainer.train_step(step)
-                print(step_line(step, args.steps, metrics) + f" | {metrics['timing/step']:.2f} s")
-                rows.append(metrics)
-            raw = raw_generate(trainer, args.steps, args.repeat)
-        finally:
-            trainer.close()
-            ray.shutdown()
-    results = report(rows[1:], raw)
+        rows, raw = run_steps(load(args.job, Path(folder) / "sync", overrides), args.steps, args.repeat)
+        results = report(rows[1:], raw or 0.0)
+        print("\nthe same steps with rl_config.one_step_off_policy (the next batch generates while the actor trains):")
+        ahead = load(args.job, Path(folder) / "ahead",
+                     [*overrides, "backend_config.rl_config.one_step_off_policy=true"])
+        pipelined, _ = run_steps(ahead, args.steps, 0)
+    synchronous = results["timing/step"]
+    overlapped = statistics.median(row["timing/step"] for row in pipelined[1:])
+    print(f"one-step-off-policy: step {overlapped:.3f} s vs {synchronous:.3f} s synchronous -> "
+          f"{synchronous / overlapped:.2f}x")
+    results |= {"one_step_off/timing/step": overlapped, "one_step_off/speedup": synchronous / overlapped}
     if args.json:
         print(json.dumps(results))
     return 0

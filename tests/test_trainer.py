@@ -145,14 +145,17 @@ def test_model_parallel_actor_trains(assets, tmp_path, layout, rank_dirs):
     assert (result.hf_dir / "config.json").is_file()
 
 
-def test_the_embedded_default_learns(assets, tmp_path):
+@pytest.mark.parametrize("pipeline", [False, True], ids=["synchronous", "one_step_off_policy"])
+def test_the_embedded_default_learns(assets, tmp_path, pipeline):
     """The tiny default as ``config`` writes it (its warm-up, demo data, GRPO settings): over its 120 steps the
-    reward of the last steps clearly exceeds that of the first ones."""
+    reward of the last steps clearly exceeds that of the first ones; also with rollouts one version behind (the
+    one-step-off-policy pipeline, its rollout correction on by default)."""
     job_yaml, root = assets
     out = tmp_path / "run"
     job = job_for(job_yaml, root, out, "backend_config.rl_config.rollout_batch_size=8",
                   "backend_config.megatron_training.global_batch_size=32",
-                  "backend_config.generate_config.sampling_config.max_tokens=64")
+                  "backend_config.generate_config.sampling_config.max_tokens=64",
+                  f"backend_config.rl_config.one_step_off_policy={str(pipeline).lower()}")
     assert job.backend_config.megatron_training.train_iters == 120
     _run_job(job)
     records = read_metrics(out / "metrics.jsonl")
@@ -163,3 +166,32 @@ def test_the_embedded_default_learns(assets, tmp_path):
           f"{[round(v, 3) for v in val]}")
     assert first <= 0.35 and last >= first + 0.25  # measured (AVX-512): 0.21 -> 0.76
     assert len(val) == 12 and val[0] <= 0.2 and val[-1] >= 0.5  # measured (AVX-512): 0.11 -> 0.67
+
+
+def test_one_step_off_policy_overlaps_the_rollout_and_resumes_exactly(assets, tmp_path):
+    """Each step's batch generates while the previous step trains: from step 2 on a step waits for its batch less
+    than the batch took to generate (the rest ran beside the update), the samples are one version behind, and a run
+    resumed from the step-2 checkpoint (which keeps step 3's batch, generated from step 1's weights) repeats steps 3
+    and 4 of the uninterrupted run exactly."""
+    import shutil
+
+    job_yaml, root = assets
+    steps = ("backend_config.megatron_training.train_iters=4", "backend_config.megatron_training.save_interval=2",
+             "backend_config.megatron_training.max_keep_ckpts=2", "backend_config.rl_config.one_step_off_policy=true")
+    _run_job(job_for(job_yaml, root, tmp_path / "straight", *steps))
+    straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    assert [r["rollout/staleness_max"] for r in straight] == [0.0, 1.0, 1.0, 1.0]
+    later = straight[1:]
+    waited, generating = sum(r["timing/rollout"] for r in later), sum(r["rollout/wall_s"] for r in later)
+    print(f"\none-step-off-policy: steps 2-4 waited {waited:.2f} s for batches that took {generating:.2f} s")
+    assert waited < 0.5 * generating
+    assert all(r["rollout/logprob_gap_max"] > 1e-3 for r in later)  # the engine is one version behind (in sync: <1e-6)
+
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "straight" / "ckpt" / "iter_0000002", out / "ckpt" / "iter_0000002")
+    _run_job(job_for(job_yaml, root, out, *steps,
+                     f"backend_config.megatron_training.resume_mode={out / 'ckpt' / 'iter_0000002'}"))
+    resumed = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [3, 4]
+    for a, b in zip(straight[2:], resumed, strict=True):
+        assert deterministic(a) == deterministic(b), a["step"]

@@ -49,6 +49,9 @@ class FakePrompts:
                                 for i in indices})
         return [RolloutRequest(list(PROMPT), uid=i) for i in indices]
 
+    def retain(self, indices):
+        self.cached = {i: item for i, item in self.cached.items() if i in set(indices)}
+
     def ground_truth(self, index, split="train"):
         return "1"
 
@@ -87,14 +90,14 @@ class FakeRoles:
     def before_training(self):
         self.calls.append(("before_training",))
 
-    def generate(self, requests, sampling, seed):
+    def start_generate(self, requests, sampling, seed):
         self.calls.append(("generate", seed, len(requests)))
         outputs = []
         for request in requests:
             samples = [RolloutSample([int(100 * self.rewards(seed, request.uid, k)), 2], torch.zeros(2), "stop")
                        for k in range(sampling.n)]
             outputs.append(RolloutOutput(request.prompt_ids, samples, BatchTiming(0.1, 2 * sampling.n), request.uid))
-        return RolloutOutputs(outputs)
+        return SimpleNamespace(result=lambda: RolloutOutputs(outputs))
 
     def score(self, responses, truths):
         scores = [int(text.split()[0]) / 100 for text in responses]
@@ -197,3 +200,89 @@ def test_resume_restores_the_bookkeeping_and_cuts_the_metrics(tmp_path):
     other = _trainer(job, FakeRoles(2, rewards, grid=(2, 1)))
     with pytest.raises(CheckpointError, match="TP 1 x PP 1 but the job runs TP 2 x PP 1"):
         other.resume()
+
+
+def _generations(roles):
+    return [call[1] for call in roles.calls if call[0] == "generate"]
+
+
+def test_one_step_off_policy_generates_the_next_batch_before_the_update(tmp_path):
+    """Step k waits for its batch, syncs its old policy into the engine, starts step k + 1's batch, then trains:
+    every batch after the first is one weight version behind; the last step starts none."""
+    job = _job(tmp_path, "--backend_config.rl_config.one_step_off_policy=true",
+               "--backend_config.megatron_training.train_iters=3",
+               "--backend_config.megatron_training.save_interval=100")
+    roles = FakeRoles(2, lambda s, uid, k: float(k))
+    trainer = _trainer(job, roles)
+    history = trainer.fit()
+    seed = trainer.seed
+    assert _generations(roles) == [sampling_seed(seed, step, 0) for step in (1, 2, 3)]
+    phases = [c[0] for c in roles.calls if c[0] in ("before_rollout", "generate", "log_probs")]
+    assert phases == ["before_rollout", "generate", "before_rollout", "generate", "log_probs", "log_probs",
+                      "before_rollout", "generate", "log_probs", "log_probs", "before_rollout", "log_probs",
+                      "log_probs"]
+    assert [m["rollout/staleness_max"] for m in history] == [0.0, 1.0, 1.0]
+    assert trainer.pending is None
+
+
+def test_one_step_off_policy_resumes_with_the_batch_generated_ahead(tmp_path):
+    """A checkpoint keeps the batch generated ahead (from weights older than the checkpoint's): the resumed run
+    trains on it without generating it again, and repeats the uninterrupted run's metrics."""
+    args = ("--backend_config.rl_config.one_step_off_policy=true", "--backend_config.megatron_training.train_iters=3",
+            "--backend_config.megatron_training.save_interval=2")
+    rewards = lambda s, uid, k: float(k + s % 3)  # noqa: E731
+    straight = _trainer(_job(tmp_path / "a", *args), FakeRoles(2, rewards))
+    expected = straight.fit()
+    killed = _trainer(_job(tmp_path / "b", *args), FakeRoles(2, rewards))
+    step = killed.train_step
+    killed.train_step = lambda k: step(k) if k < 3 else (_ for _ in ()).throw(KeyboardInterrupt)  # killed in step 3
+    with pytest.raises(KeyboardInterrupt):
+        killed.fit()
+    roles = FakeRoles(2, rewards)
+    again = _trainer(_job(tmp_path / "b", *args), roles)
+    assert again.resume() == 2 and again.pending is not None and again.pending.version == 1
+    resumed = again.fit()
+    assert _generations(roles) == []  # step 3's batch came from the checkpoint
+    keys = ("reward/score", "rollout/staleness_max", "batch/samples")
+    assert [{k: m[k] for k in keys} for m in resumed] == [{k: expected[-1][k] for k in keys}]
+
+
+class RecordingRoles(FakeRoles):
+    """FakeRoles that keeps the micro-batches of every update (the engine reports log-prob 0, the actor -0.5)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.trained: list = []
+
+    def train_mini_batch(self, shards, loss, denominator):
+        self.trained.extend(batch for shard in shards for batch in shard)
+        return super().train_mini_batch(shards, loss, denominator)
+
+
+def _response_values(roles, name):
+    return torch.cat([batch[name][batch["response_mask"] == 1] for batch in roles.trained])
+
+
+def test_rollout_correction_sends_the_engine_log_probs_to_the_update_only_when_on(tmp_path):
+    off = RecordingRoles(2, lambda s, uid, k: float(k))
+    _trainer(_job(tmp_path / "off"), off).train_step(1)
+    assert "engine_log_probs" not in off.trained[0]  # the default (auto, on-policy): off, micro-batches unchanged
+    on = RecordingRoles(2, lambda s, uid, k: float(k))
+    job = _job(tmp_path / "on", "--backend_config.rl_config.rollout_correction.rollout_is=sequence")
+    _trainer(job, on).train_step(1)
+    assert (_response_values(on, "engine_log_probs") == 0.0).all()
+    assert (_response_values(on, "old_log_probs") == -0.5).all()
+    assert [c[1] for c in on.calls if c[0] == "log_probs"] == ["actor", "reference"]
+    ahead = RecordingRoles(2, lambda s, uid, k: float(k))  # auto: token-level truncation one step off policy
+    _trainer(_job(tmp_path / "ahead", "--backend_config.rl_config.one_step_off_policy=true"), ahead).train_step(1)
+    assert (_response_values(ahead, "engine_log_probs") == 0.0).all()
+
+
+def test_bypass_mode_takes_the_engine_log_probs_as_the_old_ones_without_the_actor_pass(tmp_path):
+    roles = RecordingRoles(2, lambda s, uid, k: float(k))
+    job = _job(tmp_path, "--backend_config.rl_config.rollout_correction.bypass_mode=true")
+    metrics = _trainer(job, roles).train_step(1)
+    assert [c[1] for c in roles.calls if c[0] == "log_probs"] == ["reference"]  # no old log-prob pass
+    assert (_response_values(roles, "old_log_probs") == 0.0).all()  # the engine's, not the actor's -0.5
+    assert "engine_log_probs" not in roles.trained[0]  # auto resolves to off: nothing left to correct
+    assert "timing/old_logp" not in metrics and metrics["rollout/logprob_gap_max"] == 0.0

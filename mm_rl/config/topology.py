@@ -29,6 +29,7 @@ class Topology:
     pp: int = 1
     cp: int = 1
     rollout_devices: int = 0  # a separate engine's whole devices (0: colocated, or on CPU)
+    rollout_overlaps: bool = False  # the engine generates while the actor trains (one-step-off-policy)
 
     @property
     def world_size(self) -> int:
@@ -46,15 +47,21 @@ class Topology:
 
     def rank_threads(self, cores: int | None = None) -> int:
         """torch threads of one training rank on a node of ``cores`` cores: the ranks of a CPU job split the
-        machine; on accelerators each rank keeps half its share for the engine's and the loaders' threads."""
+        machine (what the engine does not take while it generates beside them); on accelerators each rank keeps
+        half its share for the engine's and the loaders' threads."""
         cores = cores or os.cpu_count() or 1
-        share = cores // max(self.world_size, 1)
-        return max(1, share if self.device == "cpu" else share // 2)
+        if self.device != "cpu":
+            return max(1, cores // max(self.world_size, 1) // 2)
+        beside = (self.engine_threads(cores) or 0) if self.rollout_overlaps else 0
+        return max(1, (cores - beside) // max(self.world_size, 1))
 
     def engine_threads(self, cores: int | None = None) -> int | None:
-        """torch threads of the rollout engine: on CPU every core (the rollout phase runs alone); on accelerators
-        what Ray assigns it (None)."""
-        return (cores or os.cpu_count() or 1) if self.device == "cpu" else None
+        """torch threads of the rollout engine: on CPU every core when the rollout phase runs alone, half of them
+        when it generates beside the training ranks; on accelerators what Ray assigns it (None)."""
+        cores = cores or os.cpu_count() or 1
+        if self.device != "cpu":
+            return None
+        return max(1, cores // 2) if self.rollout_overlaps else cores
 
 
 def topology(cfg: JobConfig) -> Topology:
@@ -64,7 +71,7 @@ def topology(cfg: JobConfig) -> Topology:
     rollout = 0 if g.colocate or env.DEVICE == "cpu" else g.infer_tensor_parallel_size
     return Topology(device=env.DEVICE, nodes=env.NNODES, devices_per_node=env.NPROC_PER_NODE,
                     tp=t.tensor_model_parallel_size, pp=t.pipeline_model_parallel_size, cp=t.context_parallel_size,
-                    rollout_devices=rollout)
+                    rollout_devices=rollout, rollout_overlaps=b.rl_config.one_step_off_policy)
 
 
 def threads_for(cpus: float) -> int:

@@ -32,6 +32,7 @@ class Sample:
     text: str = ""
     ground_truth: str = ""
     engine_log_probs: torch.Tensor | None = None  # what the rollout engine reported for the sampled tokens
+    staleness: int = 0  # weight versions between the policy that generated it and the one that trains on it
     reward: float = 0.0
     components: dict[str, float] = field(default_factory=dict)
     old_log_probs: torch.Tensor | None = None

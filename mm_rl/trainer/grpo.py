@@ -26,14 +26,15 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from mm_rl.config.schema import JobConfig
-from mm_rl.rollout.base import FinishReason
+from mm_rl.rollout.base import FinishReason, RolloutOutputs
 from mm_rl.trainer.batch import Sample, micro_batches, padded, response_values
 from mm_rl.trainer.prompts import PromptSource
-from mm_rl.trainer.roles import Role, Roles
+from mm_rl.trainer.roles import PendingRollout, Role, Roles, RolloutReady
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,31 @@ class PhaseTimer:
 
     def metrics(self) -> dict[str, float]:
         return {f"timing/{phase}": value for phase, value in self.seconds.items()}
+
+
+@dataclass
+class PendingBatch:
+    """A rollout batch being generated: its prompts, the weight version (step) the engine generates it from, and
+    the engine's answer once waited for."""
+
+    indices: list[int]
+    version: int
+    rollout: PendingRollout | None = None
+    outputs: RolloutOutputs | None = None
+
+    def result(self) -> RolloutOutputs:
+        if self.outputs is None:
+            assert self.rollout is not None
+            self.outputs, self.rollout = self.rollout.result(), None
+        return self.outputs
+
+    def state_dict(self) -> dict[str, Any]:
+        """For a checkpoint: waits for the engine, keeps what it generated."""
+        return {"indices": list(self.indices), "version": self.version, "outputs": self.result()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> PendingBatch:
+        return cls(list(state["indices"]), int(state["version"]), outputs=state["outputs"])
 
 
 def sampling_seed(seed: int, step: int, batch: int) -> int:
@@ -95,6 +121,7 @@ class GRPOTrainer:
         self.checkpoints = CheckpointManager(b.megatron_training.save, b.megatron_training.max_keep_ckpts)
         self.step = 0
         self.nonfinite_in_a_row = 0
+        self.pending: PendingBatch | None = None  # a rollout batch started ahead (one-step-off-policy)
 
     # ------------------------------------------------------------------------------------------------ loop
     def fit(self) -> list[dict[str, float]]:
@@ -125,19 +152,32 @@ class GRPOTrainer:
         return history
 
     def train_step(self, step: int) -> dict[str, float]:
-        """One GRPO step (see the module docstring); returns its metrics."""
+        """One GRPO step (see the module docstring); returns its metrics.
+
+        With ``one_step_off_policy`` the step's rollout batch was started during the previous step's update (the
+        first step starts its own): the step waits for it, syncs its old policy into the engine, starts the next
+        step's batch, and trains while that one generates (see :meth:`_rollout_ahead`)."""
         roles, timer = self.roles, PhaseTimer()
         start = time.perf_counter()
-        with timer("sync"):
-            ready = roles.before_rollout()
-        self.prompts.cached.clear()
-        samples, metrics = self.collect(step, timer)
+        if self.pending is None or not self.rl.one_step_off_policy:
+            with timer("sync"):
+                ready = roles.before_rollout()
+        first = self.pending or self._start_batch(step, 0)
+        self.pending = None
+        self.prompts.retain(first.indices)
+        samples, metrics = self.collect(step, timer, first)
+        if self.rl.one_step_off_policy:
+            ready = self._rollout_ahead(step, timer)
         with timer("onload"):
             roles.before_training()
         if ready.offloaded_bytes is not None:
             metrics["memory/offloaded_gb"] = ready.offloaded_bytes / 1e9
-        with timer("old_logp"):
-            self._log_probs("actor", samples, "old_log_probs")
+        if self.rl.rollout_correction.bypass_mode:  # the engine's log-probs serve as the old ones: no pass
+            for sample in samples:
+                sample.old_log_probs = sample.engine_log_probs.float().clone()
+        else:
+            with timer("old_logp"):
+                self._log_probs("actor", samples, "old_log_probs")
         metrics.update(_engine_gap(samples))
         if roles.has_reference:
             with timer("ref_logp"):
@@ -148,13 +188,27 @@ class GRPOTrainer:
             metrics.update(self.update(samples))
         timer.seconds["step"] = time.perf_counter() - start
         metrics.update(timer.metrics())
-        metrics.update(_throughput(samples, timer.seconds, ready.sync.gb_per_s))
+        # pipelined, the rollout phase is only the wait for a batch that generated during the previous update
+        generating = metrics.get("rollout/wall_s", 0.0) if self.rl.one_step_off_policy else None
+        metrics.update(_throughput(samples, timer.seconds, ready.sync.gb_per_s, generating))
         return metrics
 
     # ------------------------------------------------------------------------------------------- rollout
-    def collect(self, step: int, timer: PhaseTimer) -> tuple[list[Sample], dict[str, float]]:
+    def _rollout_ahead(self, step: int, timer: PhaseTimer) -> RolloutReady:
+        """One-step-off-policy: this step's old policy (the weights after the previous update) into the engine, then
+        the next step's rollout batch started, to generate while this step trains. Its samples are then one weight
+        version behind the policy that trains on them (``rollout/staleness``); the last step starts none."""
+        with timer("sync"):
+            ready = self.roles.before_rollout()
+        if step < self.job.backend_config.megatron_training.train_iters:
+            self.pending = self._start_batch(step + 1, 0)
+        return ready
+
+    def collect(self, step: int, timer: PhaseTimer, first: PendingBatch | None = None) -> \
+            tuple[list[Sample], dict[str, float]]:
         """Rollout + reward, with dynamic sampling (drop groups whose rewards are all equal, draw more batches,
-        at most ``max_num_gen_batches``; short of groups, the dropped ones fill the batch back up)."""
+        at most ``max_num_gen_batches``; short of groups, the dropped ones fill the batch back up). ``first``: the
+        step's first batch when it was already started."""
         from mm_rl.algorithms.reward_shaping import filter_zero_variance_groups
 
         dynamic = self.rl.dynamic_sampling
@@ -164,7 +218,8 @@ class GRPOTrainer:
         metrics: dict[str, float] = {}
         batches = 0
         while batches < (dynamic.max_num_gen_batches if dynamic.enable else 1):
-            groups, batch_metrics = self.generate_batch(step, batches, timer)
+            pending = first if batches == 0 and first is not None else self._start_batch(step, batches)
+            groups, batch_metrics = self._finish_batch(pending, step, timer)
             batches += 1
             _accumulate(metrics, batch_metrics)
             if not dynamic.enable:
@@ -192,20 +247,31 @@ class GRPOTrainer:
             for sample in group:
                 sample.group = position
         metrics.update(_sample_metrics(samples, self.generate_cfg.sampling_config.max_tokens))
+        staleness = torch.tensor([s.staleness for s in samples], dtype=torch.float64)
+        metrics |= {"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": float(staleness.max())}
         return samples, metrics
 
-    def generate_batch(self, step: int, batch: int, timer: PhaseTimer) -> tuple[list[list[Sample]], dict[str, float]]:
-        """One rollout batch scored: the groups (one per admitted prompt) and the batch's metrics."""
-
+    def _start_batch(self, step: int, batch: int) -> PendingBatch:
+        """Draw rollout batch ``batch`` of ``step`` and start generating it (the engine's sampler seeded from
+        (seed, step, batch)); the engine holds the weights of version ``self.step`` now."""
         from mm_rl.rollout.base import sampling_for
 
         indices = self.prompts.next_indices()
+        requests = self.prompts.requests(indices)
+        rollout = self.roles.start_generate(requests, sampling_for(self.generate_cfg),
+                                            sampling_seed(self.seed, step, batch))
+        return PendingBatch(indices, self.step, rollout)
+
+    def _finish_batch(self, pending: PendingBatch, step: int, timer: PhaseTimer) -> \
+            tuple[list[list[Sample]], dict[str, float]]:
+        """A started rollout batch, waited for and scored: the groups (one per admitted prompt) and the batch's
+        metrics. Each sample records how many weight versions its policy is behind the one that trains on it."""
         with timer("rollout"):
-            requests = self.prompts.requests(indices)
-            outputs = self.roles.generate(requests, sampling_for(self.generate_cfg),
-                                          sampling_seed(self.seed, step, batch))
+            outputs = pending.result()
         groups = [[self.make_sample(index, out.prompt_ids, s.response_ids, s.finish_reason, s.logprobs)
-                   for s in out.samples] for index, out in zip(indices, outputs, strict=True) if out.samples]
+                   for s in out.samples] for index, out in zip(pending.indices, outputs, strict=True) if out.samples]
+        for sample in (s for g in groups for s in g):
+            sample.staleness = step - 1 - pending.version
         with timer("reward"):
             reward_metrics = self.score([s for g in groups for s in g])
         cut = sum(s.finish_reason == "vision_token" for g in groups for s in g)
@@ -278,7 +344,8 @@ class GRPOTrainer:
             metrics.update({f"kl_in_reward/{k}": float(v) for k, v in kl_metrics.items()})
         group_ids = torch.tensor([s.group for s in samples])
         advantages = compute_advantages(rl.adv_estimator, rewards, mask, group_ids, epsilon=rl.adv_epsilon,
-                                        norm_by_std=rl.norm_adv_by_std, gamma=rl.gamma)
+                                        norm_by_std=rl.norm_adv_by_std, gamma=rl.gamma,
+                                        unbiased_std=rl.grpo_std == "unbiased")
         for row, sample in enumerate(samples):
             sample.advantages = advantages[row, :sample.response_len].float().clone()
         metrics.update({k: float(v) for k, v in advantage_stats(advantages, mask).items()})
@@ -287,6 +354,7 @@ class GRPOTrainer:
     # ---------------------------------------------------------------------------------------------- update
     def update(self, samples: list[Sample]) -> dict[str, float]:
         """ppo_epochs passes of one optimizer step per mini-batch; metrics averaged over the steps."""
+        from mm_rl.algorithms.rollout_correction import resolve_rollout_is
         from mm_rl.workers.training import LossSpec
 
         actor_cfg, roles = self.job.backend_config.actor_config, self.roles
@@ -295,6 +363,7 @@ class GRPOTrainer:
         loss = LossSpec(self.rl, self.generate_cfg.sampling_config.max_tokens,
                         self.generate_cfg.sampling_config.temperature or 1.0)
         fields = ("old_log_probs", "advantages") + (("ref_log_probs",) if roles.has_reference else ())
+        fields += ("engine_log_probs",) if resolve_rollout_is(self.rl) != "off" else ()
         steps: list[dict[str, float]] = []
         for _ in range(self.rl.ppo_epochs):
             for start in range(0, usable, mini):
@@ -338,11 +407,13 @@ class GRPOTrainer:
         indices = self.prompts.val_indices()
         if not indices:
             return {}
+        if self.pending is not None:  # the next step's batch, generating from the weights before this update
+            self.pending.result()
         self.roles.before_rollout()  # the engine still holds the weights from before this step's update
         start = time.perf_counter()
         requests = self.prompts.requests(indices, split="val")
-        outputs = self.roles.generate(requests, sampling_for(self.generate_cfg, validation=True),
-                                      sampling_seed(self.seed, step, -1))
+        outputs = self.roles.start_generate(requests, sampling_for(self.generate_cfg, validation=True),
+                                            sampling_seed(self.seed, step, -1)).result()
         self.roles.before_training()
         samples = [self.make_sample(index, out.prompt_ids, s.response_ids, s.finish_reason, None, split="val")
                    for index, out in zip(indices, outputs, strict=True) for s in out.samples]
@@ -362,7 +433,10 @@ class GRPOTrainer:
         self.roles.save(staging)
         state = {"step": step, "sampler": self.prompts.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                  "nonfinite_in_a_row": self.nonfinite_in_a_row, "seed": self.seed,
-                 "metrics_history": read_metrics(self.out_dir / METRICS_FILE)}
+                 "metrics_history": read_metrics(self.out_dir / METRICS_FILE),
+                 # the next step's batch, generated from weights older than these: a resume trains on it as the
+                 # uninterrupted run does (the sampler is already past its prompts)
+                 "pending": self.pending.state_dict() if self.pending is not None else None}
         checkpoints.write_trainer_state(staging, state)
         path = checkpoints.commit(staging, step)
         self.report(f"checkpoint: {path}")
@@ -383,6 +457,9 @@ class GRPOTrainer:
         self.prompts.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+        if state.get("pending") is not None:
+            self.pending = PendingBatch.from_state(state["pending"])
+            self.prompts.requests(self.pending.indices)  # the rows' processed inputs, for the step's micro-batches
         truncate_after(self.out_dir / METRICS_FILE, step)
         self.step = step
         self.report(f"resumed from step {step} ({checkpoints.save_dir})")
@@ -428,15 +505,19 @@ def _sample_metrics(samples: Sequence[Sample], max_tokens: int) -> dict[str, flo
             "batch/samples": float(len(samples)), "batch/groups": float(len({s.group for s in samples}))}
 
 
-def _throughput(samples: Sequence[Sample], seconds: dict[str, float], sync_gb_per_s: float) -> dict[str, float]:
+def _throughput(samples: Sequence[Sample], seconds: dict[str, float], sync_gb_per_s: float,
+                generating_s: float | None = None) -> dict[str, float]:
+    """Tokens per second of the step, the update and the rollout (over ``generating_s``, the engine's own time, when
+    given; else the rollout phase's), and the sync's GB/s."""
     tokens = sum(len(s.prompt_ids) + s.response_len for s in samples)
     generated = sum(s.response_len for s in samples)
 
     def rate(count: float, phase: str) -> float:
         return count / seconds[phase] if seconds.get(phase) else 0.0
 
+    rollout = rate(generated, "rollout") if generating_s is None else generated / generating_s if generating_s else 0.0
     return {"throughput/tok_per_s": rate(tokens, "step"), "throughput/update_tok_per_s": rate(tokens, "update"),
-            "throughput/rollout_tok_per_s": rate(generated, "rollout"), "throughput/sync_gb_per_s": sync_gb_per_s}
+            "throughput/rollout_tok_per_s": rollout, "throughput/sync_gb_per_s": sync_gb_per_s}
 
 
 def _engine_gap(samples: Sequence[Sample]) -> dict[str, float]:

@@ -61,6 +61,11 @@ class PromptSource:
             self.cached.update(zip(indices, items, strict=True))
         return [RolloutRequest.from_item(item) for item in items]
 
+    def retain(self, indices: Sequence[int]) -> None:
+        """Keep only these rows cached (the step's; a batch started ahead adds its own)."""
+        keep = set(indices)
+        self.cached = {index: item for index, item in self.cached.items() if index in keep}
+
     def ground_truth(self, index: int, split: str = "train") -> str:
         return self._dataset(split).ground_truth(index)
 

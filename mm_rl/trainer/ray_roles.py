@@ -197,9 +197,11 @@ class RayRoles:
         with named("rollout engine going to sleep"):
             self.schedule.before_training()
 
-    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingSpec, seed: int) -> RolloutOutputs:
-        self._engine_call("reseed", seed)
-        return self._engine_call("generate", list(requests), sampling)
+    def start_generate(self, requests: Sequence[RolloutRequest], sampling: SamplingSpec, seed: int) -> \
+            RayRollout:
+        # an actor runs one caller's calls in order: the seed precedes the batch
+        seeded = self.engine.reseed.remote(seed)
+        return RayRollout(seeded, self.engine.generate.remote(list(requests), sampling))
 
     def score(self, responses: Sequence[str], truths: Sequence[str]) -> RewardResult:
         with named("reward workers"):
@@ -253,6 +255,20 @@ class RayRoles:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.placement)
         self.actor = self.ref = self.engine = self.rewards = self.placement = None
+
+
+@dataclasses.dataclass
+class RayRollout:
+    """A generate call of the engine's actor under way (:class:`mm_rl.trainer.roles.PendingRollout`)."""
+
+    seeded: Any  # the reseed call before it (its failure is the batch's)
+    outputs: Any
+
+    def result(self) -> RolloutOutputs:
+        import ray
+
+        with named("rollout engine"):
+            return ray.get([self.seeded, self.outputs])[1]
 
 
 @contextlib.contextmanager

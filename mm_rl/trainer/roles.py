@@ -37,6 +37,14 @@ class RolloutReady:
     offloaded_bytes: int | None = None  # None when the engine has devices (or the host) of its own
 
 
+class PendingRollout(Protocol):
+    """A generate call under way."""
+
+    def result(self) -> RolloutOutputs:
+        """Wait for the outputs (a failure names the engine)."""
+        ...
+
+
 class Roles(Protocol):
     """The deployment the trainer drives; every call names the failed role in its error (``WorkerError``)."""
 
@@ -58,8 +66,10 @@ class Roles(Protocol):
         """Colocated: the engine sleeps and the actor's state comes back; otherwise nothing."""
         ...
 
-    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingSpec, seed: int) -> RolloutOutputs:
-        """n samples per request, the engine's sampler seeded with ``seed`` first (a resumed run repeats)."""
+    def start_generate(self, requests: Sequence[RolloutRequest], sampling: SamplingSpec, seed: int) -> \
+            PendingRollout:
+        """Start n samples per request, the engine's sampler seeded with ``seed`` first (a resumed run repeats);
+        returns at once. Engine calls run in the order they were made (a sync after it waits for it)."""
         ...
 
     def score(self, responses: Sequence[str], truths: Sequence[str]) -> RewardResult:
