@@ -43,6 +43,8 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--device_memory_gb", type=float, default=None, help="memory of one device in GiB")
     p.add_argument("--model_path", default=None, help="HuggingFace checkpoint directory")
     p.add_argument("--dataset_dir", default=None, help="dataset directory (geo3k parquet, raw or jsonl)")
+    p.add_argument("--allow-oversubscribe", action="store_true",
+                   help="write the yaml even when the plan's memory estimate exceeds a device's memory")
     p.set_defaults(run=_run_config)
 
 
@@ -51,10 +53,10 @@ def _run_config(args: argparse.Namespace, overrides: list[str]) -> int:
     from mm_rl.config.presets import load_preset
 
     device = args.device or ("cpu" if args.af_model_name == "tiny" else "npu")
-    nproc = args.nproc_per_node or (1 if device == "cpu" else 8)
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else (1 if device == "cpu" else 8)
     cluster = ClusterSpec(args.nnodes, nproc, device, args.device_memory_gb)
     node, job, plan = create_job(args.af_model_name, args.exp_name, cluster, args.model_path, args.dataset_dir,
-                                 overrides, args.backend)
+                                 overrides, args.backend, allow_oversubscribe=args.allow_oversubscribe)
     path = write_job(node, plan, args.output_file_path, args.af_model_name)
     print(plan.describe())
     if load_preset(args.af_model_name).embedded:
@@ -113,15 +115,12 @@ def _add_check(commands: argparse._SubParsersAction) -> None:
 
 
 def _validated_job(path: str, overrides: list[str]) -> JobConfig:
-    """The job yaml with the overrides, every rule checked (all problems raised at once)."""
-    from mm_rl.config.loader import load_job
+    """The job yaml with the overrides, every rule checked (all problems raised at once, unknown keys and type
+    errors included)."""
+    from mm_rl.config.loader import load_checked
     from mm_rl.config.validate import validate
 
-    job = load_job(path, overrides)
-    problems = validate(job)
-    if problems:
-        raise ConfigError(problems)
-    return job
+    return load_checked(path, overrides, validate)[1]
 
 
 def _run_check(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -166,22 +165,25 @@ def _run_convert(args: argparse.Namespace, overrides: list[str]) -> int:
 def _add_train(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("train", help="run the job: hf2mg, the GRPO loop, mg2hf", epilog=EPILOG)
     p.add_argument("job", help="job yaml")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print what the rollout engine, the ranks and Ray print (by default it goes to "
+                        "af_output_dir/logs/workers.log)")
     p.set_defaults(run=_run_train)
 
 
 def _run_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from mm_rl.checkpoint import CheckpointError
-    from mm_rl.convert.errors import ConversionError
-    from mm_rl.trainer.grpo import TrainingStopped
-    from mm_rl.trainer.job import run_job, summary
-    from mm_rl.workers.group import WorkerError
+    from mm_rl.trainer.job import failure_message, run_job, summary
+    from mm_rl.trainer.runtime import show_worker_output
 
+    show_worker_output(args.verbose)
     job = _validated_job(args.job, overrides)
     try:
         result = run_job(job)
-    except (TrainingStopped, WorkerError, CheckpointError, ConversionError) as err:
-        print(f"error: {err}\nthe last complete checkpoint is kept; run the same command again to resume from it",
-              file=sys.stderr)
+    except Exception as err:  # failure_message decides; a bug (None) keeps its traceback
+        message = failure_message(err)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume from the last checkpoint", file=sys.stderr)

@@ -9,19 +9,23 @@ save_dir/iter_{step:07d}/complete              JSON marker written last: the lay
 ```
 An iteration is built in ``save_dir/.iter_{step:07d}.tmp-<uuid>`` (every file fsync'd), closed by the marker,
 renamed into place, and only then named by the latest file; a crash at any point leaves the previous
-checkpoint as the latest loadable one. Multi-process trainers call ``stage`` (one rank; share the path),
-``write_rank`` (every rank, its own file), then ``commit`` (one rank, after a barrier); ``save`` is the same in
-one process.
+checkpoint as the latest loadable one, and a failed save (a full disk) removes its temporary directory at once.
+Multi-process trainers call ``stage`` (one rank, inside ``saving``; share the path), ``write_rank`` (every rank,
+its own file), then ``commit`` (one rank, after a barrier); ``save`` is the same in one process.
+
+Resuming never silently starts over: when iterations exist but none is complete, ``resolve_resume`` refuses
+(``CheckpointRefused``: what is wrong and the user's choices) rather than let a fresh run overwrite them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +65,16 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be saved or resumed from; the message names the path and what is wrong."""
 
 
+class CheckpointRefused(CheckpointError):
+    """``resume_mode`` names no checkpoint that can be loaded, and starting over instead would overwrite the run's
+    checkpoints: the user chooses. ``rule`` says what is wrong (paths and reasons), ``fix`` lists the choices, so
+    callers can report it in the job config's (key, value, rule, fix) form."""
+
+    def __init__(self, resume_mode: str, rule: str, fix: str) -> None:
+        super().__init__(f"resume_mode {resume_mode!r}: {rule}. Fix: {fix}")
+        self.resume_mode, self.rule, self.fix = resume_mode, rule, fix
+
+
 class CheckpointManager:
     """Saves, finds, loads and prunes the trainer's checkpoints under ``save_dir``.
 
@@ -78,16 +92,41 @@ class CheckpointManager:
              trainer_state: Mapping[str, Any]) -> Path:
         """Write every rank's state and the trainer state as iteration ``step``; returns its directory.
 
-        On an error the temporary directory is left behind, as a crash would leave it: ``cleanup_stale``
-        removes it, and ``latest`` never returns it."""
+        On an error nothing is published (see ``saving``): the previous checkpoint stays the latest."""
         if not rank_states:
             raise CheckpointError(f"save of step {step} got no rank states")
         pp_size = 1 + max(pp for _, pp in rank_states)
+        with self.saving(step) as staging:
+            for (tp, pp), state in sorted(rank_states.items()):
+                self.write_rank(staging, tp, pp, state, pp_size=pp_size)
+            self.write_trainer_state(staging, trainer_state)
+            return self.commit(staging, step, expected=set(rank_states))
+
+    @contextlib.contextmanager
+    def saving(self, step: int) -> Iterator[Path]:
+        """``stage(step)`` for a block that writes and commits the iteration. Should the block fail, the temporary
+        directory is removed at once (its partial files may be what fills the disk) and the latest file still
+        names the previous checkpoint; an OSError (disk full, read-only, no permission) becomes a
+        ``CheckpointError`` that names the path and the errno's meaning, so the user reads no traceback."""
         staging = self.stage(step)
-        for (tp, pp), state in sorted(rank_states.items()):
-            self.write_rank(staging, tp, pp, state, pp_size=pp_size)
-        self.write_trainer_state(staging, trainer_state)
-        return self.commit(staging, step, expected=set(rank_states))
+        try:
+            yield staging
+        except BaseException as err:
+            self._staging.pop(step, None)
+            shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(err, OSError):
+                raise CheckpointError(f"cannot save checkpoint step {step}: {describe_os_error(err, staging)}; the "
+                                      f"unfinished save was removed, {self._latest_text()}") from err
+            raise
+
+    def _latest_text(self) -> str:
+        try:
+            named = read_latest(self.save_dir)
+        except ConversionError:
+            named = None
+        if not isinstance(named, int):
+            return f"no checkpoint in {self.save_dir} is marked latest"
+        return f"the latest checkpoint is step {named} ({self.save_dir / iteration_name(named)})"
 
     def stage(self, step: int) -> Path:
         """The temporary directory of ``step``'s save, created on the first call (later calls return it), so
@@ -110,13 +149,15 @@ class CheckpointManager:
         path = rank_file(staging, tp, pp, pp_size)
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = {**state, "checkpoint_version": CHECKPOINT_VERSION, "iteration": _staging_step(staging)}
-        save_torch_synced(payload, path)
+        with _naming(path):
+            save_torch_synced(payload, path)
         return path
 
     def write_trainer_state(self, staging: Path, trainer_state: Mapping[str, Any]) -> Path:
         """Write ``trainer_state.pt`` (whatever the trainer needs to resume: sampler, metrics, KL, ...)."""
         path = staging / TRAINER_STATE
-        save_torch_synced(dict(trainer_state), path)
+        with _naming(path):
+            save_torch_synced(dict(trainer_state), path)
         return path
 
     def commit(self, staging: Path, step: int, expected: set[tuple[int, int]] | None = None) -> Path:
@@ -145,7 +186,7 @@ class CheckpointManager:
                  for path in sorted(staging.rglob("*")) if path.is_file() and path.name != COMPLETE}
         marker = {"step": step, "tp": tp_size, "pp": pp_size, "files": files}
         path = staging / COMPLETE
-        with open(path, "w") as f:
+        with _naming(path), open(path, "w") as f:
             json.dump(marker, f)
             f.flush()
             os.fsync(f.fileno())
@@ -180,56 +221,91 @@ class CheckpointManager:
     # ----------------------------------------------------------------------------------------- finding
     def complete_steps(self) -> list[int]:
         """The steps of every complete ``iter_NNNNNNN`` directory, oldest first."""
+        return [s for s in self._iteration_steps() if self.incomplete_reason(s) is None]
+
+    def _iteration_steps(self) -> list[int]:
+        """The steps of every ``iter_NNNNNNN`` directory, complete or not, oldest first."""
         if not self.save_dir.is_dir():
             return []
-        steps = [int(m.group(1)) for p in self.save_dir.iterdir() if (m := _ITER_RE.fullmatch(p.name))]
-        return sorted(s for s in steps if self.incomplete_reason(s) is None)
+        return sorted(int(m.group(1)) for p in self.save_dir.iterdir() if (m := _ITER_RE.fullmatch(p.name)))
 
     def incomplete_reason(self, step: int) -> str | None:
         """Why iteration ``step`` cannot be loaded, or None when it is complete."""
         return _incomplete_reason(self.save_dir / iteration_name(step))
 
     def latest(self) -> int | None:
-        """The step the latest file names if complete; otherwise (warning) the newest complete one, or None."""
+        """The step ``resume_mode: auto`` resumes from: the one the latest file names when it is complete;
+        otherwise the newest complete iteration, with a warning naming every newer one skipped and why; None when
+        nothing was saved. Iterations that exist while none is complete are refused (``CheckpointRefused``):
+        starting over would overwrite them."""
+        return self.resolve_resume("auto")
+
+    def _warn(self, step: int | None, notes: list[str]) -> int | None:
+        for note in notes:
+            logger.warning("%s; falling back to %s, the newest complete checkpoint in %s", note,
+                           iteration_name(step), self.save_dir)
+        return step
+
+    def _auto_resume(self) -> tuple[int | None, list[str]]:
+        """(step, one note for each thing passed over on the way to it), or the refusal."""
         try:
-            named = read_latest(self.save_dir)
+            named, problem = read_latest(self.save_dir), None
         except ConversionError as err:
-            named, problem = None, str(err)
+            named, problem = None, f"the latest file: {err}"
         else:
             problem = None if named is None else self._latest_problem(named)
         if named is not None and problem is None:
-            return int(named)
-        steps = self.complete_steps()
-        if problem is not None or (named is None and steps):
-            why = problem or f"{self.save_dir / LATEST} is missing"
-            logger.warning("%s; falling back to %s", why,
-                           iteration_name(steps[-1]) if steps else "no checkpoint (none is complete)")
-        return steps[-1] if steps else None
+            return int(named), []
+        complete = self.complete_steps()
+        newest = complete[-1] if complete else None
+        passed = [problem] if problem else []
+        passed += [f"checkpoint step {s}: {self.incomplete_reason(s)}" for s in self._iteration_steps()
+                   if s != named and s > (-1 if newest is None else newest) and s not in complete]
+        if newest is None and passed:
+            raise CheckpointRefused("auto", f"{self.save_dir} holds no complete checkpoint to resume from: "
+                                    + "; ".join(passed), self._choices())
+        notes = [f"skipping {why}" for why in passed]
+        if named is None and newest is not None and problem is None:
+            notes.insert(0, f"{self.save_dir / LATEST} is missing")
+        return newest, notes
 
     def _latest_problem(self, named: int | str) -> str | None:
         if not isinstance(named, int):
-            return f"the latest file in {self.save_dir} names {named!r}, not a training step"
+            return f"the latest file: {self.save_dir / LATEST} names {named!r}, not a training step"
         reason = self.incomplete_reason(named)
-        return None if reason is None else f"the latest file names step {named}, but {reason}"
+        return None if reason is None else f"checkpoint step {named} (the latest file names it): {reason}"
+
+    def _choices(self) -> str:
+        """What a user can set ``resume_mode`` to instead, naming the complete iterations (newest first)."""
+        complete = [str(self.save_dir / iteration_name(s)) for s in reversed(self.complete_steps())]
+        shown = ", ".join(complete[:3]) + (f" and {len(complete) - 3} older" if len(complete) > 3 else "")
+        return ("set it to 'disable' to start over from step 0 (metrics are cut back and the checkpoints replaced), "
+                "or to the path of a complete iter_NNNNNNN directory to resume from it ("
+                + (f"complete: {shown})" if complete else f"none in {self.save_dir} is complete)"))
 
     def resolve_resume(self, resume_mode: str) -> int | None:
-        """The step to resume from: "auto" (latest complete, or None), "disable" (None), or the path of an
-        ``iter_NNNNNNN`` directory inside ``save_dir`` that must be complete."""
+        """The step to resume from: "auto" (see ``latest``), "disable" (None), or the path of an ``iter_NNNNNNN``
+        directory inside ``save_dir`` that must be complete (else ``CheckpointRefused``)."""
+        return self._warn(*self.resume_point(resume_mode))
+
+    def resume_point(self, resume_mode: str) -> tuple[int | None, list[str]]:
+        """``resolve_resume`` without logging: the step and a note on each newer checkpoint passed over."""
         if resume_mode == "auto":
-            return self.latest()
+            return self._auto_resume()
         if resume_mode == "disable":
-            return None
+            return None, []
         path = Path(resume_mode)
         match = _ITER_RE.fullmatch(path.name)
         if match is None:
-            raise CheckpointError(f"resume {resume_mode!r} is neither 'auto', 'disable' nor an iter_NNNNNNN "
-                                  "checkpoint directory")
+            raise CheckpointRefused(resume_mode, "it is neither 'auto', 'disable' nor an iter_NNNNNNN checkpoint "
+                                    "directory", self._choices())
         if path.parent.resolve() != self.save_dir.resolve():
-            raise CheckpointError(f"resume checkpoint {path} is not inside the save directory {self.save_dir}")
+            raise CheckpointRefused(resume_mode, f"checkpoint {path} is not inside the save directory "
+                                    f"{self.save_dir}", f"set save to {path.parent}, or {self._choices()}")
         reason = _incomplete_reason(path)
         if reason is not None:
-            raise CheckpointError(f"resume checkpoint {path} is not a complete checkpoint: {reason}")
-        return int(match.group(1))
+            raise CheckpointRefused(resume_mode, f"{path} is not a complete checkpoint: {reason}", self._choices())
+        return int(match.group(1)), []
 
     # ----------------------------------------------------------------------------------------- loading
     def load(self, step: int, tp: int, pp: int, load_optim: bool = True, load_rng: bool = True) -> dict[str, Any]:
@@ -271,17 +347,45 @@ def _incomplete_reason(directory: Path) -> str | None:
     is written after the files are flushed, so a size match means the whole file reached the disk)."""
     if not directory.is_dir():
         return f"{directory} does not exist"
+    marker_path = directory / COMPLETE
+    if not marker_path.exists():
+        return f"{directory} has no '{COMPLETE}' marker (a save that did not finish, or not written by mm_rl)"
     try:
-        marker = json.loads((directory / COMPLETE).read_text())
+        marker = json.loads(marker_path.read_text())
         files = marker["files"]
         _ = marker["tp"], marker["pp"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{directory} has no valid '{COMPLETE}' marker (a save that did not finish)"
+    except OSError as err:
+        return f"{marker_path} cannot be read ({describe_os_error(err)})"
+    except (ValueError, KeyError, TypeError):
+        return f"{marker_path} is damaged (not the JSON a save writes)"
     for name, size in files.items():
         path = directory / name
-        if not path.is_file() or path.stat().st_size != size:
-            return f"{path} is missing or truncated"
+        if not path.is_file():
+            top = directory / Path(name).parts[0]
+            return f"{top} is missing" if not top.exists() else f"{path} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{path} is {'truncated' if actual < size else 'altered'} ({actual} bytes, its marker says {size})"
     return None
+
+
+def describe_os_error(err: OSError, path: str | os.PathLike[str] | None = None) -> str:
+    """"no space left on device: <path>": the errno's meaning and the path (``path`` when the error names none:
+    a full disk fails a write, not an open), as a user reads it, instead of a traceback."""
+    what = os.strerror(err.errno).lower() if err.errno else (str(err) or type(err).__name__)
+    where = err.filename if err.filename is not None else path
+    return f"{what}: {where}" if where is not None else what
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An OSError raised inside names ``path`` when the failing call did not."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None:
+            err.filename = str(path)
+        raise
 
 
 def _rank_dirs(staging: Path) -> dict[str, tuple[int, int]]:

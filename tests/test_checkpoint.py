@@ -88,22 +88,20 @@ def test_pp_file_names(tmp_path):
 
 
 def test_crash_in_commit_keeps_previous_latest(tmp_path, monkeypatch):
+    """A save that fails in the trainer's process removes its temporary directory at once (a killed one leaves it
+    for cleanup_stale: see the SIGKILL test); either way the previous checkpoint stays the latest."""
     mgr = CheckpointManager(tmp_path, keep_last=0)
     mgr.save(1, states(1), trainer_state(1))
 
     def crash(*args, **kwargs):
-        raise OSError("simulated crash")
+        raise RuntimeError("simulated crash")
 
     monkeypatch.setattr(mgr, "_write_marker", crash)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(RuntimeError, match="simulated"):
         mgr.save(2, states(2), trainer_state(2))
-    staging = [p for p in tmp_path.iterdir() if p.name.startswith(".iter_0000002.tmp-")]
-    assert len(staging) == 1 and (staging[0] / "mp_rank_01" / "model_optim_rng.pt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "1"
-    assert not (tmp_path / "iter_0000002").exists()
     assert mgr.latest() == 1 and mgr.complete_steps() == [1]
-    assert CheckpointManager(tmp_path, keep_last=0).cleanup_stale() == staging
-    assert not staging[0].exists()
     assert_same(states(1)[(0, 0)]["model"], mgr.load(1, 0, 0)["model"])
 
 

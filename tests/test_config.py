@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+from job_inputs import write_data_dir, write_hf_dir
 
 from mm_rl.config.loader import ConfigError, all_key_paths, compose, load_job, parse_overrides, to_job
 from mm_rl.config.schema import defaults
@@ -266,10 +267,8 @@ def test_error_names_key_value_rule_and_fix():
 
 
 def _paths(tmp_path, **extra):
-    hf = tmp_path / "hf"
-    hf.mkdir(exist_ok=True)
-    data = tmp_path / "data"
-    data.mkdir(exist_ok=True)
+    hf = write_hf_dir(tmp_path / "hf")
+    data = write_data_dir(tmp_path / "data")
     return job(f"backend_config.megatron_training.tokenizer_name_or_path={hf}",
                f"backend_config.data.dataset_param.basic_parameters.dataset_dir={data}",
                f"af_output_dir={tmp_path / 'out'}", *[f"{k}={v}" for k, v in extra.items()])

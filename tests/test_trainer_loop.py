@@ -19,6 +19,7 @@ from mm_rl.config.loader import load_job
 from mm_rl.rewards.worker import RewardResult
 from mm_rl.rollout.base import BatchTiming, RolloutOutput, RolloutOutputs, RolloutRequest, RolloutSample
 from mm_rl.sync.driver import SyncReport
+from mm_rl.trainer.generations import GENERATIONS_FILE, pick
 from mm_rl.trainer.grpo import GRPOTrainer, TrainingStopped, sampling_seed
 from mm_rl.trainer.metrics import METRICS_FILE, read_metrics
 from mm_rl.trainer.roles import RolloutReady
@@ -54,6 +55,12 @@ class FakePrompts:
 
     def ground_truth(self, index, split="train"):
         return "1"
+
+    def prompt_text(self, index, split="train"):
+        return f"{split} question {index}"
+
+    def row_id(self, index, split="train"):
+        return index + 10
 
     def decode(self, responses):
         return [" ".join(map(str, r)) for r in responses]
@@ -187,14 +194,16 @@ def test_resume_restores_the_bookkeeping_and_cuts_the_metrics(tmp_path):
     first.fit()  # checkpoints at steps 2 and 3; step 3 had a skipped update
     state = first.prompts.state_dict(), first.kl_ctrl.state_dict(), first.nonfinite_in_a_row
     assert state[2] == 1
-    with open(tmp_path / METRICS_FILE, "a") as f:
-        f.write('{"step": 4, "reward/score": 0.0}\n')  # a step past the checkpoint (a killed run)
+    for name in (METRICS_FILE, GENERATIONS_FILE):
+        with open(tmp_path / name, "a") as f:
+            f.write('{"step": 4, "reward/score": 0.0}\n')  # a step past the checkpoint (a killed run)
     roles = FakeRoles(2, rewards)
     again = _trainer(job, roles)
     assert again.resume() == 3
     assert roles.calls == [("load", Path(job.backend_config.megatron_training.save), 3, )]
     assert (again.prompts.state_dict(), again.kl_ctrl.state_dict(), again.nonfinite_in_a_row) == state
     assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(tmp_path / GENERATIONS_FILE)] == [1, 1, 2, 2, 3, 3]  # 2 prompts a step
     assert again.fit() == []  # already at train_iters
 
     other = _trainer(job, FakeRoles(2, rewards, grid=(2, 1)))
@@ -286,3 +295,37 @@ def test_bypass_mode_takes_the_engine_log_probs_as_the_old_ones_without_the_acto
     assert (_response_values(roles, "old_log_probs") == 0.0).all()  # the engine's, not the actor's -0.5
     assert "engine_log_probs" not in roles.trained[0]  # auto resolves to off: nothing left to correct
     assert "timing/old_logp" not in metrics and metrics["rollout/logprob_gap_max"] == 0.0
+
+
+def test_generations_log_samples_prompts_per_step_and_every_validation_prompt(tmp_path):
+    """generations_per_step 1 of 2 prompts: one record per train step with both responses (reward, accuracy,
+    length, finish, advantage); every validation prompt at the validation step; the same to TensorBoard text."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    job = _job(tmp_path, "--backend_config.megatron_training.train_iters=2", "--backend_config.rl_config.val_freq=2",
+               "--logger.generations_per_step=1")
+    _trainer(job, FakeRoles(2, lambda s, uid, k: 0.25 * (k + 1))).fit()
+    records = read_metrics(tmp_path / GENERATIONS_FILE)
+    assert [(r["step"], r["split"], r["row"]) for r in records] == [
+        (1, "train", 10), (2, "train", 12), (2, "val", 1010), (2, "val", 1011)]
+    first = records[0]
+    assert first["prompt"] == "train question 0" and first["ground_truth"] == "1"
+    assert [(g["reward"], g["accuracy"], g["length"], g["finish"]) for g in first["responses"]] == [
+        (0.25, 0.25, 2, "stop"), (0.5, 0.5, 2, "stop")]
+    assert first["responses"][0]["advantage"] < 0 < first["responses"][1]["advantage"]
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    assert {"generations/train/text_summary", "generations/val/text_summary"} <= set(events.Tags()["tensors"])
+    text = events.Tensors("generations/train/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "train question 0" in text and "reward 0.500" in text
+
+
+def test_generations_log_is_off_at_zero(tmp_path):
+    job = _job(tmp_path, "--backend_config.megatron_training.train_iters=1", "--logger.generations_per_step=0")
+    _trainer(job, FakeRoles(2, lambda s, uid, k: float(k))).fit()
+    assert not (tmp_path / GENERATIONS_FILE).exists()
+
+
+def test_generation_groups_are_picked_evenly_and_reproducibly():
+    groups = [[i] for i in range(10)]
+    assert pick(groups, 3) == [[0], [4], [9]] and pick(groups, 1) == [[0]]
+    assert pick(groups, 0) == [] and pick(groups, 20) == groups

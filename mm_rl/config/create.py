@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from mm_rl.config.loader import ConfigError, Violation, parse_overrides, to_job, unknown_keys
-from mm_rl.config.plan import ParallelPlan, batch_sizes, current_plan, plan_parallel
+from mm_rl.config.loader import ConfigError, Violation, check_job, read_layers, relative_note, to_job
+from mm_rl.config.plan import DEFAULT_DEVICE_MEMORY_GB, ParallelPlan, batch_sizes, current_plan, plan_parallel
 from mm_rl.config.presets import BACKENDS, Preset, load_preset, model_names
 from mm_rl.config.schema import JobConfig, defaults
 from mm_rl.config.validate import validate
@@ -24,11 +25,27 @@ class ClusterSpec:
     device: str = "cpu"
     device_memory_gb: float | None = None
 
+    def problems(self) -> list[Violation]:
+        """Flags that describe no cluster: the planner needs at least one device of some memory."""
+        out = [Violation(flag, n, "must be at least 1", f"give the number of {what}, e.g. {flag} {example}")
+               for flag, n, what, example in (("--nnodes", self.nnodes, "machines", 2),
+                                              ("--nproc_per_node", self.nproc_per_node, "devices per machine", 8))
+               if n < 1]
+        if self.device_memory_gb is not None and self.device_memory_gb <= 0:
+            default = DEFAULT_DEVICE_MEMORY_GB.get(self.device)
+            out.append(Violation("--device_memory_gb", self.device_memory_gb, "must be > 0 (one device's memory)",
+                                 f"give it in GiB, or leave the flag out (default for {self.device}: {default} GiB)"))
+        return out
+
+
+MAX_NODES = 64  # how far a plan that does not fit looks for a node count that does
+
 
 def create_job(model_name: str, exp_name: str, cluster: ClusterSpec, model_path: str | None = None,
-               dataset_dir: str | None = None, overrides: Sequence[str] = (),
-               backend: str = "mm_rl") -> tuple[DictConfig, JobConfig, ParallelPlan]:
-    """The composed (unresolved) job, its typed form and its parallel plan; ConfigError on any problem."""
+               dataset_dir: str | None = None, overrides: Sequence[str] = (), backend: str = "mm_rl",
+               allow_oversubscribe: bool = True) -> tuple[DictConfig, JobConfig, ParallelPlan]:
+    """The composed (unresolved) job, its typed form and its parallel plan; ConfigError on any problem, and, unless
+    ``allow_oversubscribe``, when the plan's memory estimate exceeds the device."""
     if backend not in BACKENDS:
         raise ConfigError([Violation("--backend", backend, "unknown backend", f"use one of: {', '.join(BACKENDS)}")])
     try:
@@ -36,18 +53,44 @@ def create_job(model_name: str, exp_name: str, cluster: ClusterSpec, model_path:
     except KeyError:
         raise ConfigError([Violation("--af_model_name", model_name, "unknown model",
                                      f"use one of: {', '.join(model_names())}")]) from None
+    if problems := cluster.problems():
+        raise ConfigError(problems)
     node = _compose(preset, exp_name, cluster, model_path, dataset_dir)
     _apply_plan(node, preset)
-    user = OmegaConf.from_dotlist(parse_overrides(overrides))
-    problems = unknown_keys(user)
-    if problems:
-        raise ConfigError(problems)
-    node = typing.cast(DictConfig, OmegaConf.merge(node, user))
-    job = to_job(node)
-    problems = validate(job, check_paths=False)
-    if problems:
-        raise ConfigError(problems)
-    return node, job, current_plan(job)
+    node, job = check_job(node, read_layers(None, overrides), lambda cfg: validate(cfg, check_paths=False))
+    plan = current_plan(job)
+    if not (plan.fits or allow_oversubscribe):
+        def plan_for(nodes: int) -> ParallelPlan:
+            bigger = dataclasses.replace(cluster, nnodes=nodes)
+            return create_job(model_name, exp_name, bigger, model_path, dataset_dir, overrides, backend)[2]
+
+        raise ConfigError([_oversubscribed(plan, cluster.nnodes, plan_for)])
+    return node, job, plan
+
+
+def _oversubscribed(plan: ParallelPlan, nnodes: int, plan_for: Callable[[int], ParallelPlan]) -> Violation:
+    """The refusal of a plan estimated above the device memory, naming the smallest node count (doubling, up to
+    ``MAX_NODES``) whose plan is estimated to fit."""
+    fitting = next((n for n in _more_nodes(nnodes) if _fits(plan_for, n)), None)
+    more = (f"use more nodes: --nnodes {fitting} is estimated to fit" if fitting else
+            f"no plan of up to {MAX_NODES} nodes is estimated to fit: lower seq-length or micro_batch_size")
+    return Violation("--nnodes", nnodes, f"the plan's memory estimate is {plan.peak:.0f} GiB per device, more than "
+                     f"a device's {plan.device_memory_gb:.0f} GiB (--device_memory_gb)",
+                     f"{more}; or pass --allow-oversubscribe to write the yaml anyway")
+
+
+def _more_nodes(nnodes: int) -> Iterator[int]:
+    n = nnodes * 2
+    while n <= MAX_NODES:
+        yield n
+        n *= 2
+
+
+def _fits(plan_for: Callable[[int], ParallelPlan], nodes: int) -> bool:
+    try:
+        return plan_for(nodes).fits
+    except ConfigError:  # the user's overrides (a fixed TP, say) may not suit that many nodes
+        return False
 
 
 def _compose(preset: Preset, exp_name: str, cluster: ClusterSpec, model_path: str | None,
@@ -87,9 +130,31 @@ def _apply_plan(node: DictConfig, preset: Preset) -> None:
 
 
 def write_job(node: DictConfig, plan: ParallelPlan, path: str | Path, model_name: str) -> Path:
+    """The commented yaml at ``path`` (``--output_file_path``); a ConfigError when it cannot be written."""
+    path = Path(path)
     header = (f"mm_rl job: {model_name}, written by `ascendfactory-cli config`.\n"
               "Keys marked ${...} follow another key: change the source once.\n"
               "Must edit for a real run: backend_config.megatron_training.tokenizer_name_or_path,\n"
               "backend_config.data.dataset_param.basic_parameters.dataset_dir, af_output_dir.\n"
               + plan.describe())
-    return write_job_yaml(node, path, header)
+    if path.is_dir():
+        raise _unwritable(path, f"it is a directory (name a file in it, e.g. {path / 'job.yaml'})")
+    try:
+        return write_job_yaml(node, path, header)
+    except OSError as err:
+        raise _unwritable(path, _why_unwritable(path, err)) from None
+
+
+def _unwritable(path: Path, why: str) -> ConfigError:
+    return ConfigError([Violation("--output_file_path", str(path), f"cannot be written{relative_note(path)}: {why}",
+                                  "choose a file in a directory you can write to")])
+
+
+def _why_unwritable(path: Path, err: OSError) -> str:
+    """The cause in the user's terms: a file where a directory is needed reads "File exists" in ``err``."""
+    existing = path.absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    return f"{err.strerror}: {err.filename}" if err.strerror and err.filename else str(err)

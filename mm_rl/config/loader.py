@@ -1,16 +1,20 @@
 """Load a job yaml: schema defaults <- yaml <- ``--a.b.c=value`` overrides, ``${...}`` resolved, types checked.
 
 Every problem is collected (unknown keys with the nearest valid key, values of the wrong type, interpolations
-that do not resolve) and raised together as one ``ConfigError``, before anything expensive starts.
+that do not resolve, followers set apart from the key they repeat) and raised together as one ``ConfigError``,
+before anything expensive starts. ``check_job`` adds the validation rules to the same error: a broken key does not
+hide them.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import re
 import types
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +34,7 @@ class Violation:
     rule: str
     fix: str
     via: str | None = dataclasses.field(default=None, compare=False, repr=False)  # the ${...} it came through
+    meant: str | None = dataclasses.field(default=None, compare=False, repr=False)  # an unknown key's likely meaning
 
     def __str__(self) -> str:
         return f"{self.key} = {self.value!r}: {self.rule}. Fix: {self.fix}"
@@ -61,13 +66,21 @@ def parse_overrides(args: Sequence[str]) -> list[str]:
     return out
 
 
-def compose(path: str | Path | None = None, overrides: Sequence[str] = ()) -> DictConfig:
-    """Schema defaults <- yaml file <- overrides, unresolved (``${...}`` kept, as a user would write it)."""
+def relative_note(path: str | Path) -> str:
+    """Where a relative path is looked up, for messages: nothing resolves the job's paths against the yaml's
+    directory; the rules and ``submit`` take them from the current working directory."""
+    if Path(path).is_absolute():
+        return ""
+    return f" (relative to the current working directory, {Path.cwd()})"
+
+
+def read_layers(path: str | Path | None = None, overrides: Sequence[str] = ()) -> list[DictConfig]:
+    """The yaml file and the overrides as unmerged layers; a ConfigError only for what cannot be read at all."""
     layers: list[DictConfig] = []
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError([Violation("job yaml", str(path), "file not found",
+            raise ConfigError([Violation("job yaml", str(path), f"file not found{relative_note(path)}",
                                          "pass an existing yaml, or write one with `ascendfactory-cli config`")])
         try:
             loaded = OmegaConf.load(path)
@@ -83,6 +96,12 @@ def compose(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Di
     except OmegaConfBaseException as err:
         raise ConfigError([Violation("overrides", list(overrides), str(err).splitlines()[0],
                                      "write --a.b.c=VALUE")]) from None
+    return layers
+
+
+def compose(path: str | Path | None = None, overrides: Sequence[str] = ()) -> DictConfig:
+    """Schema defaults <- yaml file <- overrides, unresolved (``${...}`` kept, as a user would write it)."""
+    layers = read_layers(path, overrides)
     problems = [v for layer in layers for v in unknown_keys(layer)]
     if problems:
         raise ConfigError(problems)
@@ -92,6 +111,34 @@ def compose(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Di
 def load_job(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
     """Compose, resolve and type-check a job; raises ConfigError listing every problem."""
     return to_job(compose(path, overrides))
+
+
+Rules = Callable[[JobConfig], Iterable[Violation]]
+
+
+def load_checked(path: str | Path | None, overrides: Sequence[str], rules: Rules) -> tuple[DictConfig, JobConfig]:
+    """``compose``, ``to_job`` and ``rules`` in one pass: one ConfigError with every problem (see ``check_job``)."""
+    return check_job(OmegaConf.create(defaults()), read_layers(path, overrides), rules)
+
+
+def check_job(base: DictConfig, layers: Sequence[DictConfig], rules: Rules) -> tuple[DictConfig, JobConfig]:
+    """``base`` (the schema defaults, or a planned job) with the user's ``layers`` merged on top, and its job; else
+    one ConfigError holding every problem of the layers and every rule violation.
+
+    A broken key (unknown, of the wrong type, unresolvable, a changed follower) does not hide the rules: the rules
+    run on the job with ``base``'s values in place of the broken ones (an unknown key's likely meaning keeps its
+    ``base`` value too), and only the violations at a broken key, or at a key that follows one through ``${...}``,
+    are dropped: they would judge a value the user did not give.
+    """
+    found = [v for layer in layers for v in unknown_keys(layer)]
+    node = typing.cast(DictConfig, OmegaConf.merge(base, *layers))
+    job, problems, broken = _repair(node, base)
+    found += problems
+    hidden = _dependents(node, broken | {v.meant for v in found if v.meant})
+    found += [v for v in rules(job) if not _within(v.key, hidden)]
+    if found:
+        raise ConfigError(found)
+    return node, job
 
 
 def to_job(node: DictConfig) -> JobConfig:
@@ -157,7 +204,7 @@ def unknown_keys(node: DictConfig, cls: type = JobConfig, prefix: str = "") -> l
         if field is None:
             guess = suggest(path, list(fields))
             fix = f"did you mean '{guess}'?" if guess else f"valid keys here: {', '.join(fields)}"
-            problems.append(Violation(path, _raw(node, key), "unknown key", fix))
+            problems.append(Violation(path, _raw(node, key), "unknown key", fix, meant=guess or None))
             continue
         sub = node._get_node(key)
         if dataclasses.is_dataclass(hints[field.name]) and isinstance(sub, DictConfig):
@@ -168,6 +215,103 @@ def unknown_keys(node: DictConfig, cls: type = JobConfig, prefix: str = "") -> l
 def _raw(node: DictConfig, key: Any) -> Any:
     value = node._get_node(key)
     return OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value._value()
+
+
+# ------------------------------------------------------------------------------------------ followers
+def followers(cls: type = JobConfig, prefix: str = "") -> dict[str, str]:
+    """Each key that repeats another (a ``ref`` to a plain ``${key}``), with the key it repeats. A ``ref`` with a
+    template (``${af_output_dir}/ckpt``) only derives a default and may be set freely."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{yaml_key(f)}"
+        plain = re.fullmatch(r"\$\{(\.?)([^${}]+)\}", f.metadata.get("ref", ""))
+        if plain:
+            out[path] = (prefix if plain[1] else "") + plain[2]
+        if dataclasses.is_dataclass(hints[f.name]):
+            out |= followers(hints[f.name], path + ".")
+    return out
+
+
+FOLLOWERS = followers()
+
+
+def source_of(key: str) -> str:
+    """The key where a repeated value is set (followed through followers of followers)."""
+    while key in FOLLOWERS:
+        key = FOLLOWERS[key]
+    return key
+
+
+def _changed_follower(job: JobConfig, key: str) -> Violation:
+    source = source_of(key)
+    return Violation(key, _get(job, key), f"repeats {source} = {_get(job, source)!r}, which is where this value is set",
+                     f"set {source} instead, and remove {key} from the yaml / overrides so that it follows")
+
+
+def _get(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, {yaml_key(f): f.name for f in dataclasses.fields(obj)}[part])
+    return obj
+
+
+# ------------------------------------------------------------------------- repairing, what depends on what
+_REPAIR_ROUNDS = 8  # types, then followers, then followers of reset followers: a few rounds settle any job
+
+
+def _repair(node: DictConfig, base: DictConfig) -> tuple[JobConfig, list[Violation], set[str]]:
+    """The job of ``node`` with each broken value (wrong type, unresolvable, a follower set apart from its source)
+    taken from ``base`` instead, the problems found, and the keys so reset."""
+    fixed = copy.deepcopy(node)
+    found: list[Violation] = []
+    broken: set[str] = set()
+    for _ in range(_REPAIR_ROUNDS):
+        problems: list[Violation] = []
+        job = _build(JobConfig, fixed, "", problems)
+        reset = [v.key for v in problems]
+        if not problems:  # followers are compared once every value has its type
+            reset = [k for k, s in FOLLOWERS.items() if _get(job, k) != _get(job, s)]
+            # a follower of a broken source is only reset: its source's own error speaks
+            problems = [_changed_follower(job, k) for k in reset if not _within(source_of(k), broken)]
+        if not reset:
+            return job, _drop_echoes(found), broken
+        found += problems
+        broken.update(reset)
+        for key in reset:
+            parent, _, leaf = key.rpartition(".")
+            OmegaConf.update(fixed, key, _raw(OmegaConf.select(base, parent) if parent else base, leaf), merge=False)
+    raise ConfigError(_drop_echoes(found))
+
+
+def _references(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """(key, key it interpolates) for every ``${...}`` in ``node``; relative ones (``${.x}``) made absolute."""
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if isinstance(node._get_node(key), DictConfig):
+            yield from _references(typing.cast(DictConfig, node._get_node(key)), path + ".")
+            continue
+        for ref in re.findall(r"\$\{([^${}:]+)\}", str(_raw(node, key))):
+            name = ref.lstrip(".")
+            up = len(ref) - len(name)
+            parts = prefix.split(".")[:-1]
+            yield path, ".".join([*(parts[:len(parts) - up + 1] if up else []), name])
+
+
+def _dependents(node: DictConfig, keys: set[str]) -> set[str]:
+    """``keys`` and every key of ``node`` that interpolates one of them, directly or through others."""
+    refs = list(_references(node))
+    out = set(keys)
+    grown = True
+    while grown:
+        new = {key for key, source in refs if key not in out and _within(source, out)}
+        out |= new
+        grown = bool(new)
+    return out
+
+
+def _within(key: str, keys: set[str]) -> bool:
+    """``key`` is one of ``keys`` or lies in a section among them."""
+    return any(key == k or key.startswith(k + ".") for k in keys)
 
 
 # ------------------------------------------------------------------------------------ typed building

@@ -246,8 +246,13 @@ class ParallelPlan:
     offload: tuple[str, ...] = ()  # what the actor offloads while a colocated engine generates (offload_train_*)
 
     @property
+    def peak(self) -> float:
+        """GiB of the most loaded device, in its heavier phase."""
+        return max(m.total for m in self.memory)
+
+    @property
     def fits(self) -> bool:
-        return max(m.total for m in self.memory) <= self.device_memory_gb
+        return self.peak <= self.device_memory_gb
 
     def describe(self) -> str:
         lines = [f"parallel layout: world {self.tp * self.pp * self.dp} = TP {self.tp} x PP {self.pp} x DP {self.dp}"
@@ -260,9 +265,8 @@ class ParallelPlan:
         if self.offload:
             lines.append("colocated rollout: the actor offloads its " + ", ".join(self.offload)
                          + " while the engine generates (actor_config.offload_train_*)")
-        peak = max(m.total for m in self.memory)
         if not self.fits:
-            lines.append(f"WARNING: the estimate ({peak:.1f} GiB) exceeds the device memory "
+            lines.append(f"WARNING: the estimate ({self.peak:.1f} GiB) exceeds the device memory "
                          f"({self.device_memory_gb:.0f} GiB): raise TP/PP, enable use-distributed-optimizer, "
                          "lower seq-length or micro_batch_size; in the rollout phase, set actor_config."
                          "offload_train_* or lower generate_config.gpu_memory_utilization")
@@ -292,15 +296,42 @@ def with_offload(cfg: JobConfig, kinds: tuple[str, ...]) -> JobConfig:
     return out
 
 
-def tp_candidates(cfg: JobConfig) -> list[int]:
-    """TP sizes within one node that divide every sharded dimension."""
-    m = cfg.backend_config.model
-    text, vit = m.text_decoder, m.image_encoder.vision_encoder
+_TEXT = "backend_config.model.text_decoder"
+_VIT = "backend_config.model.image_encoder.vision_encoder"
+
+
+def sharded_sizes(cfg: JobConfig) -> dict[str, int]:
+    """Each size TP splits, by key (TP must divide every one): the attention heads, the key/value groups, the MLP
+    widths and the vocab (fixed by the checkpoint). Groups that do not divide the heads are left out: they are wrong
+    on their own (``query_groups_divide_heads``), and a TP fitted to them would be wrong too."""
+    text, vit = cfg.backend_config.model.text_decoder, cfg.backend_config.model.image_encoder.vision_encoder
+    sizes = {f"{_TEXT}.num_attention_heads": text.num_attention_heads, f"{_TEXT}.ffn_hidden_size": text.ffn_hidden_size,
+             f"{_VIT}.num_attention_heads": vit.num_attention_heads, f"{_VIT}.ffn_hidden_size": vit.ffn_hidden_size,
+             f"{_TEXT}.vocab_size": text.vocab_size}
     groups = text.num_query_groups if text.group_query_attention else text.num_attention_heads
-    dims = (text.num_attention_heads, groups, text.ffn_hidden_size, vit.num_attention_heads, vit.ffn_hidden_size,
-            text.vocab_size)
-    return [tp for tp in range(1, cfg.env.NPROC_PER_NODE + 1)
-            if cfg.env.NPROC_PER_NODE % tp == 0 and all(d % tp == 0 for d in dims)]
+    if groups >= 1 and text.num_attention_heads % groups == 0:
+        sizes[f"{_TEXT}.num_query_groups"] = groups
+    return sizes
+
+
+def tp_choices(cfg: JobConfig, limit: int = 64) -> list[int]:
+    """Every TP up to ``limit`` that all the divisibility rules accept: it divides each sharded size, the vocab
+    divides by make-vocab-size-divisible-by x TP, and the heads by context-parallel-size x TP (Ulysses). A rule
+    whose other factor is already wrong on its own (e.g. a padding unit that does not divide the vocab) is left to
+    its own error rather than leaving no TP at all."""
+    t, text = cfg.backend_config.training, cfg.backend_config.model.text_decoder
+    limits = list(sharded_sizes(cfg).values())
+    for total, factor in ((text.vocab_size, t.make_vocab_size_divisible_by),
+                          (text.num_attention_heads, t.context_parallel_size)):
+        if factor >= 1 and total % factor == 0:
+            limits.append(total // factor)
+    return [tp for tp in range(1, limit + 1) if all(n % tp == 0 for n in limits)]
+
+
+def tp_candidates(cfg: JobConfig) -> list[int]:
+    """TP sizes within one node (dividing its device count) that the divisibility rules accept."""
+    nproc = cfg.env.NPROC_PER_NODE
+    return [tp for tp in tp_choices(cfg, nproc) if nproc % tp == 0]
 
 
 def with_layout(cfg: JobConfig, tp: int, pp: int, vit_layers: list[int], llm_layers: list[int]) -> JobConfig:
@@ -342,7 +373,7 @@ def plan_parallel(cfg: JobConfig) -> ParallelPlan:
             if plan.fits:
                 return plan
             plans.append(plan)
-    return min(plans, key=lambda p: max(m.total for m in p.memory))
+    return min(plans, key=lambda p: p.peak)
 
 
 def batch_sizes(dp: int, micro_batch_size: int, n_samples: int, target_gbs: int,

@@ -368,6 +368,11 @@ class RLConfig:
                                     "(rollouts one weight version behind; needs a separate engine)")
     max_consecutive_nonfinite: int = opt(3, "stop after this many steps in a row with NaN/inf loss or grads")
 
+    @property
+    def validates(self) -> bool:
+        """Validation runs at all (every val_freq steps or before training): the job needs its val split."""
+        return self.val_freq > 0 or self.val_before_train
+
 
 @dataclass
 class SamplingConfig:
@@ -417,6 +422,9 @@ class LoggerConfig:
     wandb: bool = opt(False, "also log to Weights & Biases (needs `pip install wandb` and a login)")
     swanlab: bool = opt(False, "also log to SwanLab (needs `pip install swanlab`)")
     project: str = opt("mm_rl", "wandb / swanlab project; the run is named after exp_name")
+    generations_per_step: int = opt(2, "prompts per step whose n responses (reward, accuracy, length) go to "
+                                       "af_output_dir/generations.jsonl and TensorBoard text, besides every "
+                                       "validation generation; 0: none")
 
 
 @dataclass

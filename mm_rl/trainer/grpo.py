@@ -33,6 +33,7 @@ import torch
 from mm_rl.config.schema import JobConfig
 from mm_rl.rollout.base import FinishReason, RolloutOutputs
 from mm_rl.trainer.batch import Sample, micro_batches, padded, response_values
+from mm_rl.trainer.generations import GENERATIONS_FILE, GenerationLog
 from mm_rl.trainer.prompts import PromptSource
 from mm_rl.trainer.roles import PendingRollout, Role, Roles, RolloutReady
 
@@ -122,6 +123,7 @@ class GRPOTrainer:
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.pending: PendingBatch | None = None  # a rollout batch started ahead (one-step-off-policy)
+        self.generations: GenerationLog | None = None  # open while fit() runs
 
     # ------------------------------------------------------------------------------------------------ loop
     def fit(self) -> list[dict[str, float]]:
@@ -133,7 +135,8 @@ class GRPOTrainer:
         history: list[dict[str, float]] = []
         log = self.job.logger
         with MetricsLogger(self.out_dir, tensorboard=log.tensorboard, wandb=log.wandb, swanlab=log.swanlab,
-                           run_name=self.job.exp_name, project=log.project) as sink:
+                           run_name=self.job.exp_name, project=log.project) as sink, \
+                GenerationLog(self.out_dir, log.generations_per_step, self.prompts, sink) as self.generations:
             if self.rl.val_before_train and self.step == 0:
                 metrics = self.validate(0)
                 sink.log(0, metrics)
@@ -184,6 +187,7 @@ class GRPOTrainer:
                 self._log_probs("reference", samples, "ref_log_probs")
         with timer("advantages"):
             metrics.update(self.compute_advantages(samples))
+        self._log_generations(step, "train", samples)
         with timer("update"):
             metrics.update(self.update(samples))
         timer.seconds["step"] = time.perf_counter() - start
@@ -418,10 +422,16 @@ class GRPOTrainer:
         samples = [self.make_sample(index, out.prompt_ids, s.response_ids, s.finish_reason, None, split="val")
                    for index, out in zip(indices, outputs, strict=True) for s in out.samples]
         metrics = self.score(samples)
+        self._log_generations(step, "val", samples)
         metrics.update(_sample_metrics(samples, self.generate_cfg.val_sampling_config.max_tokens))
         out = {f"val/{k}": v for k, v in metrics.items() if k.startswith(("reward/", "response_length/"))}
         out["timing/validation"] = time.perf_counter() - start
         return out
+
+    def _log_generations(self, step: int, split: str, samples: Sequence[Sample]) -> None:
+        """To generations.jsonl when :meth:`fit` runs (a step driven on its own logs nothing)."""
+        if self.generations is not None:
+            self.generations.log(step, split, samples)
 
     # -------------------------------------------------------------------------------------- checkpoints
     def save(self) -> Path:
@@ -429,27 +439,28 @@ class GRPOTrainer:
         from mm_rl.trainer.metrics import METRICS_FILE, read_metrics
 
         checkpoints, step = self.checkpoints, self.step
-        staging = checkpoints.stage(step)
-        self.roles.save(staging)
-        state = {"step": step, "sampler": self.prompts.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                 "nonfinite_in_a_row": self.nonfinite_in_a_row, "seed": self.seed,
-                 "metrics_history": read_metrics(self.out_dir / METRICS_FILE),
-                 # the next step's batch, generated from weights older than these: a resume trains on it as the
-                 # uninterrupted run does (the sampler is already past its prompts)
-                 "pending": self.pending.state_dict() if self.pending is not None else None}
-        checkpoints.write_trainer_state(staging, state)
-        path = checkpoints.commit(staging, step)
+        with checkpoints.saving(step) as staging:  # a failed save is removed at once; the previous stays latest
+            self.roles.save(staging)
+            state = {"step": step, "sampler": self.prompts.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                     "nonfinite_in_a_row": self.nonfinite_in_a_row, "seed": self.seed,
+                     "metrics_history": read_metrics(self.out_dir / METRICS_FILE),
+                     # the next step's batch, generated from weights older than these: a resume trains on it as
+                     # the uninterrupted run does (the sampler is already past its prompts)
+                     "pending": self.pending.state_dict() if self.pending is not None else None}
+            checkpoints.write_trainer_state(staging, state)
+            path = checkpoints.commit(staging, step)
         self.report(f"checkpoint: {path}")
         return path
 
     def resume(self) -> int | None:
         """Load the checkpoint that ``resume_mode`` names (auto: the latest complete one); returns its step."""
-        from mm_rl.trainer.metrics import METRICS_FILE, truncate_after
+        from mm_rl.trainer.metrics import METRICS_FILE, rewind
 
         mt, checkpoints = self.job.backend_config.megatron_training, self.checkpoints
         checkpoints.cleanup_stale()
         step = checkpoints.resolve_resume(mt.resume_mode)
-        if step is None:
+        if step is None:  # a fresh start: records of earlier attempts would repeat its steps
+            rewind(self.out_dir, None, (METRICS_FILE, GENERATIONS_FILE))
             return None
         self._check_checkpoint_grid(step)
         self.roles.load(checkpoints.save_dir, step, not self.training.no_load_optim, not self.training.no_load_rng)
@@ -460,7 +471,7 @@ class GRPOTrainer:
         if state.get("pending") is not None:
             self.pending = PendingBatch.from_state(state["pending"])
             self.prompts.requests(self.pending.indices)  # the rows' processed inputs, for the step's micro-batches
-        truncate_after(self.out_dir / METRICS_FILE, step)
+        rewind(self.out_dir, step, (METRICS_FILE, GENERATIONS_FILE))
         self.step = step
         self.report(f"resumed from step {step} ({checkpoints.save_dir})")
         return step

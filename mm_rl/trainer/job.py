@@ -2,19 +2,42 @@
 
 Each stage announces itself. hf2mg is skipped only when ``mm_dir`` holds a conversion of the same source files
 with the same model.json and layout (checked from the record the conversion wrote, not assumed from the
-directory's existence). A run whose ``save`` directory holds a checkpoint resumes from it (``resume_mode``).
+directory's existence). A run whose ``save`` directory holds a checkpoint resumes from it (``resume_mode``); one
+that names no usable checkpoint is refused by ``check`` (``mm_rl.config.validate``), and again here, in the same
+format, should the directory change in between.
+``failure_message`` is what ``train`` prints when the run fails: the error, then a rerun only where one can help.
 """
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from mm_rl.config.loader import ConfigError, Violation
 from mm_rl.config.schema import JobConfig
 
+if TYPE_CHECKING:
+    from mm_rl.trainer.grpo import GRPOTrainer
+
 PLOT_FILE = "metrics.png"
+RESUME_KEY = "backend_config.megatron_training.resume_mode"
+RERUN = "the last complete checkpoint is kept; run the same command again to resume from it"
+_NO_WRITE = ("give this user write permission there, or point af_output_dir (and megatron_training.save) at a "
+             "directory it may write")
+# The disk errors a user fixes outside mm_rl, and how; any other OSError is a bug and keeps its traceback.
+_DISK_FIXES = {
+    errno.ENOSPC: "free space on that file system (backend_config.megatron_training.max_keep_ckpts bounds the "
+                  "checkpoints kept)",
+    errno.EDQUOT: "free space within your quota there",
+    errno.EROFS: "make that file system writable, or point af_output_dir (and megatron_training.save) at a "
+                 "writable one",
+    errno.EACCES: _NO_WRITE,
+    errno.EPERM: _NO_WRITE,
+}
 
 
 @dataclass
@@ -48,16 +71,43 @@ def convert_in(job: JobConfig, report: Callable[[str], None]) -> Path:
 
 
 def convert_out(job: JobConfig, report: Callable[[str], None]) -> Path:
-    """mg2hf of the latest checkpoint into ``save_hf_dir``."""
+    """mg2hf of the latest checkpoint into ``save_hf_dir``; its failure says that training itself is done."""
+    from mm_rl.convert.errors import ConversionError
     from mm_rl.convert.mg2hf import mg2hf
 
     b = job.backend_config
     cfg = b.convert_ckpt_mg2hf.cfg
     report(f"[3/3] mg2hf: {cfg.load_dir} (latest) -> {cfg.save_hf_dir}")
     start = time.perf_counter()
-    out = mg2hf(cfg, b.model, b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir)
+    try:
+        out = mg2hf(cfg, b.model, b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir)
+    except ConversionError as err:
+        raise ConversionError(f"{err}\ntraining finished and its checkpoints are kept in {cfg.load_dir}; once the "
+                              "above is fixed, `ascendfactory-cli convert mg2hf --job <this job yaml>` writes the "
+                              "HuggingFace checkpoint without training again") from err
     report(f"      done in {time.perf_counter() - start:.1f} s")
     return out
+
+
+def resume(trainer: GRPOTrainer, job: JobConfig) -> int | None:
+    """``trainer.resume()``; a checkpoint whose state does not fit the job (another seed or data set: the
+    sampler refuses it), or a save directory that holds no loadable checkpoint, is reported as the user's choice
+    to make, not as a crash."""
+    from mm_rl.checkpoint import CheckpointRefused
+
+    try:
+        return trainer.resume()
+    except CheckpointRefused as err:  # validation refuses it first, unless the directory changed since
+        raise _resume_error(job, err.rule, err.fix) from None
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise _resume_error(job, f"the checkpoint cannot continue this job: {err}", "restore the settings the "
+                            "checkpoint was trained with, or set it to 'disable' to start over from step 0") from None
+
+
+def _resume_error(job: JobConfig, rule: str, fix: str) -> ConfigError:
+    return ConfigError([Violation(RESUME_KEY, job.backend_config.megatron_training.resume_mode, rule, fix)])
 
 
 def run_job(job: JobConfig, report: Callable[[str], None] = print) -> JobResult:
@@ -75,7 +125,7 @@ def run_job(job: JobConfig, report: Callable[[str], None] = print) -> JobResult:
     trainer = build_trainer(job, mm_dir, report)
     graceful = False
     try:
-        resumed = trainer.resume()
+        resumed = resume(trainer, job)
         history = trainer.fit()
         graceful = True
     finally:
@@ -88,7 +138,9 @@ def run_job(job: JobConfig, report: Callable[[str], None] = print) -> JobResult:
 
 def summary(result: JobResult, job_path: str) -> str:
     """What the user reads at the end: where everything is, the last numbers, how to resume or go on."""
-    final = result.final
+    from mm_rl.trainer.runtime import worker_log
+
+    final, log = result.final, worker_log(result.out_dir)
     numbers = ", ".join(f"{label} {final[key]:.3f}" for key, label in
                         (("reward/score", "reward"), ("reward/accuracy", "accuracy"), ("actor/kl_loss", "kl"))
                         if key in final)
@@ -100,7 +152,44 @@ def summary(result: JobResult, job_path: str) -> str:
         f"  plot:             {result.plot}",
         f"  checkpoints:      {result.checkpoint_dir}",
         f"  HF checkpoint:    {result.hf_dir} (loads in transformers and vLLM)",
+        *([f"  worker log:       {log} (the engine's, ranks' and Ray's output)"] if log else []),
         f"  train further:    ascendfactory-cli train {job_path} "
         "--backend_config.megatron_training.train_iters=N  (resumes from the latest checkpoint)",
     ]
     return "\n".join(lines)
+
+
+def failure_message(error: BaseException) -> str | None:
+    """What ``train`` prints (after ``error:``) when the run fails, instead of a traceback: the error, then the
+    advice that fits it. A rerun is advised only where one can succeed: a worker that died (the cause may be
+    transient), a disk problem once fixed. Where a rerun would only repeat the failure (a checkpoint refused or
+    unreadable, a conversion error, a run stopped by non-finite losses, which a resume repeats exactly) the
+    message itself names the fix. None for anything else: a bug, whose traceback is the report (a
+    ``ConfigError`` goes to the CLI's own handler)."""
+    from mm_rl.checkpoint import CheckpointError, describe_os_error
+    from mm_rl.convert.errors import ConversionError
+    from mm_rl.trainer.grpo import TrainingStopped
+    from mm_rl.workers.group import WorkerError
+
+    disk = _disk_error(error)
+    if disk is not None:
+        text = describe_os_error(disk) if error is disk else str(error)
+        return f"{text}\n{_DISK_FIXES[disk.errno]}, then run the same command again: it resumes from the last " \
+               "complete checkpoint"
+    if isinstance(error, WorkerError):
+        return f"{error}\n{RERUN}"
+    if isinstance(error, TrainingStopped):
+        return f"{error}\nthe last complete checkpoint is kept: after that change, run the command again to resume " \
+               "from it (unchanged, a rerun repeats this)"
+    if isinstance(error, CheckpointError | ConversionError):
+        return str(error)
+    return None
+
+
+def _disk_error(error: BaseException | None) -> OSError | None:
+    """The disk error (full, read-only, no permission) that ``error`` is or was raised from, if any."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in _DISK_FIXES:
+            return error
+        error = error.__cause__
+    return None

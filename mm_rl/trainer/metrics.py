@@ -1,8 +1,9 @@
 """Training metrics: one jsonl line per step (the record of truth), TensorBoard, optional wandb / swanlab.
 
 The jsonl file is flushed after every step so a killed run keeps every finished step; a torn last line (a
-crash mid-write) is tolerated when reading and repaired when a logger reopens the file. ``truncate_after``
-drops steps past a checkpoint on resume so the history has no duplicates. ``step_line`` is the one console
+crash mid-write) is tolerated when reading and repaired when a logger reopens the file. ``rewind`` cuts the
+history back when a run starts: to the checkpoint's step on a resume, to nothing on a fresh start, in the jsonl
+file and in TensorBoard's event files alike, so no step is ever recorded twice. ``step_line`` is the one console
 line per step and ``plot_metrics`` draws a PNG of the curves, both from the same keys.
 """
 
@@ -20,6 +21,8 @@ from mm_rl.files import atomic_path, write_atomic
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+_EVENT_FILES = "events.out.tfevents.*"  # SummaryWriter's names (TensorBoard reads every name holding "tfevents")
 DEFAULT_PLOT_KEYS = ("reward/score", "reward/accuracy", "actor/kl_loss", "response_length/mean")
 DEFAULT_VAL_KEYS = ("val/reward/score", "val/reward/accuracy")
 VAL_PREFIX = "val/"
@@ -86,6 +89,42 @@ def truncate_after(path: Path | str, step: int) -> None:
     write_atomic(path, "".join(f"{line}\n" for line in kept), sync=False)
 
 
+def rewind(out_dir: Path | str, step: int | None, files: Sequence[str] = (METRICS_FILE,)) -> None:
+    """Cut ``out_dir``'s history (the jsonl ``files``, whose records carry ``step``, and TensorBoard) back to
+    checkpoint ``step`` before a run continues from it, or to nothing (``None``) before a fresh start, so a
+    repeated step never appears twice (as it would after runs killed before their first checkpoint).
+
+    TensorBoard's event files are rewritten too, keeping only events up to ``step``: its readers do not replace a
+    step logged twice by the later value (they show both, or purge by heuristics that depend on the reader), so
+    leaving the old events would show the steps past the checkpoint beside the rerun ones."""
+    out_dir = Path(out_dir)
+    for name in files:
+        truncate_after(out_dir / name, -1 if step is None else step)
+    _rewind_events(out_dir / TENSORBOARD_DIR, step)
+
+
+def _rewind_events(tb_dir: Path, step: int | None) -> None:
+    """Keep the events up to ``step`` (every kind: scalars, text) in one file that takes the oldest file's name,
+    so that it sorts before the files a resumed run writes; delete the rest. ``None`` deletes them all."""
+    files = sorted(tb_dir.glob(_EVENT_FILES))
+    if not files:
+        return
+    if step is not None:
+        from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        kept = [record for path in files for record in RawEventFileLoader(str(path)).Load()  # a torn tail ends it
+                if Event.FromString(record).step <= step]
+        with atomic_path(files[0], mode=0o644) as tmp, open(tmp, "wb") as f:
+            writer = RecordWriter(f)
+            for record in kept:
+                writer.write(record)
+        files = files[1:]
+    for path in files:
+        path.unlink()
+
+
 def _repair_torn_tail(path: Path) -> None:
     """Rewrite a file whose last line is torn, so the next append starts on a line of its own."""
     if path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
@@ -128,7 +167,7 @@ class MetricsLogger:
         """Imported here so building a logger without TensorBoard never pays for torch's writer."""
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+        return SummaryWriter(log_dir=str(self.out_dir / TENSORBOARD_DIR))
 
     def _open_wandb(self, project: str, run_name: str) -> Any:
         module = _import_optional("wandb")
@@ -155,6 +194,20 @@ class MetricsLogger:
         for tracker in (self._wandb, self._swanlab):
             if tracker is not None:
                 tracker.log(values, step=step)
+
+    def log_generations(self, step: int, split: str, entries: Sequence[dict[str, Any]]) -> None:
+        """A step's generation records (see :mod:`mm_rl.trainer.generations`): TensorBoard text, wandb / swanlab
+        tables."""
+        from mm_rl.trainer.generations import COLUMNS, markdown, table_rows
+
+        tag = f"generations/{split}"
+        if self._tb is not None:
+            self._tb.add_text(tag, markdown(entries), global_step=step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({tag: self._wandb.Table(columns=list(COLUMNS), data=table_rows(entries))}, step=step)
+        if self._swanlab is not None:
+            self._swanlab.log({tag: [self._swanlab.Text(markdown([e])) for e in entries]}, step=step)
 
     def close(self) -> None:
         """Flush and close every sink; safe to call twice."""

@@ -39,8 +39,7 @@ class PromptSource:
         pre = b.data.dataset_param.preprocess_parameters
         processor = PromptProcessor(pre.model_name_or_path, pre.min_pixels, pre.max_pixels)
         train_set = PromptDataset.from_config(b.data, "train", processor)
-        wants_val = b.rl_config.val_freq > 0 or b.rl_config.val_before_train
-        val_set = PromptDataset.from_config(b.data, "val", processor) if wants_val else None
+        val_set = PromptDataset.from_config(b.data, "val", processor) if b.rl_config.validates else None
         sampler = PromptSampler(len(train_set), b.rl_config.rollout_batch_size, int(b.training.seed),
                                 shuffle=b.data.shuffle)
         return cls(processor, train_set, val_set, sampler, b.training.num_workers)
@@ -68,6 +67,13 @@ class PromptSource:
 
     def ground_truth(self, index: int, split: str = "train") -> str:
         return self._dataset(split).ground_truth(index)
+
+    def prompt_text(self, index: int, split: str = "train") -> str:
+        return self._dataset(split).prompt_text(index)
+
+    def row_id(self, index: int, split: str = "train") -> int:
+        """The row's position in its split's files (a data-set index counts usable rows only)."""
+        return self._dataset(split).row_id(index)
 
     def decode(self, responses: Sequence[Sequence[int]]) -> list[str]:
         return self.processor.tokenizer.batch_decode([list(r) for r in responses], skip_special_tokens=True)

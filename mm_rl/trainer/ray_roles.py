@@ -3,7 +3,8 @@
 :class:`RayRoles` implements :class:`mm_rl.trainer.roles.Roles`: it starts Ray (or joins the cluster), places
 every role (``mm_rl.trainer.runtime``), and keeps every Ray call behind one of its methods. A failure of any role
 (a dead rank, engine or reward worker) reaches the trainer as a ``WorkerError`` naming that role, one line with
-Ray's error chained.
+Ray's error chained. ``close`` ends the roles and the Ray connection however the run ends (an exception or Ctrl-C
+in start-up included): the actors and placement groups it made are removed and a local Ray it started is stopped.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from mm_rl.config.schema import JobConfig
 from mm_rl.trainer.roles import MicroBatches, Role, RolloutReady
-from mm_rl.trainer.runtime import ROLLOUT_CPUS, connect, make_placement, plan_resources
+from mm_rl.trainer.runtime import ROLLOUT_CPUS, Connection, connect, make_placement, plan_resources
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +43,7 @@ class RayRoles:
         self.rewards: Any = None
         self.placement: Any = None
         self.schedule: Any = None
+        self.connection: Connection | None = None
         try:
             self._start(mm_dir, worker_cls)
         except BaseException:
@@ -55,8 +57,9 @@ class RayRoles:
     def _start(self, mm_dir: Path, worker_cls: type | None) -> None:
         self.resources = plan_resources(self.job)
         self._notices()
-        self.report(f"ray: {connect(self.job, self.resources)}")
-        self.placement = make_placement(self.resources, with_rollout=True)
+        self.connection = connect(self.job, self.resources)
+        self.report(f"ray: {self.connection.where}")
+        self.placement = make_placement(self.resources, with_rollout=True, report=self.report)
         # The ranks' processes first (they fix which device is rank 0's), then the engine, asleep when colocated,
         # and only then the models: vLLM starts only with gpu_memory_utilization of its device free.
         self._start_actor(worker_cls)
@@ -125,7 +128,7 @@ class RayRoles:
         rl, res = self.job.backend_config.rl_config, self.resources
         if not (rl.use_kl_loss or rl.use_kl_in_reward):
             return
-        placement = self.placement if rl.colocate_ref else make_placement(res)
+        placement = self.placement if rl.colocate_ref else make_placement(res, report=self.report)
         self.ref = WorkerGroup(self.worker_spec(trained=False), cpus_per_worker=res.ref_share, placement=placement,
                                resources_per_worker=res.worker_resources(res.device_share_ref), role="reference",
                                num_threads=res.threads)
@@ -234,7 +237,18 @@ class RayRoles:
             return ray.get(getattr(self.engine, method).remote(*args))
 
     def close(self, graceful: bool = True) -> None:
-        """End every role (a failed run skips the ranks' group teardown: a dead rank would block it)."""
+        """End every role, then the Ray connection. A failed run skips the ranks' group teardown (a dead rank would
+        block it) and names the worker log, which holds the workers' side of the failure."""
+        try:
+            self._end_roles(graceful)
+        finally:
+            connection, self.connection = self.connection, None
+            if connection is not None:
+                if not graceful and connection.log_file is not None:
+                    self.report(f"the engine's and workers' output: {connection.log_file}")
+                connection.close()
+
+    def _end_roles(self, graceful: bool) -> None:
         import ray
 
         for group in (self.ref, self.actor):
@@ -244,8 +258,9 @@ class RayRoles:
                 except Exception as error:  # noqa: BLE001 - teardown goes on; the run's own error matters more
                     logger.warning("shutting down the %s group: %s", group.role, error)
         if self.engine is not None:
-            with contextlib.suppress(Exception):  # best effort: the engine may be what failed
-                ray.get(self.engine.close.remote(), timeout=60)
+            if self.schedule is not None:  # started (one still starting has nothing to shut down)
+                with contextlib.suppress(Exception):  # best effort: the engine may be what failed
+                    ray.get(self.engine.close.remote(), timeout=60)
             ray.kill(self.engine)
         if self.rewards is not None:
             self.rewards.shutdown()

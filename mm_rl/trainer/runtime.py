@@ -9,14 +9,35 @@ accelerators), it gets one more bundle of ``infer_tensor_parallel_size`` whole d
 
 Ray: ``env.RAY_ADDRESS`` (or the ``RAY_ADDRESS`` environment variable) joins a running cluster; otherwise a
 local one is started with enough logical CPUs for the roles. Workers run at the driver's priority (Ray's
-default ``nice 15`` made every worker lose to anything else on a shared machine).
+default ``nice 15`` made every worker lose to anything else on a shared machine). :class:`Connection` ends what
+:func:`connect` began: a local instance this process started is stopped, whatever ended the run.
+
+The console: the job's own lines (stages, steps, checkpoints, notices, errors) are printed by the driver; what the
+workers print (vLLM's, megatron's and Ray's start-up warnings, tracebacks) goes to ``af_output_dir/logs/workers.log``
+(:data:`WORKER_LOG`), and so do the Ray lines of this process. Each worker process moves its own stdout and
+stderr there as it starts (Ray's ``worker_process_setup_hook``, :func:`setup_worker`), so C-level writes go there
+too and the file holds every node's workers (af_output_dir is on a file system all nodes see), while Ray no longer
+forwards them to the driver (``log_to_driver=False``). A worker's failure still reaches the console as the
+``WorkerError`` naming the role. ``MM_RL_VERBOSE=1`` (``ascendfactory-cli train --verbose``) leaves everything on
+the console, as Ray prints it.
+
+A driver killed with SIGKILL cannot stop Ray itself. A local instance's GCS and raylet die with it (Ray starts them
+with the kernel's parent-death signal), the actors about 3 s later (measured; they die with their owner and their
+raylet), but Ray's dashboard and runtime-env agents, which hold no devices, stay about 60 s: seeing their raylet
+die unexpectedly, they publish the fact to the dead GCS with a fixed 60 s timeout before exiting (Ray's
+``process_watcher``); no Ray option shortens it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mm_rl.config.schema import JobConfig
@@ -29,6 +50,10 @@ ROLLOUT_CPUS = 1.0
 QUIET_WARNINGS = ",".join(["ignore::FutureWarning", "ignore:Transformer Engine and Apex:UserWarning",
                            "ignore:Apex is not installed:UserWarning", "ignore:full scope is deprecated:UserWarning"])
 REWARD_CPUS = 0.25
+WORKER_LOG = Path("logs") / "workers.log"  # under af_output_dir
+LOG_ENV = "MM_RL_WORKER_LOG"  # in the workers' environment: the file setup_worker sends their output to
+VERBOSE_ENV = "MM_RL_VERBOSE"  # "1": the workers' output on the console (train --verbose)
+PLACEMENT_NOTICE_S = 10.0  # a placement not ready by then is reported while the wait goes on
 
 
 @dataclass(frozen=True)
@@ -71,35 +96,134 @@ def plan_resources(job: JobConfig) -> Resources:
                      device_share_rollout=0.4, threads=topo.rank_threads(), rollout_devices=topo.rollout_devices)
 
 
+def show_worker_output(verbose: bool) -> None:
+    """``train --verbose``: the workers' output on this console, as Ray prints it, for the runs this process starts
+    (as ``MM_RL_VERBOSE=1`` does; without the flag that variable decides)."""
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+
+
 def logical_cpus(resources: Resources, reward_workers: int) -> int:
     """Logical CPUs a local Ray cluster needs to place every role (at least the machine's cores)."""
     needed = resources.world_size * resources.bundle_cpus * 2 + ROLLOUT_CPUS + reward_workers * REWARD_CPUS
     return max(os.cpu_count() or 1, int(needed + 0.999))
 
 
-def connect(job: JobConfig, resources: Resources) -> str:
-    """Join the configured Ray cluster or start a local one; returns where it runs."""
+@dataclass
+class Connection:
+    """This process's Ray connection: where the job runs, whether this process called ``ray.init`` (then
+    :meth:`close` shuts Ray down, stopping a local instance), and the worker log (None: output on the console)."""
+
+    where: str
+    owned: bool
+    log_file: Path | None = None
+    ray_handlers: list[logging.Handler] | None = field(default=None, repr=False)  # the "ray" logger's own, put back
+
+    def close(self) -> None:
+        """Disconnect (a local instance's processes are stopped and waited for); the "ray" logger prints to the
+        console again."""
+        import ray
+
+        try:
+            if self.owned:
+                ray.shutdown(wait_for_processes=True)
+        finally:
+            if self.ray_handlers is not None:
+                for handler in _route_ray_logger(self.ray_handlers):
+                    handler.close()
+                self.ray_handlers = None
+
+
+def connect(job: JobConfig, resources: Resources) -> Connection:
+    """Join the configured Ray cluster or start a local one, its workers' output in the worker log (unless verbose).
+    Interrupted or failed, what it started is stopped before the error goes on."""
     import ray
 
     if ray.is_initialized():
-        return "the Ray cluster this process already joined"
+        return Connection("the Ray cluster this process already joined", owned=False)
+    log_file = None if os.environ.get(VERBOSE_ENV) == "1" else open_worker_log(Path(job.af_output_dir))
+    options, where = init_options(job, resources, log_file)
+    connection = Connection(where, owned=True, log_file=log_file)
+    if log_file is not None:  # Ray's own lines of this process (ray.init's notices among them)
+        connection.ray_handlers = _route_ray_logger([logging.FileHandler(log_file)])
+    try:
+        ray.init(**options)
+    except BaseException:
+        connection.close()
+        raise
+    return connection
+
+
+def init_options(job: JobConfig, resources: Resources, log_file: Path | None) -> tuple[dict[str, Any], str]:
+    """``ray.init``'s arguments, and where the job runs. With ``log_file`` every worker process sends its output
+    there (:func:`setup_worker`) and Ray forwards none to this console."""
+    env_vars = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                # the per-step lines are the progress report; the engines' INFO lines would bury them
+                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", QUIET_WARNINGS)}
+    runtime_env: dict[str, Any] = {"env_vars": env_vars}
+    if log_file is not None:
+        env_vars[LOG_ENV] = str(log_file)
+        runtime_env["worker_process_setup_hook"] = f"{__name__}.{setup_worker.__name__}"
+    options = {"runtime_env": runtime_env, "log_to_driver": log_file is None}
     address = job.env.RAY_ADDRESS or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                                # the per-step lines are the progress report; the engines' INFO lines would bury them
-                                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-                                "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", QUIET_WARNINGS)}}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-        return f"Ray cluster at {address}"
+        return options | {"address": address}, f"Ray cluster at {address}"
     cpus = logical_cpus(resources, job.backend_config.rl_config.reward.num_workers)
-    ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True,
-             _system_config={"worker_niceness": os.getpriority(os.PRIO_PROCESS, 0)})
-    return f"a local Ray instance ({cpus} logical CPUs)"
+    local = {"num_cpus": cpus, "include_dashboard": False,
+             "_system_config": {"worker_niceness": os.getpriority(os.PRIO_PROCESS, 0)}}
+    return options | local, f"a local Ray instance ({cpus} logical CPUs)"
 
 
-def make_placement(resources: Resources, with_rollout: bool = False) -> Any:
+def open_worker_log(out_dir: Path) -> Path:
+    """The worker log of ``out_dir`` (absolute: the workers run elsewhere), a header line appended for this run (a
+    resumed run adds to the log of the attempts before it)."""
+    path = (out_dir / WORKER_LOG).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as log:
+        log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid {os.getpid()}: a run "
+                  "starts; its Ray workers' output follows\n")
+    return path
+
+
+def worker_log(out_dir: Path) -> Path | None:
+    """The worker log of a run of this process in ``out_dir``; None when it wrote none (verbose: the console)."""
+    path = out_dir / WORKER_LOG
+    return path if os.environ.get(VERBOSE_ENV) != "1" and path.is_file() else None
+
+
+def setup_worker() -> None:
+    """Ray runs this first in every worker process of the job (``worker_process_setup_hook``): the process's
+    stdout and stderr, file descriptors 1 and 2 (Python's, C's and child processes' writes), appended to the
+    worker log. A node that cannot open it keeps Ray's own per-worker files."""
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    print(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid {os.getpid()}: Ray worker started",
+          flush=True)
+
+
+def _route_ray_logger(handlers: list[logging.Handler]) -> list[logging.Handler]:
+    """Give the "ray" logger of this process ``handlers`` in place of its own; returns the ones it had."""
+    logger = logging.getLogger("ray")
+    previous, logger.handlers = logger.handlers, list(handlers)
+    return previous
+
+
+def make_placement(resources: Resources, with_rollout: bool = False,
+                   report: Callable[[str], None] | None = None) -> Any:
     """The placement group of the training ranks (one bundle each; then a separate engine's bundle when
-    ``with_rollout``), ready."""
+    ``with_rollout``), ready. A wait of more than a few seconds is reported: Ray's own "cannot be scheduled"
+    warnings no longer reach the console."""
     import ray
     from ray.util.placement_group import placement_group
 
@@ -107,8 +231,12 @@ def make_placement(resources: Resources, with_rollout: bool = False) -> Any:
     if with_rollout and resources.rollout_devices:
         bundles.append(resources.rollout_bundle())
     group = placement_group(bundles, strategy="PACK")
+    ready = group.ready()
+    if report is not None and not ray.wait([ready], timeout=PLACEMENT_NOTICE_S)[0]:
+        report(f"waiting for Ray to place {len(bundles)} bundles ({bundles[0]} each); `ray status` shows what the "
+               "cluster has free")
     try:
-        ray.get(group.ready(), timeout=600)
+        ray.get(ready, timeout=600)
     except ray.exceptions.GetTimeoutError as error:
         raise RuntimeError(f"Ray could not place the bundles {bundles} within 10 "
                            "minutes: does the cluster have that many devices (see `ray status`), and did each "

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from mm_rl.config.loader import ConfigError, compose, to_job
+from mm_rl.config.loader import load_checked
 from mm_rl.config.validate import validate
 from mm_rl.config.writer import write_job_yaml
 from mm_rl.workers.group import error_line
@@ -50,10 +50,7 @@ def submit(job_path: str, overrides: Sequence[str], address: str, *, wait: bool 
     """Submit the job; with ``wait`` stream its logs and return 0 when it succeeded, else 1."""
     from ray.job_submission import JobSubmissionClient
 
-    node = compose(job_path, overrides)
-    problems = validate(to_job(node), check_paths=False)
-    if problems:
-        raise ConfigError(problems)
+    node, _ = load_checked(job_path, overrides, lambda job: validate(job, check_paths=False))
     absolute_paths(node, Path.cwd())
     _use_token_if_present()
     try:

@@ -1,0 +1,322 @@
+"""`check` catches what needs only the yaml, the data files and the HF checkpoint's files: one bad case (rejected
+with its key and a fix) and one good case per rule, on the tiny job with fake, fast inputs (no model is built)."""
+
+import json
+
+import pytest
+from job_inputs import write_data_dir, write_hf_dir, write_rows
+
+from mm_rl.config.create import ClusterSpec, create_job, write_job
+from mm_rl.config.loader import load_job
+from mm_rl.config.schema import BasicDataParameters
+from mm_rl.config.validate import validate
+from mm_rl.data.dataset import count_usable_rows, find_split
+from mm_rl_cli.main import main
+
+B = "backend_config"
+MT, RL, TRAIN, ACTOR = f"{B}.megatron_training", f"{B}.rl_config", f"{B}.training", f"{B}.actor_config"
+GEN, SAMPLING, VAL = f"{B}.generate_config", f"{B}.generate_config.sampling_config", \
+    f"{B}.generate_config.val_sampling_config"
+DATA = f"{B}.data.dataset_param.basic_parameters"
+TEXT = f"{B}.model.text_decoder"
+HF_DIR = f"{B}.convert_ckpt_hf2mg.cfg.hf_config.hf_dir"
+PROCESSOR_DIR = f"{B}.data.dataset_param.preprocess_parameters.model_name_or_path"
+TP, PP = f"{ACTOR}.tensor_model_parallel_size", f"{ACTOR}.pipeline_model_parallel_size"
+
+
+@pytest.fixture(scope="module")
+def tiny_yaml(tmp_path_factory):
+    """The job `ascendfactory-cli config --af_model_name tiny` writes (without building its model and data)."""
+    node, _, plan = create_job("tiny", "tiny_checks", ClusterSpec())
+    return write_job(node, plan, tmp_path_factory.mktemp("tiny_job") / "job.yaml", "tiny")
+
+
+@pytest.fixture()
+def check(tiny_yaml, tmp_path):
+    """``validate`` of the tiny job with overrides; its outputs, checkpoint (tiny_hf) and data set are in tmp_path."""
+    write_hf_dir(tmp_path / "tiny_hf", {"text_config": {"max_position_embeddings": 4096, "vocab_size": 1024}})
+    write_data_dir(tmp_path / "geo3k_synthetic")
+
+    def run(*overrides):
+        return validate(load_job(tiny_yaml, [f"af_output_dir={tmp_path}", *overrides]))
+
+    return run
+
+
+def rejected(problems, key):
+    """The one violation, on ``key``, with a rule and a fix."""
+    assert [p.key for p in problems] == [key], problems
+    (problem,) = problems
+    assert problem.rule and problem.fix
+    return problem
+
+
+def test_the_tiny_job_with_its_inputs_passes(check):
+    assert check() == []
+
+
+# ------------------------------------------------------------------------------------------------ mini-batch
+def test_mini_batch_larger_than_a_step_is_rejected(check):
+    problem = rejected(check(f"{RL}.mini_batch_size=128"), f"{RL}.mini_batch_size")  # 8 prompts x 8 samples = 64
+    assert "64 samples per step" in problem.rule and "no optimizer step" in problem.rule
+    assert "use 64" in problem.fix and f"{RL}.rollout_batch_size to a multiple of 16" in problem.fix
+    problem = rejected(check(f"{MT}.global_batch_size=128"), f"{MT}.global_batch_size")  # the key it follows
+    assert "use 64" in problem.fix
+
+
+def test_mini_batch_that_divides_the_step_is_accepted(check):
+    assert check(f"{RL}.mini_batch_size=64") == []
+    assert check(f"{MT}.global_batch_size=16") == []
+
+
+def test_cli_check_reports_it_without_a_traceback(tiny_yaml, tmp_path, capsys):
+    write_hf_dir(tmp_path / "tiny_hf")
+    write_data_dir(tmp_path / "geo3k_synthetic")
+    assert main(["check", str(tiny_yaml), f"--af_output_dir={tmp_path}", f"--{MT}.global_batch_size=128"]) == 1
+    err = capsys.readouterr().err
+    assert "error: 1 problem(s)" in err and f"{MT}.global_batch_size = 128" in err and "Traceback" not in err
+    assert "no optimizer step" in err
+
+
+# ------------------------------------------------------------------------------------------------- sampling
+def test_greedy_sampling_with_a_group_is_rejected(check):
+    problem = rejected(check(f"{SAMPLING}.temperature=0"), f"{SAMPLING}.temperature")
+    assert "zero advantages" in problem.rule and "1.0" in problem.fix
+
+
+def test_sampling_temperature_and_greedy_validation_are_accepted(check):
+    assert check(f"{SAMPLING}.temperature=0.7", f"{VAL}.temperature=0") == []
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    (f"{SAMPLING}.top_p=0", f"{SAMPLING}.top_p"),
+    (f"{SAMPLING}.top_p=1.5", f"{SAMPLING}.top_p"),
+    (f"{SAMPLING}.top_k=-2", f"{SAMPLING}.top_k"),
+    (f"{VAL}.top_p=0", f"{VAL}.top_p"),
+    (f"{VAL}.top_k=-5", f"{VAL}.top_k"),
+])
+def test_top_p_and_top_k_outside_what_the_engine_takes_are_rejected(check, override, key):
+    assert "(off)" in rejected(check(override), key).fix
+
+
+@pytest.mark.parametrize("overrides", [
+    [f"{SAMPLING}.top_k=0", f"{VAL}.top_k=-1"],  # both mean off, in vLLM as in the HF engine
+    [f"{SAMPLING}.top_k=50", f"{SAMPLING}.top_p=0.9", f"{VAL}.top_p=1.0"],
+])
+def test_valid_top_p_and_top_k_are_accepted(check, overrides):
+    assert check(*overrides) == []
+
+
+# ------------------------------------------------------------------------------------------- optimisation
+def test_non_positive_lr_is_reported_on_lr(check):
+    problem = rejected(check(f"{ACTOR}.lr=-1e-6"), f"{ACTOR}.lr")
+    assert "must be > 0" in problem.rule and "1e-6" in problem.fix
+    rejected(check(f"{ACTOR}.lr=0"), f"{ACTOR}.lr")
+
+
+def test_positive_lr_is_accepted(check):
+    assert check(f"{ACTOR}.lr=1e-4") == []
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    ([f"{RL}.kl_loss_coef=-0.1"], f"{RL}.kl_loss_coef"),
+    ([f"{RL}.kl_ctrl.kl_coef=-0.001"], f"{RL}.kl_ctrl.kl_coef"),
+    ([f"{RL}.kl_ctrl.type=adaptive", f"{RL}.kl_ctrl.target_kl=0"], f"{RL}.kl_ctrl.target_kl"),
+    ([f"{RL}.kl_ctrl.type=adaptive", f"{RL}.kl_ctrl.horizon=0"], f"{RL}.kl_ctrl.horizon"),
+    ([f"{TRAIN}.clip-grad=-1"], f"{TRAIN}.clip-grad"),
+])
+def test_negative_kl_weights_and_clip_grad_are_rejected(check, overrides, key):
+    rejected(check(*overrides), key)
+
+
+def test_zero_kl_weight_and_no_clipping_are_accepted(check):
+    assert check(f"{RL}.kl_loss_coef=0", f"{TRAIN}.clip-grad=0", f"{RL}.kl_ctrl.type=adaptive") == []
+
+
+def test_negative_max_keep_ckpts_is_rejected(check):
+    assert "keep all" in rejected(check(f"{MT}.max_keep_ckpts=-1"), f"{MT}.max_keep_ckpts").fix
+
+
+def test_max_keep_ckpts_zero_keeps_all_and_is_accepted(check):
+    assert check(f"{MT}.max_keep_ckpts=0") == []
+
+
+def test_negative_generations_per_step_is_rejected(check):
+    assert "log none" in rejected(check("logger.generations_per_step=-1"), "logger.generations_per_step").fix
+
+
+def test_generations_per_step_zero_or_more_is_accepted(check):
+    assert check("logger.generations_per_step=0") == [] and check("logger.generations_per_step=4") == []
+
+
+# ---------------------------------------------------------------------------------------------- positions
+def test_seq_length_beyond_the_model_positions_is_rejected(check):
+    problem = rejected(check(f"{TRAIN}.seq-length=8192"), f"{TRAIN}.seq-length")  # tiny model.json: 4096
+    assert "4096" in problem.rule and "at most 4096" in problem.fix
+
+
+def test_model_json_positions_beyond_the_checkpoint_are_rejected(check, tmp_path):
+    write_hf_dir(tmp_path / "tiny_hf", {"text_config": {"max_position_embeddings": 256}})
+    assert "at most 256" in rejected(check(), f"{TEXT}.max_position_embeddings").fix
+
+
+def test_seq_length_within_the_positions_is_accepted(check):
+    assert check(f"{TRAIN}.seq-length=4096") == []
+
+
+# ------------------------------------------------------------------------------------------- HF checkpoint
+@pytest.mark.parametrize(("missing", "key", "named"), [
+    ("config.json", HF_DIR, "config.json"),
+    ("model.safetensors", HF_DIR, "*.safetensors"),
+    ("tokenizer.json", PROCESSOR_DIR, "tokenizer"),
+    ("chat_template.jinja", PROCESSOR_DIR, "chat template"),
+])
+def test_checkpoint_without_its_files_is_rejected(check, tmp_path, missing, key, named):
+    (tmp_path / "tiny_hf" / missing).unlink()
+    problem = rejected(check(), key)
+    assert named in problem.rule and f"{MT}.tokenizer_name_or_path" in problem.fix
+
+
+def test_chat_template_in_tokenizer_config_is_accepted(check, tmp_path):
+    (tmp_path / "tiny_hf" / "chat_template.jinja").unlink()
+    (tmp_path / "tiny_hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert check() == []
+
+
+def test_missing_checkpoint_dir_is_reported_once(check, tmp_path):
+    problem = rejected(check(f"{MT}.tokenizer_name_or_path={tmp_path / 'nowhere'}"), HF_DIR)
+    assert "does not exist" in problem.rule
+    problem = rejected(check(f"{PROCESSOR_DIR}={tmp_path / 'nowhere'}", f"{HF_DIR}={tmp_path / 'tiny_hf'}"),
+                       PROCESSOR_DIR)  # set apart from hf_dir, which otherwise follows it
+    assert "does not exist" in problem.rule
+
+
+# --------------------------------------------------------------------------------------------------- reward
+@pytest.mark.parametrize("function", ["no_such_reward_module:score", "mm_rl.rewards.geo3k:no_such_function"])
+def test_reward_function_that_does_not_import_is_rejected(check, function):
+    problem = rejected(check(f"{RL}.reward.function={function}"), f"{RL}.reward.function")
+    assert "cannot be loaded" in problem.rule and "mm_rl.rewards.geo3k:compute_score" in problem.fix
+
+
+def test_importable_reward_function_is_accepted(check):
+    assert check(f"{RL}.reward.function=mm_rl.rewards.geo3k:format_reward") == []
+
+
+# ----------------------------------------------------------------------------------------------------- data
+def test_missing_train_split_is_rejected(check, tmp_path):
+    (tmp_path / "geo3k_synthetic" / "train.jsonl").unlink()
+    problem = rejected(check(), f"{DATA}.train_split")
+    assert "looked for" in problem.rule and "train.jsonl" in problem.fix
+
+
+def test_missing_validation_split_is_rejected_when_validation_is_on(check, tmp_path):
+    (tmp_path / "geo3k_synthetic" / "test.jsonl").unlink()
+    assert "val_freq: 0" in rejected(check(), f"{DATA}.val_split").fix  # the tiny job validates every 10 steps
+
+
+def test_missing_validation_split_is_accepted_when_validation_is_off(check, tmp_path):
+    (tmp_path / "geo3k_synthetic" / "test.jsonl").unlink()
+    assert check(f"{RL}.val_freq=0") == []
+
+
+def test_empty_split_file_is_rejected(check, tmp_path):
+    (tmp_path / "geo3k_synthetic" / "train.jsonl").write_text("")
+    assert "holds no rows" in rejected(check(), f"{DATA}.dataset_dir").rule
+
+
+def test_corrupt_split_file_is_rejected(check, tmp_path):
+    (tmp_path / "geo3k_synthetic" / "train.parquet").write_bytes(b"not parquet")  # parquet wins over jsonl
+    assert "cannot read" in rejected(check(), f"{DATA}.dataset_dir").rule
+
+
+def test_rows_without_the_answer_field_are_rejected(check, tmp_path):
+    write_rows(tmp_path / "geo3k_synthetic" / "train.jsonl", 64, answer_key="solution")
+    problem = rejected(check(), f"{DATA}.answer_key")
+    assert "missing field 'reward_model.ground_truth'" in problem.rule and "'solution'" in problem.fix
+
+
+def test_rows_with_the_configured_answer_field_are_accepted(check, tmp_path):
+    for split in ("train", "test"):  # the key names the column of both splits
+        write_rows(tmp_path / "geo3k_synthetic" / f"{split}.jsonl", 64, answer_key="solution")
+    assert check(f"{DATA}.answer_key=solution") == []
+
+
+def test_fewer_rows_than_a_rollout_batch_are_rejected(check, tmp_path):
+    write_rows(tmp_path / "geo3k_synthetic" / "train.jsonl", 5)  # the tiny job draws 8 prompts a step
+    problem = rejected(check(), f"{RL}.rollout_batch_size")
+    assert "only 5 usable rows" in problem.rule and "<= 5" in problem.fix
+
+
+def test_a_split_that_fills_the_rollout_batch_is_accepted(check, tmp_path):
+    write_rows(tmp_path / "geo3k_synthetic" / "train.jsonl", 5)
+    assert check(f"{RL}.rollout_batch_size=4") == []  # 4 x 8 samples: still one GBS of 32
+
+
+def test_verl_parquet_data_set_is_accepted(check, tmp_path):
+    from mm_rl.data.synthetic import write_synthetic_geo3k
+
+    data = write_synthetic_geo3k(tmp_path / "verl", train_size=16, test_size=2)
+    assert check(f"{DATA}.dataset_dir={data}") == []
+
+
+def test_row_count_reads_only_what_it_needs_and_decodes_no_image(tmp_path):
+    """On a real data set `check` must stay fast: rows after the ones needed are not read (the bad line is never
+    met) and images are not decoded (the files are not images at all)."""
+    for i in range(8):
+        (tmp_path / f"{i}.png").write_bytes(b"not an image")
+    lines = [json.dumps({"prompt": "<image>x?", "answer": "1", "images": [f"{i}.png"]}) for i in range(8)]
+    (tmp_path / "train.jsonl").write_text("\n".join([*lines, "{broken"]) + "\n")
+    files, basic = find_split(tmp_path, "train"), BasicDataParameters(dataset_dir=str(tmp_path))
+    stats = count_usable_rows(files, basic, "", enough=8)
+    assert (stats.kept, stats.rows, sum(stats.bad.values())) == (8, 8, 0)
+    stats = count_usable_rows(files, basic, "", enough=9)
+    assert (stats.kept, stats.rows, dict(stats.bad)) == (8, 9, {"invalid json line": 1})
+
+
+# --------------------------------------------------------------------------------------------- checkpoints
+def test_save_dir_that_cannot_be_written_is_rejected(check, tmp_path):
+    (tmp_path / "afile").write_text("")
+    assert "writable" in rejected(check(f"{MT}.save={tmp_path / 'afile' / 'ckpt'}"), f"{MT}.save").rule
+
+
+def test_unwritable_output_dir_is_reported_once_for_the_paths_under_it(check, tmp_path):
+    (tmp_path / "afile").write_text("")
+    inputs = [f"{MT}.tokenizer_name_or_path={tmp_path / 'tiny_hf'}",
+              f"{DATA}.dataset_dir={tmp_path / 'geo3k_synthetic'}"]
+    rejected(check(*inputs, f"af_output_dir={tmp_path / 'afile' / 'out'}"), "af_output_dir")  # not save, mm_dir...
+
+
+def test_writable_save_dir_is_accepted(check, tmp_path):
+    assert check(f"{MT}.save={tmp_path / 'new' / 'ckpt'}") == []
+
+
+def test_resume_path_that_does_not_exist_is_rejected(check, tmp_path):
+    problem = rejected(check(f"{MT}.resume_mode={tmp_path / 'ckpt' / 'iter_0000007'}"), f"{MT}.resume_mode")
+    assert "auto" in problem.fix and "disable" in problem.fix
+    rejected(check(f"{MT}.resume_mode={tmp_path}"), f"{MT}.resume_mode")  # exists, but is no checkpoint
+
+
+def test_resume_modes_auto_and_disable_are_accepted(check):
+    assert check(f"{MT}.resume_mode=auto") == [] and check(f"{MT}.resume_mode=disable") == []
+
+
+def save_checkpoint(save_dir, step, tp):
+    from mm_rl.checkpoint import CheckpointManager
+
+    return CheckpointManager(save_dir, 0).save(step, {(t, 0): {"model": {}} for t in range(tp)}, {"sampler": {}})
+
+
+def test_resume_from_another_layout_is_rejected_before_anything_starts(check, tmp_path):
+    path = save_checkpoint(tmp_path / "ckpt", 3, tp=2)  # the tiny job's save dir; it runs TP 1
+    for mode in ("auto", str(path)):
+        problem = rejected(check(f"{MT}.resume_mode={mode}"), TP)
+        assert "TP 2 x PP 1" in problem.rule and "this job: TP 1 x PP 1" in problem.rule
+        assert f"{TP}: 2" in problem.fix and "resume_mode: disable" in problem.fix
+
+
+def test_resume_from_the_same_layout_or_disabled_is_accepted(check, tmp_path):
+    save_checkpoint(tmp_path / "ckpt", 3, tp=2)
+    assert check(f"{MT}.resume_mode=disable") == []
+    path = save_checkpoint(tmp_path / "same", 3, tp=1)
+    assert check(f"{MT}.save={tmp_path / 'same'}") == []
+    assert check(f"{MT}.save={tmp_path / 'same'}", f"{MT}.resume_mode={path}") == []
