@@ -236,11 +236,13 @@ def test_an_interrupt_in_start_up_stops_the_local_ray(tiny_base, tmp_path, monke
     started: list[psutil.Process] = []
 
     def interrupted(self) -> None:
-        started.extend(psutil.Process().children(recursive=True))  # the local instance: raylet, GCS, the ranks
+        # the local instance (raylet, GCS, the ranks): what this process started since, not earlier tests' helpers
+        started.extend(p for p in psutil.Process().children(recursive=True) if p.pid not in earlier)
         names.update(process.name() for process in started)
         raise KeyboardInterrupt
 
     names: set[str] = set()
+    earlier = {p.pid for p in psutil.Process().children(recursive=True)}
 
     monkeypatch.setattr(ray_roles.RayRoles, "_start_engine", interrupted)
     job = job_for(tiny_base / "job.yaml", tiny_base, tmp_path / "out")
