@@ -1,14 +1,16 @@
 """Where a GRPO step's time goes: per-phase wall time and throughput of ``GRPOTrainer`` steps on the tiny job.
 
 The job (default ``output/tiny_grpo/job.yaml``, written by ``make demo``) runs with its outputs in a temporary
-``af_output_dir`` (hf2mg there too; no checkpoint is written): ``--steps`` calls of ``GRPOTrainer.train_step``,
-the first one a warm-up that is not counted. Printed: per phase (the trainer's ``timing/*``: sync, rollout,
-reward, old_logp, ref_logp, advantages, update) the median seconds and share of the step, the time no phase
-accounts for, the medians of ``throughput/*``, and one baseline from the same run: the last step's prompts
-generated again straight on the rollout engine (same sampling and seed, ``--repeat`` times, median), whose
-tokens per second the rollout phase's are compared with (1.00x = the trainer adds nothing around the engine).
-Then the same steps with ``rl_config.one_step_off_policy`` (each step's batch generated while the previous step
-trained): the median step time of both, and their ratio.
+``af_output_dir`` (hf2mg there too; no checkpoint is written): ``--steps`` calls of ``GRPOTrainer.train_step``, the
+first one a warm-up that is not counted. Printed: per phase (the trainer's ``timing/*``: sync, rollout, reward, images,
+old_logp, ref_logp, advantages, update) the median seconds and share of the step, the time no phase accounts for,
+the medians of ``throughput/*``, and one baseline from the same run: the last step's prompts generated again
+straight on the rollout engine (same sampling and seed, ``--repeat`` times, median), whose tokens per second the
+rollout phase's are compared with (1.00x = the trainer adds nothing around the engine). Then the tensor bytes the
+driver hands the roles per step (every log-prob pass and update, and the step's images, measured at the roles
+boundary) beside what the same passes would have shipped with a copy of the prompt's pixel values in every sample's
+row (the micro-batches before the image hand-off). Then the same steps with ``rl_config.one_step_off_policy`` (each
+step's batch generated while the previous step trained): the median step time of both, and their ratio.
 
     python bench/step.py [--job output/tiny_grpo/job.yaml] [--steps 5] [--repeat 3] [--json] [a.b.c=value ...]
 """
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-PHASES = ("sync", "rollout", "reward", "onload", "old_logp", "ref_logp", "advantages", "update")
+PHASES = ("sync", "rollout", "reward", "onload", "images", "old_logp", "ref_logp", "advantages", "update")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -81,6 +83,47 @@ def raw_generate(trainer: Any, step: int, repeat: int) -> float:
     return statistics.median(rates)
 
 
+class MeteredRoles:
+    """The trainer's roles, counting the tensor bytes the driver hands them (``take`` returns and resets the count):
+    measured, and what the same passes would have weighed with each row carrying its prompt's pixel values."""
+
+    def __init__(self, roles: Any) -> None:
+        self.roles, self.images = roles, {}
+        self.shipped = self.per_sample = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.roles, name)
+
+    def send_images(self, images: Any) -> None:
+        from mm_rl.trainer.batch import payload_bytes
+
+        self.images = images
+        self.shipped += payload_bytes(images)
+        self.roles.send_images(images)
+
+    def log_probs(self, role: str, shards: Any, temperature: float) -> Any:
+        self._count(shards)
+        return self.roles.log_probs(role, shards, temperature)
+
+    def train_mini_batch(self, shards: Any, loss: Any, denominator: float) -> Any:
+        self._count(shards)
+        return self.roles.train_mini_batch(shards, loss, denominator)
+
+    def _count(self, shards: Any) -> None:
+        from mm_rl.trainer.batch import payload_bytes
+
+        for batch in (batch for shard in shards for batch in shard):
+            size = payload_bytes(batch)
+            self.shipped += size
+            self.per_sample += size - batch["image_index"].nbytes + sum(self.images[index][0].nbytes
+                                                                        for index in batch["image_index"].tolist())
+
+    def take(self) -> tuple[int, int]:
+        """(bytes shipped, bytes the per-sample way) since the last call."""
+        counts, self.shipped, self.per_sample = (self.shipped, self.per_sample), 0, 0
+        return counts
+
+
 def report(rows: list[dict[str, float]], raw_tok_per_s: float) -> dict[str, float]:
     """Print the table; returns the numbers printed."""
     def median(key: str) -> float:
@@ -102,8 +145,11 @@ def report(rows: list[dict[str, float]], raw_tok_per_s: float) -> dict[str, floa
     rollout = throughput.get("throughput/rollout_tok_per_s", 0.0)
     print(f"\nbaseline: rollout phase {rollout:.1f} generated tok/s vs raw engine generate of the same prompts "
           f"{raw_tok_per_s:.1f} tok/s -> {rollout / raw_tok_per_s:.2f}x")
+    before, after = median("driver/bytes_per_sample_images"), median("driver/bytes")
+    print(f"driver bytes per step: {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB ({before / after:.1f}x fewer)")
     return ({f"timing/{k}": v for k, v in phases.items()} | {"timing/step": step} | throughput
-            | {"baseline/raw_generate_tok_per_s": raw_tok_per_s, "baseline/rollout_vs_raw": rollout / raw_tok_per_s})
+            | {"baseline/raw_generate_tok_per_s": raw_tok_per_s, "baseline/rollout_vs_raw": rollout / raw_tok_per_s,
+               "driver/bytes_per_sample_images": before, "driver/bytes": after})
 
 
 def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]], float | None]:
@@ -116,10 +162,13 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
     from mm_rl.trainer.metrics import step_line
 
     trainer = build_trainer(job, convert_in(job, print))
+    trainer.roles = meter = MeteredRoles(trainer.roles)
     try:
         rows = []
         for step in range(1, steps + 1):
             metrics = trainer.train_step(step)
+            shipped, per_sample = meter.take()
+            metrics |= {"driver/bytes": float(shipped), "driver/bytes_per_sample_images": float(per_sample)}
             trainer.step = step
             print(step_line(step, steps, metrics) + f" | {metrics['timing/step']:.2f} s")
             rows.append(metrics)

@@ -1,12 +1,13 @@
 """The accelerator boundaries of a Megatron rank, checked on a CPU machine with tensors labelled as device tensors.
 
-A rank gets its micro-batches on the CPU (Ray unpickles them there), moves them to its device in ``to_device``
-and hands results back through ``to_host``. On a GPU, a tensor left on the wrong side fails the first op that
-mixes it with the other side, or reaches the driver as a device tensor. Here the real forward / backward runs
-on CPU values while every tensor the rank's device would hold says ``cuda:0`` (``npu:0`` where autograd runs:
-see tests/labelled_device.py), and an op mixing them with CPU tensors raises :class:`DeviceMismatch`, as CUDA
-would. The rank runs in a spawned process (its process group, megatron state and the label's process-wide
-registrations die with it); each child runs the plain CPU rank and the labelled one on the same batches.
+A rank gets its micro-batches on the CPU (Ray unpickles them there), puts their images together from the step's and
+moves them to its device in ``to_device``, and hands results back through ``to_host``. On a GPU, a tensor left on
+the wrong side fails the first op that mixes it with the other side, or reaches the driver as a device tensor. Here
+the real forward / backward runs on CPU values while every tensor the rank's device would hold says ``cuda:0``
+(``npu:0`` where autograd runs: see tests/labelled_device.py), and an op mixing them with CPU tensors raises
+:class:`DeviceMismatch`, as CUDA would. The rank runs in a spawned process (its process group, megatron state and
+the label's process-wide registrations die with it); each child runs the plain CPU rank and the labelled one on the
+same batches.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ def _image_tokens(grid: tuple[int, int, int]) -> list[int]:
     return [VSTART] + [IMAGE] * (t * h * w // 4) + [VEND]
 
 
-def micro_batches() -> list[dict[str, torch.Tensor]]:
+def micro_batches() -> tuple[list[dict[str, torch.Tensor]], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """The trainer's micro-batches (``mm_rl.trainer.batch.micro_batches``) of six samples, two per micro-batch:
     one image + text beside text, text only, two images of different sizes beside text; with the per-token
-    fields of a training step."""
-    from mm_rl.trainer.batch import Sample
+    fields of a training step. And the step's images they name (``step_images``)."""
+    from mm_rl.trainer.batch import Sample, step_images
     from mm_rl.trainer.batch import micro_batches as build
 
     g = torch.Generator().manual_seed(0)
@@ -62,7 +63,7 @@ def micro_batches() -> list[dict[str, torch.Tensor]]:
         sample.old_log_probs = -torch.rand(sample.response_len, generator=g)
         sample.ref_log_probs = sample.old_log_probs - 0.05
         sample.advantages = torch.randn(sample.response_len, generator=g)
-    return build(samples, items, 2, PAD, FIELDS)
+    return build(samples, items, 2, PAD, FIELDS), step_images(samples, items)
 
 
 @pytest.fixture(scope="module")
@@ -88,17 +89,27 @@ class _Stats:
 
 
 def test_to_device_moves_every_tensor_of_a_training_micro_batch_and_keeps_the_rest():
-    """The target is named, never assumed: on ``meta`` nothing of the trainer's micro-batch stays behind."""
-    batch = {**micro_batches()[0], "uid": "sample-0", "temperature": 0.7}
-    assert {"pixel_values", "image_grid_thw", "response_mask", *FIELDS} <= batch.keys()
-    moved = to_device(batch, torch.device("meta"))
-    assert moved.keys() == batch.keys()
-    for key, value in batch.items():
+    """The target is named, never assumed: on ``meta`` nothing of the trainer's micro-batch stays behind, the images
+    it names included (put together from the step's there); the step's images themselves stay on the host."""
+    from mm_rl.platform.transfer import image_inputs
+
+    batches, images = micro_batches()
+    batch = {**batches[2], "uid": "sample-0", "temperature": 0.7}
+    assert {"image_index", "image_grid_thw", "response_mask", *FIELDS} <= batch.keys()
+    assert "pixel_values" not in batch  # the driver sends no pixels with a micro-batch
+    moved = to_device(batch, torch.device("meta"), images)
+    expected = {key: value for key, value in batch.items() if key != "image_index"} | image_inputs(batch, images)
+    assert moved.keys() == expected.keys() >= {"pixel_values", "encoded_grid_thw", "image_slots"}
+    for key, value in expected.items():
         if isinstance(value, torch.Tensor):
             assert moved[key].device.type == "meta" and moved[key].shape == value.shape, key
             assert moved[key].dtype == value.dtype, key
         else:
             assert moved[key] == value, key
+    assert_on_host(images)
+    assert_on_host(batch)
+    with pytest.raises(ValueError, match="holds no step images"):
+        to_device(batch, torch.device("meta"))
 
 
 def test_to_host_brings_nested_device_results_back_as_plain_cpu_tensors():
@@ -176,7 +187,8 @@ def _log_prob_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str)
     from mm_rl.workers.megatron_worker import MegatronWorker
 
     worker = _start(MegatronWorker, mm_root, port)
-    batches, mm = micro_batches(), str(Path(mm_root) / "mm")
+    (batches, images), mm = micro_batches(), str(Path(mm_root) / "mm")
+    worker.set_images(images)
     worker.build(mm)
     result: dict[str, Any] = {"plain": worker.compute_log_probs(batches)}
     with labelled_device("cuda:0"):
@@ -186,7 +198,9 @@ def _log_prob_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str)
         labelled = worker.compute_log_probs(batches)
         result["labelled"] = _host_copy(labelled)
         result["labelled_on_host"] = _on_host(labelled)
-        with mock.patch.object(megatron_worker, "to_device", lambda batch, device: dict(batch)):
+        result["images_on_host"] = _on_host(worker.images)
+        with mock.patch.object(megatron_worker, "to_device",  # the images put together, nothing moved
+                               lambda batch, device, images=None: to_device(batch, torch.device("cpu"), images)):
             result["without_to_device"] = _error(lambda: worker.compute_log_probs(batches))
         with mock.patch.object(megatron_worker, "to_host", lambda value: value):
             kept = worker.compute_log_probs(batches)
@@ -210,8 +224,10 @@ def log_prob_run(mm_dir, tmp_path_factory) -> dict[str, Any]:
 def test_log_probs_of_a_labelled_rank_come_back_on_the_host_equal_to_the_cpu_rank(log_prob_run):
     """``compute_log_probs`` on the trainer's CPU micro-batches (images and text only) with every weight, buffer
     and activation of the rank on cuda:0: no op mixes devices, and the results are plain CPU tensors equal to
-    the CPU rank's (CUDA's kernel choices computed on CPU: 1e-6)."""
+    the CPU rank's (CUDA's kernel choices computed on CPU: 1e-6). The step's images the rank keeps stay on the host
+    (each micro-batch takes what it needs to the device)."""
     assert log_prob_run["labelled_on_host"] is None
+    assert log_prob_run["images_on_host"] is None
     plain, labelled = log_prob_run["plain"], log_prob_run["labelled"]
     assert len(plain) == len(labelled) == 3
     for ours, reference in zip(labelled, plain, strict=True):
@@ -250,8 +266,9 @@ def _train_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str) ->
     spec = OptimizerSpec(lr=1e-3, min_lr=1e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.999, clip_grad=1.0,
                          lr_decay_style="cosine", warmup_steps=0, total_steps=4)
     loss = LossSpec(RLConfig(kl_loss_coef=0.1, use_kl_loss=True), max_response_len=5)
-    batches, mm = micro_batches(), str(Path(mm_root) / "mm")
+    (batches, images), mm = micro_batches(), str(Path(mm_root) / "mm")
     plain = _start(TrainingWorker, mm_root, port)
+    plain.set_images(images)
     plain.build(mm)
     initial = {k: v.clone() for k, v in plain.model.state_dict().items() if isinstance(v, torch.Tensor)}
     plain.setup_training(spec)
@@ -261,6 +278,7 @@ def _train_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str) ->
     register_npu_label()  # autograd over device-labelled tensors (see labelled_device)
     worker = TrainingWorker(plain.spec, 0)
     worker.coords = plain.coords
+    worker.set_images(images)
     with labelled_device("npu:0"):
         worker.build(mm)
         worker.setup_training(spec)

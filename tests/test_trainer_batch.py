@@ -1,5 +1,5 @@
-"""Driver-side pieces of the trainer that need no Ray: micro-batch layout, per-sample round trips, the
-sampling seeds and the submit path handling."""
+"""Driver-side pieces of the trainer that need no Ray: micro-batch layout, per-sample round trips, the step's
+images and how a rank puts a micro-batch's images together, the sampling seeds and the submit path handling."""
 
 from types import SimpleNamespace
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mm_rl.trainer.batch import Sample, micro_batches, padded, response_values
+from mm_rl.platform.transfer import image_inputs
+from mm_rl.trainer.batch import Sample, micro_batches, padded, response_values, step_images
 from mm_rl.trainer.grpo import sampling_seed
 
 PAD = 0
@@ -41,7 +42,8 @@ def test_micro_batches_put_response_values_where_labels_predict_them():
     assert first["labels"][1][first["response_mask"][1].bool()].tolist() == [10, 11, 12, 13]
     assert first["old_log_probs"][0][mask].tolist() == samples[0].old_log_probs.tolist()
     assert first["advantages"][0][~mask].abs().sum() == 0  # nothing outside the response
-    # only the rows with images contribute pixels, in row order
+    # rows name their prompt; only the rows with images contribute grids, in row order; no pixels travel
+    assert first["image_index"].tolist() == [0, 1] and "pixel_values" not in first
     assert torch.equal(first["image_grid_thw"], items[0].image_grid_thw)
     assert "image_grid_thw" not in micro_batches(samples[1:2], items, 2, PAD)[0]
 
@@ -88,3 +90,44 @@ def test_a_separate_engine_gets_whole_devices_of_its_own(device, colocate, actor
     resources = plan_resources(job)
     assert resources.world_size == actor
     assert (resources.rollout_bundle() if resources.rollout_devices else None) == engine
+
+
+def _prompt(grids: list[tuple[int, int, int]], generator: torch.Generator) -> SimpleNamespace:
+    grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+    return SimpleNamespace(pixel_values=torch.randn(int(grid.prod(-1).sum()), 8, generator=generator),
+                           image_grid_thw=grid)
+
+
+def test_a_rank_puts_together_each_prompts_images_once_and_which_fills_each_slot():
+    """Prompts with one image, two images of different sizes and none, their samples in any order: the step's
+    images hold each prompt once, and per micro-batch the rank encodes each distinct prompt's images once while
+    ``pixel_values[image_slots]`` (by patch blocks) is what one copy per sample was."""
+    g = torch.Generator().manual_seed(0)
+    items = {7: _prompt([(1, 2, 4)], g), 3: _prompt([(1, 2, 2), (1, 4, 2)], g), 5: _prompt([], g)}
+    order = [7, 3, 7, 5, 3, 7, 5, 3]
+    samples = [Sample(index, 0, [1, 2], [4], "stop") for index in order]
+    images = step_images(samples, items)
+    assert list(images) == [7, 3, 5] and images[5][0].numel() == 0
+    (batch,) = micro_batches(samples, items, len(samples), PAD)
+    inputs = image_inputs(batch, images)
+    assert inputs["encoded_grid_thw"].tolist() == [[1, 2, 4], [1, 2, 2], [1, 4, 2]]  # prompts in order of first use
+    assert inputs["image_slots"].tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2]
+    assert torch.equal(inputs["encoded_grid_thw"][inputs["image_slots"]], batch["image_grid_thw"])
+    patches = inputs["encoded_grid_thw"].prod(-1)
+    blocks = torch.split(inputs["pixel_values"], patches.tolist())
+    per_sample = torch.cat([items[i].pixel_values for i in order if items[i].image_grid_thw.numel()])
+    assert torch.equal(torch.cat([blocks[k] for k in inputs["image_slots"].tolist()]), per_sample)
+    assert inputs["pixel_values"].shape[0] == patches.sum() < per_sample.shape[0]
+    (text_only,) = micro_batches(samples[3:4], items, 1, PAD)
+    assert image_inputs(text_only, images) == {}
+
+
+def test_a_micro_batch_of_another_steps_images_is_refused():
+    g = torch.Generator().manual_seed(0)
+    items = {0: _prompt([(1, 2, 2)], g), 1: _prompt([(1, 2, 4)], g)}
+    (batch,) = micro_batches([Sample(0, 0, [1], [2], "stop"), Sample(1, 1, [1], [2], "stop")], items, 2, PAD)
+    with pytest.raises(ValueError, match=r"prompts \[1\] are not among the step's images"):
+        image_inputs(batch, {0: (items[0].pixel_values, items[0].image_grid_thw)})
+    stale = {0: (items[0].pixel_values, items[0].image_grid_thw), 1: (items[0].pixel_values, items[0].image_grid_thw)}
+    with pytest.raises(ValueError, match="image_grid_thw differs"):
+        image_inputs(batch, stale)

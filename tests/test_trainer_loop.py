@@ -3,7 +3,8 @@
 What is driven here: dynamic sampling (more batches until enough groups vary, seeds per batch), validation (the
 sync / sleep around it, val metrics), the non-finite streak (skips counted, a good step resets, the limit stops
 the run), and the resume bookkeeping (sampler, KL controller and streak restored, the metrics file cut back, the
-checkpoint's grid checked against the job's).
+checkpoint's grid checked against the job's); the step's images handed to the ranks once, and the bytes the driver
+ships per step.
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ class FakeRoles:
         scores = [int(text.split()[0]) / 100 for text in responses]
         return RewardResult(scores, {"accuracy": scores}, 0)
 
+    def send_images(self, images):
+        self.calls.append(("send_images", sorted(images)))
+
     def log_probs(self, role, shards, temperature):
         self.calls.append(("log_probs", role))
         return [[torch.full(b["input_ids"].shape, -0.5) for b in shard] for shard in shards]
@@ -157,7 +161,8 @@ def test_dynamic_sampling_draws_batches_until_enough_groups_vary(tmp_path):
     assert metrics["dynamic_sampling/groups_varying"] == 2.0
     assert metrics["reward/std"] > 0 and metrics["batch/groups"] == 2.0
     phases = [c[0] for c in roles.calls if c[0] != "generate"]
-    assert phases == ["before_rollout", "before_training", "log_probs", "log_probs"]
+    assert phases == ["before_rollout", "before_training", "send_images", "log_probs", "log_probs"]
+    assert ("send_images", [1, 2]) in roles.calls  # the images of the trained groups' prompts, each once
     assert [c[1] for c in roles.calls if c[0] == "log_probs"] == ["actor", "reference"]
 
 
@@ -329,3 +334,81 @@ def test_generation_groups_are_picked_evenly_and_reproducibly():
     groups = [[i] for i in range(10)]
     assert pick(groups, 3) == [[0], [4], [9]] and pick(groups, 1) == [[0]]
     assert pick(groups, 0) == [] and pick(groups, 20) == groups
+
+
+# the tiny job's shapes: 112 px images (8 x 8 patches of 3 x 2 x 14 x 14 values, 16 image tokens after the 2 x 2
+# merger), prompts of about a hundred tokens, answers of up to 64 tokens, n 8, micro-batches of 8
+TINY_GRID, PATCH_DIM, PROMPT_LEN, RESPONSE_LEN = (1, 8, 8), 3 * 2 * 14 * 14, 96, 64
+
+
+class ImagePrompts(FakePrompts):
+    """FakePrompts whose train rows each hold one image of the tiny job's size."""
+
+    def requests(self, indices, split="train"):
+        if split == "train":
+            g = torch.Generator().manual_seed(len(self.cached))
+            grid = torch.tensor([TINY_GRID])
+            self.cached.update({i: SimpleNamespace(pixel_values=torch.randn(int(grid.prod()), PATCH_DIM, generator=g),
+                                                   image_grid_thw=grid) for i in indices})
+        return [RolloutRequest(list(range(1, PROMPT_LEN + 1)), uid=i) for i in indices]
+
+
+class MeteredRoles(FakeRoles):
+    """FakeRoles with answers of RESPONSE_LEN tokens that count the tensor bytes the driver hands them (log-prob
+    passes, updates, the image hand-off) and keep what the micro-batches of those passes were."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.shipped, self.batches, self.images = 0, [], {}
+
+    def start_generate(self, requests, sampling, seed):
+        pending = super().start_generate(requests, sampling, seed)
+        outputs = pending.result()
+        for out in outputs:
+            for sample in out.samples:
+                sample.response_ids += [2] * (RESPONSE_LEN - len(sample.response_ids))
+                sample.logprobs = torch.zeros(RESPONSE_LEN)
+        return SimpleNamespace(result=lambda: outputs)
+
+    def send_images(self, images):
+        from mm_rl.trainer.batch import payload_bytes
+
+        self.shipped += payload_bytes(images)
+        self.images = dict(images)
+        super().send_images(images)
+
+    def log_probs(self, role, shards, temperature):
+        self._count(shards)
+        return super().log_probs(role, shards, temperature)
+
+    def train_mini_batch(self, shards, loss, denominator):
+        self._count(shards)
+        return super().train_mini_batch(shards, loss, denominator)
+
+    def _count(self, shards):
+        from mm_rl.trainer.batch import payload_bytes
+
+        self.shipped += payload_bytes(shards)
+        self.batches += [batch for shard in shards for batch in shard]
+
+
+def test_the_driver_ships_each_image_once_per_step(tmp_path):
+    """At n 8 on the tiny job's shapes the bytes the driver hands the roles per step (old and reference log-prob
+    passes, the update, the image hand-off) are at least 8x fewer than with a copy of the prompt's pixel values per
+    sample in every pass (the way before: computed from the same micro-batches); the images go once per step."""
+    job = _job(tmp_path, "--backend_config.rl_config.n_samples_per_prompt=8",
+               "--backend_config.megatron_training.global_batch_size=16",
+               "--backend_config.actor_config.micro_batch_size=8",
+               f"--backend_config.generate_config.sampling_config.max_tokens={RESPONSE_LEN}")
+    roles = MeteredRoles(8, lambda s, uid, k: float(k % 2))
+    trainer = GRPOTrainer(job, roles, ImagePrompts(2), report=lambda line: None)
+    trainer.train_step(1)
+    assert [c[1] for c in roles.calls if c[0] == "send_images"] == [[0, 1]]
+    assert len(roles.batches) == 3 * 2  # old, reference, update: one micro-batch per group each
+    assert all(len(set(b["image_index"].tolist())) == 1 for b in roles.batches)  # a group per micro-batch
+    pixels = {index: pixel_values.nbytes for index, (pixel_values, _) in roles.images.items()}
+    before = sum(sum(t.nbytes for key, t in b.items() if key != "image_index")
+                 + sum(pixels[i] for i in b["image_index"].tolist()) for b in roles.batches)
+    print(f"\ndriver bytes per step: {before / 1e6:.2f} MB -> {roles.shipped / 1e6:.2f} MB "
+          f"({before / roles.shipped:.1f}x fewer)")
+    assert before >= 8 * roles.shipped

@@ -4,7 +4,10 @@ Three things cross a process or device boundary, and each crosses here only:
 
 * driver -> rank: a micro-batch arrives on the CPU (Ray unpickles it there) and goes to the rank's device at the
   step boundary, :func:`to_device`, before the model sees any of it (the ViT takes its device from
-  ``pixel_values``, the LLM from ``input_ids``). From pinned memory the copy is asynchronous.
+  ``pixel_values``, the LLM from ``input_ids``). From pinned memory the copy is asynchronous. The step's prompt
+  images reach every rank once per step (:data:`StepImages`, kept on the host); a micro-batch names its rows'
+  images by ``image_index`` and :func:`to_device` puts the pixel values of its distinct images together there,
+  the one place a rank materialises them (:func:`image_inputs`).
 * rank -> driver: whatever a rank returns is on the CPU, :func:`to_host`: a CPU-only head cannot unpickle a device
   tensor, and on a GPU head it would land on cuda:0 beside the driver's CPU tensors.
 * rank -> engine: weight buckets are packed on a device the caller names (:func:`mm_rl.sync.transport.pack_bucket`).
@@ -22,6 +25,8 @@ from typing import Any, TypeVar
 import torch
 
 T = TypeVar("T")
+# data-set index -> (pixel_values [patches, C*T*P*P], image_grid_thw [images, 3]) of that prompt (no images: empty)
+StepImages = Mapping[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 def _pinned(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -31,10 +36,45 @@ def _pinned(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor
 
 
-def to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    """Every tensor of a micro-batch on ``device`` (other values pass unchanged); the driver -> rank boundary."""
+def to_device(batch: Mapping[str, Any], device: torch.device, images: StepImages | None = None) -> dict[str, Any]:
+    """Every tensor of a micro-batch on ``device`` (other values pass unchanged); the driver -> rank boundary.
+
+    A micro-batch with ``image_index`` gets its images from the step's ``images`` first (:func:`image_inputs`)."""
+    if "image_index" in batch:
+        if images is None:
+            raise ValueError("the micro-batch names its images by image_index but the rank holds no step images")
+        batch = {key: value for key, value in batch.items() if key != "image_index"} | image_inputs(batch, images)
     return {key: _pinned(value, device).to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
             for key, value in batch.items()}
+
+
+def image_inputs(batch: Mapping[str, Any], images: StepImages) -> dict[str, torch.Tensor]:
+    """The model's image inputs of a micro-batch whose rows name their prompt by ``image_index`` [B]: each distinct
+    prompt's images once (``pixel_values``, their grids ``encoded_grid_thw``, prompts in order of first use) and,
+    per image slot in row order, the encoded image that fills it (``image_slots``); none without images.
+
+    The n samples of a prompt share its images, so the ViT encodes them once per micro-batch and the model copies
+    the embeddings into every slot. ``encoded_grid_thw[image_slots]`` must be the micro-batch's ``image_grid_thw``
+    (images of another step would not be)."""
+    rows = batch["image_index"].tolist()
+    prompts = list(dict.fromkeys(rows))
+    missing = [index for index in prompts if index not in images]
+    if missing:
+        raise ValueError(f"the micro-batch's prompts {missing} are not among the step's images: were this step's "
+                         "images handed to the ranks?")
+    first: dict[int, int] = {}
+    count = 0
+    for index in prompts:
+        first[index], count = count, count + len(images[index][1])
+    if not count:
+        return {}
+    slots = torch.tensor([first[index] + k for index in rows for k in range(len(images[index][1]))])
+    grids = torch.cat([images[index][1] for index in prompts])
+    if not torch.equal(grids[slots], batch.get("image_grid_thw", grids[:0])):
+        raise ValueError("the micro-batch's image_grid_thw differs from its prompts' images in the step's images: "
+                         "were this step's images handed to the ranks?")
+    return {"pixel_values": torch.cat([images[index][0] for index in prompts]), "encoded_grid_thw": grids,
+            "image_slots": slots}
 
 
 def to_host(value: T) -> T:

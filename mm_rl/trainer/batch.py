@@ -6,6 +6,12 @@ advantages, all as 1-D tensors over the response tokens. Micro-batches are right
 ids with ``labels`` shifted by one (``labels[s]`` is the token position ``s`` predicts), so the response
 token ``i`` sits at position ``len(prompt) - 1 + i`` of the log-prob rows; :func:`micro_batches` scatters
 the per-sample tensors there and :func:`response_values` reads them back.
+
+Images travel apart from the micro-batches: the n samples of a prompt share its image, so the driver hands the
+ranks the step's distinct prompt images once (:func:`step_images`) and a micro-batch names each row's prompt by
+``image_index`` (data-set index), keeping only the small ``image_grid_thw`` of its rows (the mRoPE positions need
+it per sample). The rank puts the pixel values together at its device boundary
+(:func:`mm_rl.platform.transfer.image_inputs`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 
 if TYPE_CHECKING:
     from mm_rl.data.dataset import PromptItem
+    from mm_rl.platform.transfer import StepImages
     from mm_rl.rollout.base import FinishReason
 
 @dataclass
@@ -67,12 +74,30 @@ def _micro_batch(samples: Sequence[Sample], items: dict[int, PromptItem], pad_id
         for name in fields:
             extra[name][row, span] = getattr(sample, name)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.roll(ids, -1, dims=1),
-             "response_mask": response_mask, **extra}
-    images = [items[s.index] for s in samples if items[s.index].image_grid_thw.numel()]
-    if images:
-        batch["pixel_values"] = torch.cat([item.pixel_values for item in images])
-        batch["image_grid_thw"] = torch.cat([item.image_grid_thw for item in images])
+             "response_mask": response_mask, **extra,
+             "image_index": torch.tensor([s.index for s in samples], dtype=torch.long)}
+    grids = [items[s.index].image_grid_thw for s in samples]
+    if any(grid.numel() for grid in grids):
+        batch["image_grid_thw"] = torch.cat(grids)
     return batch
+
+
+def step_images(samples: Sequence[Sample], items: dict[int, PromptItem]) -> StepImages:
+    """The distinct prompts' pixel values and grids of the samples, by data-set index: handed to the ranks once per
+    step, then named by the micro-batches' ``image_index`` (text-only prompts hold empty tensors)."""
+    return {index: (items[index].pixel_values, items[index].image_grid_thw)
+            for index in dict.fromkeys(s.index for s in samples)}
+
+
+def payload_bytes(value: object) -> int:
+    """Bytes of every tensor in ``value`` (nested lists, tuples, dicts): what handing it to a role ships."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, dict):
+        return sum(payload_bytes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(payload_bytes(item) for item in value)
+    return 0
 
 
 def response_values(samples: Sequence[Sample], rows: Sequence[torch.Tensor], size: int) -> list[torch.Tensor]:

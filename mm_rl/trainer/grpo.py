@@ -5,6 +5,7 @@ Per step::
     sync       actor weights -> rollout engine (wake it first when colocated)
     rollout    rollout_batch_size prompts x n samples (dynamic sampling: more batches until enough groups vary)
     reward     rule reward per response (reward worker actors)
+    images     the step's distinct prompt images to the ranks, once (micro-batches name them by data-set index)
     old_logp   actor log-probs of the sampled tokens (before any update of this step)
     ref_logp   reference log-probs (when a KL term needs them)
     advantages group-normalised (GRPO / Dr.GRPO), RLOO or REINFORCE++; KL in reward when asked
@@ -32,7 +33,7 @@ import torch
 
 from mm_rl.config.schema import JobConfig
 from mm_rl.rollout.base import FinishReason, RolloutOutputs
-from mm_rl.trainer.batch import Sample, micro_batches, padded, response_values
+from mm_rl.trainer.batch import Sample, micro_batches, padded, response_values, step_images
 from mm_rl.trainer.generations import GENERATIONS_FILE, GenerationLog
 from mm_rl.trainer.prompts import PromptSource
 from mm_rl.trainer.roles import PendingRollout, Role, Roles, RolloutReady
@@ -175,6 +176,8 @@ class GRPOTrainer:
             roles.before_training()
         if ready.offloaded_bytes is not None:
             metrics["memory/offloaded_gb"] = ready.offloaded_bytes / 1e9
+        with timer("images"):
+            roles.send_images(step_images(samples, self.prompts.cached))
         if self.rl.rollout_correction.bypass_mode:  # the engine's log-probs serve as the old ones: no pass
             for sample in samples:
                 sample.old_log_probs = sample.engine_log_probs.float().clone()
@@ -493,7 +496,9 @@ class GRPOTrainer:
 
 # ------------------------------------------------------------------------------------------------ helpers
 def _split(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
-    """``parts`` contiguous, equal shards (the caller keeps the count divisible where it matters)."""
+    """``parts`` contiguous, equal shards (the caller keeps the count divisible where it matters). Contiguous keeps
+    a group's samples side by side, so they share micro-batches and the ranks encode their image once per
+    micro-batch rather than once per sample."""
     size = math.ceil(len(samples) / parts)
     return [list(samples[i * size:(i + 1) * size]) for i in range(parts)]
 

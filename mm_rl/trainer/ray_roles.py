@@ -23,6 +23,7 @@ from mm_rl.trainer.runtime import ROLLOUT_CPUS, Connection, connect, make_placem
 if TYPE_CHECKING:
     import torch
 
+    from mm_rl.platform.transfer import StepImages
     from mm_rl.rewards.worker import RewardResult
     from mm_rl.rollout.base import RolloutOutputs, RolloutRequest, SamplingSpec
     from mm_rl.workers.megatron_worker import WorkerSpec
@@ -209,6 +210,14 @@ class RayRoles:
     def score(self, responses: Sequence[str], truths: Sequence[str]) -> RewardResult:
         with named("reward workers"):
             return self.rewards.score(responses, truths)
+
+    def send_images(self, images: StepImages) -> None:
+        import ray
+
+        shared = ray.put(dict(images))  # one object-store copy; every rank of both groups reads it
+        for group in (self.actor, self.ref):
+            if group is not None:
+                group.run("set_images", shared)
 
     def log_probs(self, role: Role, shards: Sequence[MicroBatches], temperature: float) -> list[list[torch.Tensor]]:
         return self._group(role).compute_log_probs_sharded(shards, temperature)

@@ -7,7 +7,8 @@ deployment on a Ray cluster, and tests drive the loop with a fake of this interf
 
 Shapes: ``shards`` are one list of micro-batches per data-parallel replica of the role (see
 ``mm_rl.trainer.batch.micro_batches``); log-probs come back per replica as one ``[B, S]`` tensor per micro-batch,
-on the CPU.
+on the CPU. Micro-batches carry no pixels: they name each row's prompt by ``image_index``, and the step's distinct
+prompt images reach the ranks once, through :meth:`Roles.send_images`, before the step's passes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from mm_rl.platform.transfer import StepImages
     from mm_rl.rewards.worker import RewardResult
     from mm_rl.rollout.base import RolloutOutputs, RolloutRequest, SamplingSpec
     from mm_rl.sync.driver import SyncReport
@@ -73,6 +75,11 @@ class Roles(Protocol):
         ...
 
     def score(self, responses: Sequence[str], truths: Sequence[str]) -> RewardResult:
+        ...
+
+    def send_images(self, images: StepImages) -> None:
+        """The step's distinct prompt images (data-set index -> pixel values, grid) to every rank of the actor and
+        the reference, once per step before their passes; they replace the previous step's."""
         ...
 
     def log_probs(self, role: Role, shards: Sequence[MicroBatches], temperature: float) -> list[list[torch.Tensor]]:

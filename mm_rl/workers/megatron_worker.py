@@ -6,6 +6,7 @@ Life cycle (driven by :class:`mm_rl.workers.group.WorkerGroup`, every rank calle
     addr, port = rank0.rendezvous_address()              # the caller picks the address / free port
     worker.init_distributed(addr, port)                  # process group + megatron parallel state + RNG seed
     worker.build(mm_dir)                                 # this rank's stage, loaded from its mp_rank file
+    worker.set_images(step_images)                       # the step's prompt images, once per step (host memory)
     worker.compute_log_probs(micro_batches)              # forward-only pipeline schedule (every rank runs it)
     worker.push_weights(sink_factory, bucket_bytes)      # weight sync, see mm_rl.sync.sender
 
@@ -29,7 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mm_rl.platform.transfer import to_device, to_host
+from mm_rl.platform.transfer import StepImages, to_device, to_host
 from mm_rl.workers.offload import MemorySwitch
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ class MegatronWorker:
         self.spec, self.rank = spec, rank
         self.model: Any = None
         self.coords: RankCoords | None = None
+        self.images: StepImages = {}
         self._memory = MemorySwitch()
 
     # ------------------------------------------------------------------------------------ set-up
@@ -169,13 +171,19 @@ class MegatronWorker:
         return self.model
 
     # ------------------------------------------------------------------------------- log-probs
+    def set_images(self, images: StepImages) -> None:
+        """Keep the step's prompt images (on the host) for the micro-batches that name them by ``image_index``;
+        they replace the previous step's."""
+        self.images = images
+
     def compute_log_probs(self, micro_batches: Sequence[MicroBatch], temperature: float = 1.0) -> \
             list[torch.Tensor] | None:
         """Log-probs [B, S] of each micro-batch's ``labels`` (forward only, through the pipeline schedule).
 
         A micro-batch holds ``input_ids``, ``attention_mask``, ``labels`` (labels[b, s]: the token position s
-        predicts) and optionally ``pixel_values`` / ``image_grid_thw``. Every rank must run this; the last
-        stage's TP-rank 0 of each DP replica returns the list, the others None.
+        predicts) and, with images, ``image_grid_thw`` of its rows' images and either ``image_index`` (each row's
+        prompt among the step's images, see :meth:`set_images`) or their ``pixel_values``. Every rank must run
+        this; the last stage's TP-rank 0 of each DP replica returns the list, the others None.
         """
         import torch
 
@@ -189,7 +197,7 @@ class MegatronWorker:
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            run_schedule(model, micro_batches, keep_log_probs, temperature, forward_only=True)
+            run_schedule(model, micro_batches, keep_log_probs, temperature, forward_only=True, images=self.images)
         model.train(was_training)
         keep = model.layout.has_output and coords.leads_replica_stage()
         return to_host(captured) if keep else None
@@ -303,30 +311,33 @@ def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None) -> torch
 
 
 def run_schedule(model: Any, micro_batches: Sequence[MicroBatch], loss_of: Callable[..., torch.Tensor],
-                 temperature: float, forward_only: bool) -> None:
+                 temperature: float, forward_only: bool, images: StepImages | None = None) -> None:
     """megatron's pipeline schedule over ``micro_batches`` (every rank of the group calls it together).
 
-    Every stage gets the whole micro-batch; on the last stage ``loss_of(batch, output)`` turns the model's output
-    (``log_probs``, ``entropy``) into the loss handed to megatron (the log-prob pass returns a zero loss)."""
+    Every stage gets the whole micro-batch (its images from ``images``, the step's); on the last stage
+    ``loss_of(batch, output)`` turns the model's output (``log_probs``, ``entropy``) into the loss handed to
+    megatron (the log-prob pass returns a zero loss)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     get_forward_backward_func()(
-        forward_step_func=functools.partial(_forward_step, loss_of, temperature),
+        forward_step_func=functools.partial(_forward_step, loss_of, temperature, images),
         data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),
         seq_length=max(int(b["input_ids"].shape[1]) for b in micro_batches),
         micro_batch_size=max(int(b["input_ids"].shape[0]) for b in micro_batches), forward_only=forward_only)
 
 
-def _forward_step(loss_of: Callable[..., torch.Tensor], temperature: float, data: Iterator[MicroBatch],
-                  model: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """megatron's forward step: the model on the next micro-batch (moved to this rank's device here, the one
-    driver -> rank boundary of every pass), and the loss function of its output."""
+def _forward_step(loss_of: Callable[..., torch.Tensor], temperature: float, images: StepImages | None,
+                  data: Iterator[MicroBatch], model: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """megatron's forward step: the model on the next micro-batch (its images put together from the step's and
+    moved to this rank's device here, the one driver -> rank boundary of every pass), and the loss function of its
+    output."""
     from mm_rl.platform.device import current_device
 
-    batch = to_device(next(data), current_device())
+    batch = to_device(next(data), current_device(), images)
     output = model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
                    pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
-                   labels=batch["labels"], temperature=temperature)
+                   labels=batch["labels"], temperature=temperature, encoded_grid_thw=batch.get("encoded_grid_thw"),
+                   image_slots=batch.get("image_slots"))
 
     def loss_func(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         return loss_of(batch, out), {}

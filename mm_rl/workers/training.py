@@ -130,7 +130,7 @@ class TrainingWorker(MegatronWorker):
             collected.append(metrics)
             return value * scale
 
-        run_schedule(self.ddp, micro_batches, actor_loss_of, loss.temperature, forward_only=False)
+        run_schedule(self.ddp, micro_batches, actor_loss_of, loss.temperature, forward_only=False, images=self.images)
         loss_finite = all(bool(torch.isfinite(m["loss"])) for m in collected)
         metrics = self._step(loss_finite)
         metrics.update(reduce_over_replicas(collected) if collected else {})

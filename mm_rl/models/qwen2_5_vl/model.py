@@ -17,9 +17,14 @@ of :mod:`rope_index`, computed on every stage from the token ids (or passed in).
 vocab-parallel logits into the log-probs of given labels and the entropy (:mod:`logprobs`) without
 gathering the vocabulary.
 
+The samples of one prompt share its image. Given ``image_slots`` (which encoded image fills each image of the
+micro-batch, in sample order), the ViT encodes each distinct image once (``pixel_values`` / ``encoded_grid_thw``)
+and the first LLM stage copies its embeddings into every slot it fills (:func:`image_token_rows`); with the ViT
+trained, autograd sums the slots' gradients into the one encoding.
+
 Pipeline splits: the ViT fills stages 0..k, the LLM the stages from k (sharing stage k) or k + 1 on, no
 stage empty (:func:`stage_layout`). Between ViT stages travel ViT hidden states [N_patches, 1, vit_hidden];
-a ViT-only stage holding the merger sends image embeddings [N_tokens, 1, llm_hidden]; a micro-batch
+a ViT-only stage holding the merger sends the encoded images' embeddings [N_tokens, 1, llm_hidden]; a micro-batch
 without images sends a one-row placeholder. When the word embeddings are not on stage 0, pass
 :func:`embedding_ranks` to megatron's ``initialize_model_parallel`` (its default assumes stage 0).
 
@@ -181,6 +186,19 @@ def padding_attention_mask(attention_mask: Tensor | None) -> Tensor | None:
     seq = valid.shape[1]
     future = torch.ones(seq, seq, dtype=torch.bool, device=valid.device).triu(1)
     return future[None, None] | ~valid[:, None, None, :]
+
+
+def image_token_rows(encoded_grid_thw: Tensor, image_slots: Tensor, merge: int) -> Tensor:
+    """Rows of the encoded images' embeddings [N_tokens, H] that fill the image slots, slot after slot.
+
+    The encoder emits image k's ``t * h * w / merge^2`` tokens as one block after image k - 1's; slot j takes the
+    whole block of image ``image_slots[j]``."""
+    tokens = encoded_grid_thw.prod(-1) // merge**2
+    counts = tokens[image_slots]
+    starts = (tokens.cumsum(0) - tokens)[image_slots]
+    within = torch.arange(int(counts.sum()), device=counts.device) - (counts.cumsum(0) - counts).repeat_interleave(
+        counts)
+    return starts.repeat_interleave(counts) + within
 
 
 def splice_image_embeddings(
@@ -459,10 +477,17 @@ class Qwen2_5_VLModel(torch.nn.Module):
             images = images.unsqueeze(1)
         return keep_in_graph(images, self.received)
 
-    def decoder_input(self, input_ids: Tensor, images: Tensor | None) -> Tensor:
-        """Word embeddings [S, B, H] with the image embeddings [N_tokens, H] spliced in (first LLM stage)."""
+    def decoder_input(self, input_ids: Tensor, images: Tensor | None, encoded_grid_thw: Tensor | None = None,
+                      image_slots: Tensor | None = None) -> Tensor:
+        """Word embeddings [S, B, H] with the image embeddings [N_tokens, H] spliced in (first LLM stage); with
+        ``image_slots``, ``images`` are those of the encoded images (``encoded_grid_thw``), copied into every slot
+        they fill first."""
         embeddings = self.text_decoder.embedding(input_ids=input_ids, position_ids=None)
         if images is not None:
+            if image_slots is not None:
+                assert encoded_grid_thw is not None  # _images refuses pixel values without their grids
+                merge = self.model_cfg.image_encoder.vision_encoder.spatial_merge_size
+                images = images.index_select(0, image_token_rows(encoded_grid_thw, image_slots, merge))
             embeddings = splice_image_embeddings(embeddings, input_ids, images, self.model_cfg.img_context_token_id)
         return keep_in_graph(embeddings, self.received) if self.layout.received != "none" else embeddings
 
@@ -472,7 +497,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
         if pixel_values is None or pixel_values.numel() == 0:
             return None
         if image_grid_thw is None:
-            raise ValueError("pixel_values need image_grid_thw")
+            raise ValueError("pixel_values need their grids (image_grid_thw; with image_slots, encoded_grid_thw)")
         if self.layout.has_vit:
             return self.image_embeddings(pixel_values, image_grid_thw)
         if self.layout.received == "image" and self.received is not None:
@@ -488,6 +513,8 @@ class Qwen2_5_VLModel(torch.nn.Module):
         image_grid_thw: Tensor | None = None,
         labels: Tensor | None = None,
         *,
+        encoded_grid_thw: Tensor | None = None,
+        image_slots: Tensor | None = None,
         return_logits: bool = False,
         temperature: float = 1.0,
     ) -> Tensor | dict[str, Tensor]:
@@ -496,6 +523,9 @@ class Qwen2_5_VLModel(torch.nn.Module):
         Every stage gets the whole micro-batch: ``input_ids`` / ``attention_mask`` [B, S] (mask: 1 real, 0
         padding; None: no padding; positions and the padding mask come from them), ``pixel_values``
         [N_patches, C*T*P*P] and ``image_grid_thw`` [N_images, 3] as the Qwen2.5-VL processor gives them.
+        Images shared by several samples may come once: then ``pixel_values`` are those of the distinct images,
+        ``encoded_grid_thw`` [N_encoded, 3] their grids and ``image_slots`` [N_images] the encoded image of each
+        image of ``image_grid_thw`` (which stays per sample: the positions need it).
         ``position_ids`` [3, B, S] may be passed precomputed. ``labels`` [B, S]: labels[b, s] is the token
         that position s predicts.
 
@@ -504,8 +534,8 @@ class Qwen2_5_VLModel(torch.nn.Module):
         ``logits`` [B, S, V / TP] (this rank's vocab slice) when there are no labels or ``return_logits`` is
         set. ``temperature`` divides the logits before the log-probs and the entropy, as the sampler did.
         """
-        images = self._images(pixel_values, image_grid_thw) if self.layout.has_vit or self.layout.has_embedding \
-            else None
+        encoded = image_grid_thw if image_slots is None else encoded_grid_thw
+        images = self._images(pixel_values, encoded) if self.layout.has_vit or self.layout.has_embedding else None
         if not self.layout.has_llm:
             return self._vision_stage_output(images)
         seq = input_ids.shape[1]
@@ -518,7 +548,8 @@ class Qwen2_5_VLModel(torch.nn.Module):
             position_ids = _pad_sequence(position_ids, length, 0)
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask)
-        decoder_input = self.decoder_input(input_ids, images) if self.layout.has_embedding else None
+        decoder_input = self.decoder_input(input_ids, images, encoded, image_slots) if self.layout.has_embedding \
+            else None
         if self.cp is not None:  # this rank's tokens; the attention mask stays whole (Ulysses sees all tokens)
             position_ids = self.cp.local(position_ids, dim=2)
             decoder_input = self.cp.local(decoder_input, dim=0) if decoder_input is not None else None
