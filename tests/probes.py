@@ -86,7 +86,7 @@ class ProbeWorker(TrainingWorker):
         param = [p for p in self._require_model().parameters() if p.requires_grad][-1]  # the LLM's last (any batch)
         self._poison = param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
 
-    def train_mini_batch(self, *args: Any, **kwargs: Any) -> dict[str, float] | None:
+    def train_mini_batch(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().train_mini_batch(*args, **kwargs)
         finally:

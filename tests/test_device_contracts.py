@@ -272,7 +272,7 @@ def _train_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str) ->
     plain.build(mm)
     initial = {k: v.clone() for k, v in plain.model.state_dict().items() if isinstance(v, torch.Tensor)}
     plain.setup_training(spec)
-    result: dict[str, Any] = {"initial": initial, "plain_metrics": plain.train_mini_batch(batches, loss, 8.0)}
+    result: dict[str, Any] = {"initial": initial, "plain_metrics": plain.train_mini_batch(batches, loss, 8.0).metrics}
     result["plain"] = {k: v for k, v in plain.model.state_dict().items() if isinstance(v, torch.Tensor)}
 
     register_npu_label()  # autograd over device-labelled tensors (see labelled_device)
@@ -282,7 +282,7 @@ def _train_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str) ->
     with labelled_device("npu:0"):
         worker.build(mm)
         worker.setup_training(spec)
-        metrics = worker.train_mini_batch(batches, loss, 8.0)
+        metrics = worker.train_mini_batch(batches, loss, 8.0).metrics
         state = worker.model.state_dict()
         flag = torch.tensor([1.0])  # what the non-finite check once all-reduced on the rank's nccl group
         result["cpu_collective"] = _error(lambda: torch.distributed.all_reduce(flag))

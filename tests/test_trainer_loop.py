@@ -83,6 +83,7 @@ class FakeRoles:
         self.n, self.rewards, self.skip, self.grid = n, rewards, set(skip), grid
         self.has_reference = True
         self.calls: list[tuple] = []
+        self.scored: dict[str, int] = {}  # samples scored per role by the log-prob passes
         self.updates = 0
 
     def data_parallel_size(self, role):
@@ -116,12 +117,17 @@ class FakeRoles:
 
     def log_probs(self, role, shards, temperature):
         self.calls.append(("log_probs", role))
+        self.scored[role] = self.scored.get(role, 0) + sum(len(b["input_ids"]) for shard in shards for b in shard)
         return [[torch.full(b["input_ids"].shape, -0.5) for b in shard] for shard in shards]
 
     def train_mini_batch(self, shards, loss, denominator):
+        """The metrics, and -0.25 as the update forward's log-probs where the shard came without old ones (the
+        old log-prob pass gives -0.5)."""
         skipped = float(self.updates in self.skip)
         self.updates += 1
-        return {"loss": 0.1, "pg_loss": 0.1, "kl_loss": 0.01, "grad_norm": 1.0, "lr": 1e-3, "skipped": skipped}
+        own = [None if "old_log_probs" in shard[0] else [torch.full(b["input_ids"].shape, -0.25) for b in shard]
+               for shard in shards]
+        return {"loss": 0.1, "pg_loss": 0.1, "kl_loss": 0.01, "grad_norm": 1.0, "lr": 1e-3, "skipped": skipped}, own
 
     def save(self, staging: Path):
         (staging / "mp_rank_00").mkdir()
@@ -161,9 +167,9 @@ def test_dynamic_sampling_draws_batches_until_enough_groups_vary(tmp_path):
     assert metrics["dynamic_sampling/groups_varying"] == 2.0
     assert metrics["reward/std"] > 0 and metrics["batch/groups"] == 2.0
     phases = [c[0] for c in roles.calls if c[0] != "generate"]
-    assert phases == ["before_rollout", "before_training", "send_images", "log_probs", "log_probs"]
+    assert phases == ["before_rollout", "before_training", "send_images", "log_probs"]  # reference only: on-policy
     assert ("send_images", [1, 2]) in roles.calls  # the images of the trained groups' prompts, each once
-    assert [c[1] for c in roles.calls if c[0] == "log_probs"] == ["actor", "reference"]
+    assert [c[1] for c in roles.calls if c[0] == "log_probs"] == ["reference"]
 
 
 def test_validation_syncs_generates_greedy_and_reports_val_metrics(tmp_path):
@@ -232,9 +238,8 @@ def test_one_step_off_policy_generates_the_next_batch_before_the_update(tmp_path
     seed = trainer.seed
     assert _generations(roles) == [sampling_seed(seed, step, 0) for step in (1, 2, 3)]
     phases = [c[0] for c in roles.calls if c[0] in ("before_rollout", "generate", "log_probs")]
-    assert phases == ["before_rollout", "generate", "before_rollout", "generate", "log_probs", "log_probs",
-                      "before_rollout", "generate", "log_probs", "log_probs", "before_rollout", "log_probs",
-                      "log_probs"]
+    assert phases == ["before_rollout", "generate", "before_rollout", "generate", "log_probs",
+                      "before_rollout", "generate", "log_probs", "before_rollout", "log_probs"]  # reference only
     assert [m["rollout/staleness_max"] for m in history] == [0.0, 1.0, 1.0]
     assert trainer.pending is None
 
@@ -285,11 +290,30 @@ def test_rollout_correction_sends_the_engine_log_probs_to_the_update_only_when_o
     job = _job(tmp_path / "on", "--backend_config.rl_config.rollout_correction.rollout_is=sequence")
     _trainer(job, on).train_step(1)
     assert (_response_values(on, "engine_log_probs") == 0.0).all()
-    assert (_response_values(on, "old_log_probs") == -0.5).all()
-    assert [c[1] for c in on.calls if c[0] == "log_probs"] == ["actor", "reference"]
+    assert "old_log_probs" not in on.trained[0]  # one mini-batch, one epoch: on-policy, no old log-prob pass
+    assert [c[1] for c in on.calls if c[0] == "log_probs"] == ["reference"]
     ahead = RecordingRoles(2, lambda s, uid, k: float(k))  # auto: token-level truncation one step off policy
     _trainer(_job(tmp_path / "ahead", "--backend_config.rl_config.one_step_off_policy=true"), ahead).train_step(1)
     assert (_response_values(ahead, "engine_log_probs") == 0.0).all()
+
+
+def test_only_mini_batches_after_an_update_take_old_log_probs_from_a_pass(tmp_path):
+    """4 samples, mini-batches of 2, 2 epochs: the old log-prob pass scores only the second mini-batch (-0.5); the
+    first trains without old log-probs and its update's forward gives them (-0.25), which the second epoch
+    sends back as old. With the KL in the reward (needed before any update) every sample goes through the pass."""
+    roles = RecordingRoles(2, lambda s, uid, k: float(k))
+    job = _job(tmp_path / "two", "--backend_config.megatron_training.global_batch_size=2",
+               "--backend_config.rl_config.ppo_epochs=2")
+    metrics = _trainer(job, roles).train_step(1)
+    passes = [c for c in roles.calls if c[0] == "log_probs"]
+    assert [c[1] for c in passes] == ["actor", "reference"] and roles.scored["actor"] == 2
+    assert "old_log_probs" not in roles.trained[0] and "timing/old_logp" in metrics
+    olds = [float(batch["old_log_probs"][batch["response_mask"] == 1].unique()) for batch in roles.trained[1:]]
+    assert olds == [-0.5, -0.25, -0.5]
+    assert metrics["rollout/logprob_gap_max"] == 0.5  # the engine's 0 against the actor's -0.5 and -0.25
+    kl = RecordingRoles(2, lambda s, uid, k: float(k))
+    _trainer(_job(tmp_path / "kl", "--backend_config.rl_config.use_kl_in_reward=true"), kl).train_step(1)
+    assert kl.scored["actor"] == 4 and all("old_log_probs" in batch for batch in kl.trained)
 
 
 def test_bypass_mode_takes_the_engine_log_probs_as_the_old_ones_without_the_actor_pass(tmp_path):
@@ -393,8 +417,8 @@ class MeteredRoles(FakeRoles):
 
 
 def test_the_driver_ships_each_image_once_per_step(tmp_path):
-    """At n 8 on the tiny job's shapes the bytes the driver hands the roles per step (old and reference log-prob
-    passes, the update, the image hand-off) are at least 8x fewer than with a copy of the prompt's pixel values per
+    """At n 8 on the tiny job's shapes the bytes the driver hands the roles per step (the reference log-prob pass,
+    the update, the image hand-off) are at least 8x fewer than with a copy of the prompt's pixel values per
     sample in every pass (the way before: computed from the same micro-batches); the images go once per step."""
     job = _job(tmp_path, "--backend_config.rl_config.n_samples_per_prompt=8",
                "--backend_config.megatron_training.global_batch_size=16",
@@ -404,7 +428,7 @@ def test_the_driver_ships_each_image_once_per_step(tmp_path):
     trainer = GRPOTrainer(job, roles, ImagePrompts(2), report=lambda line: None)
     trainer.train_step(1)
     assert [c[1] for c in roles.calls if c[0] == "send_images"] == [[0, 1]]
-    assert len(roles.batches) == 3 * 2  # old, reference, update: one micro-batch per group each
+    assert len(roles.batches) == 2 * 2  # reference, update (on-policy: no old pass): one micro-batch per group
     assert all(len(set(b["image_index"].tolist())) == 1 for b in roles.batches)  # a group per micro-batch
     pixels = {index: pixel_values.nbytes for index, (pixel_values, _) in roles.images.items()}
     before = sum(sum(t.nbytes for key, t in b.items() if key != "image_index")

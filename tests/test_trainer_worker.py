@@ -91,17 +91,17 @@ def test_update_and_non_finite_skip(ray_session, mm_dir):
     try:
         batch = _batch(group)
         before = group.run("parameter_sums")[0]
-        metrics = group.run("train_mini_batch", batch, LOSS, 8.0)[0]
+        metrics = group.run("train_mini_batch", batch, LOSS, 8.0)[0].metrics
         assert metrics["skipped"] == 0.0 and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
         after = group.run("parameter_sums")[0]
         changed = {k for k in before if before[k] != after[k]}
         assert changed and not any(k.startswith("image_encoder.encoder.") for k in changed)  # ViT frozen
 
         group.run("poison_next_step")
-        skipped = group.run("train_mini_batch", _batch(group, 1), LOSS, 8.0)[0]
+        skipped = group.run("train_mini_batch", _batch(group, 1), LOSS, 8.0)[0].metrics
         assert skipped["skipped"] == 1.0 and not math.isfinite(skipped["grad_norm"])
         assert group.run("parameter_sums")[0] == after  # weights untouched by the NaN step
-        healthy = group.run("train_mini_batch", _batch(group, 2), LOSS, 8.0)[0]
+        healthy = group.run("train_mini_batch", _batch(group, 2), LOSS, 8.0)[0].metrics
         assert healthy["skipped"] == 0.0 and math.isfinite(healthy["grad_norm"])  # no NaN left behind
         assert group.run("parameter_sums")[0] != after
     finally:
@@ -117,7 +117,7 @@ def test_weight_decay_spares_biases_and_norms_and_lr_follows_the_schedule(ray_se
         lrs = []
         for _ in range(6):
             before = group.run("parameter_sums")[0]
-            lrs.append(group.run("train_mini_batch", batch, LOSS, 8.0)[0]["lr"])
+            lrs.append(group.run("train_mini_batch", batch, LOSS, 8.0)[0].metrics["lr"])
         after = group.run("parameter_sums")[0]
         moved = {k for k in after if after[k] != before[k]}
         assert any(k.endswith("linear_qkv.weight") for k in moved)  # matrices decay
@@ -255,7 +255,7 @@ def test_context_parallel_ranks_train_like_one_and_resume_their_optimizer_shards
     try:
         batch = _batch(single, 0)
         assert torch.allclose(_batch(split, 0)[0]["old_log_probs"], batch[0]["old_log_probs"], atol=1e-5)
-        metrics = [next(m for m in group.run("train_mini_batch", batch, LOSS, 8.0) if m)
+        metrics = [next(r.metrics for r in group.run("train_mini_batch", batch, LOSS, 8.0) if r and r.metrics)
                    for group in (single, split)]
         assert metrics[1]["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-5)  # gradients, unscaled
         assert metrics[1]["pg_loss"] == pytest.approx(metrics[0]["pg_loss"], rel=1e-5, abs=1e-7)
@@ -282,11 +282,38 @@ def test_metrics_of_two_data_parallel_replicas_are_those_of_the_whole_mini_batch
         (batch,) = _batch(single, 0)
         batch["ref_log_probs"] = batch["old_log_probs"] - 0.1 * batch["response_mask"]
         rows = [[{key: value[i:i + 1] for key, value in batch.items()}] for i in range(2)]
-        whole = single.train_mini_batch([[batch]], loss, 8.0)
-        shared = split.train_mini_batch(rows, loss, 8.0)
+        whole, _ = single.train_mini_batch([[batch]], loss, 8.0)
+        shared, _ = split.train_mini_batch(rows, loss, 8.0)
         assert whole.keys() == shared.keys() and whole["kl_loss"] > 0
         for key in whole:
             assert shared[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
     finally:
         single.shutdown()
         split.shutdown()
+
+
+def test_an_on_policy_update_takes_its_own_forward_as_the_old_log_probs(ray_session, mm_dir):
+    """A mini-batch sent without old log-probs (exactly on-policy) trains like one with the log-prob pass's: the
+    update's own forward, detached, comes back per DP replica equal to the pass's to 1e-6; ratio 1, no clipping;
+    the same loss, grad norm and weights after the step."""
+    loss = LossSpec(RLConfig(kl_loss_coef=0.1, use_kl_loss=True), max_response_len=4)
+    spec = OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0})
+    passed, own = _group(ray_session, mm_dir, spec, cpus=0.5), _group(ray_session, mm_dir, spec, cpus=0.5, dp=2)
+    try:
+        (batch,) = _batch(passed, 0)
+        batch["ref_log_probs"] = batch["old_log_probs"] - 0.1 * batch["response_mask"]
+        rows = [[{key: value[i:i + 1] for key, value in batch.items() if key != "old_log_probs"}] for i in range(2)]
+        expected, none = passed.train_mini_batch([[batch]], loss, 8.0)
+        metrics, returned = own.train_mini_batch(rows, loss, 8.0)
+        assert none == [None]  # old log-probs were sent: nothing to hand back
+        mask = batch["response_mask"] == 1
+        update_forward = torch.cat([replica[0] for replica in returned])
+        assert (update_forward[mask] - batch["old_log_probs"][mask]).abs().max() <= 1e-6
+        assert metrics["pg_clipfrac"] == 0.0 and metrics["ppo_kl"] == 0.0
+        for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
+            assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+        one, two = passed.run("parameter_sums")[0], own.run("parameter_sums")[0]
+        assert all(abs(one[k] - two[k]) <= 1e-5 * (1 + abs(one[k])) for k in one)
+    finally:
+        passed.shutdown()
+        own.shutdown()

@@ -112,10 +112,14 @@ def response_values(samples: Sequence[Sample], rows: Sequence[torch.Tensor], siz
 
 def padded(samples: Sequence[Sample], name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``[batch, max_response_len]`` of a per-token field and the response mask."""
-    width = max(s.response_len for s in samples)
-    values = torch.zeros(len(samples), width)
-    mask = torch.zeros(len(samples), width)
+    mask = response_mask(samples)
+    values = torch.zeros_like(mask)
     for row, sample in enumerate(samples):
         values[row, :sample.response_len] = getattr(sample, name)
-        mask[row, :sample.response_len] = 1.0
     return values, mask
+
+
+def response_mask(samples: Sequence[Sample]) -> torch.Tensor:
+    """``[batch, max_response_len]``: 1 on each sample's response tokens."""
+    lengths = torch.tensor([s.response_len for s in samples])
+    return (torch.arange(max(s.response_len for s in samples))[None, :] < lengths[:, None]).float()

@@ -6,7 +6,9 @@ Per step::
     rollout    rollout_batch_size prompts x n samples (dynamic sampling: more batches until enough groups vary)
     reward     rule reward per response (reward worker actors)
     images     the step's distinct prompt images to the ranks, once (micro-batches name them by data-set index)
-    old_logp   actor log-probs of the sampled tokens (before any update of this step)
+    old_logp   actor log-probs of the sampled tokens (before any update of this step); not for the first
+               mini-batch, which is exactly on-policy: its update's forward gives them (all of them when the step
+               has one mini-batch and one epoch)
     ref_logp   reference log-probs (when a KL term needs them)
     advantages group-normalised (GRPO / Dr.GRPO), RLOO or REINFORCE++; KL in reward when asked
     update     ppo_epochs x mini-batches; one optimizer step per mini-batch of micro-batches over DP ranks
@@ -33,7 +35,7 @@ import torch
 
 from mm_rl.config.schema import JobConfig
 from mm_rl.rollout.base import FinishReason, RolloutOutputs
-from mm_rl.trainer.batch import Sample, micro_batches, padded, response_values, step_images
+from mm_rl.trainer.batch import Sample, micro_batches, padded, response_mask, response_values, step_images
 from mm_rl.trainer.generations import GENERATIONS_FILE, GenerationLog
 from mm_rl.trainer.prompts import PromptSource
 from mm_rl.trainer.roles import PendingRollout, Role, Roles, RolloutReady
@@ -181,10 +183,9 @@ class GRPOTrainer:
         if self.rl.rollout_correction.bypass_mode:  # the engine's log-probs serve as the old ones: no pass
             for sample in samples:
                 sample.old_log_probs = sample.engine_log_probs.float().clone()
-        else:
+        elif before_update := samples[self._on_policy_count(len(samples)):]:
             with timer("old_logp"):
-                self._log_probs("actor", samples, "old_log_probs")
-        metrics.update(_engine_gap(samples))
+                self._log_probs("actor", before_update, "old_log_probs")
         if roles.has_reference:
             with timer("ref_logp"):
                 self._log_probs("reference", samples, "ref_log_probs")
@@ -193,6 +194,7 @@ class GRPOTrainer:
         self._log_generations(step, "train", samples)
         with timer("update"):
             metrics.update(self.update(samples))
+        metrics.update(_engine_gap(samples))
         timer.seconds["step"] = time.perf_counter() - start
         metrics.update(timer.metrics())
         # pipelined, the rollout phase is only the wait for a batch that generated during the previous update
@@ -320,10 +322,15 @@ class GRPOTrainer:
         shards = _split(samples, self.roles.data_parallel_size(role))
         batches = [micro_batches(shard, self.prompts.cached, size, self.prompts.pad_id) for shard in shards]
         temperature = self.generate_cfg.sampling_config.temperature or 1.0
-        results = self.roles.log_probs(role, batches, temperature)
-        for shard, rows in zip(shards, results, strict=True):
-            for sample, values in zip(shard, response_values(shard, rows, size), strict=True):
-                setattr(sample, name, values)
+        _store(shards, self.roles.log_probs(role, batches, temperature), name, size)
+
+    def _on_policy_count(self, n_samples: int) -> int:
+        """How many leading samples take their old log-probs from the update's own forward rather than a pass
+        before it: the first mini-batch of the first epoch sees the weights that generated it (dropout is off
+        throughout), so a separate pass would give the same numbers. None when the KL-in-reward needs them
+        before the update, or when no mini-batch is full (no update runs)."""
+        mini = self.rl.mini_batch_size
+        return 0 if self.rl.use_kl_in_reward or n_samples < mini else mini
 
     # ------------------------------------------------------------------------------------------ advantages
     def compute_advantages(self, samples: list[Sample]) -> dict[str, float]:
@@ -340,9 +347,10 @@ class GRPOTrainer:
                                        rl.overlong_buffer.len, rl.overlong_buffer.penalty_factor)
             scores = scores + penalty
             metrics["reward/overlong_penalty"] = float(penalty.mean())
-        old, mask = padded(samples, "old_log_probs")
+        mask = response_mask(samples)
         rewards: torch.Tensor = scores
         if rl.use_kl_in_reward:
+            old, _ = padded(samples, "old_log_probs")
             ref, _ = padded(samples, "ref_log_probs")
             kl_ctrl = self.kl_ctrl
             rewards, kl_metrics = apply_kl_in_reward(scores_to_token_level(scores, mask), old, ref, mask,
@@ -369,16 +377,21 @@ class GRPOTrainer:
         usable = len(samples) - len(samples) % mini
         loss = LossSpec(self.rl, self.generate_cfg.sampling_config.max_tokens,
                         self.generate_cfg.sampling_config.temperature or 1.0)
-        fields = ("old_log_probs", "advantages") + (("ref_log_probs",) if roles.has_reference else ())
+        fields = ("advantages",) + (("ref_log_probs",) if roles.has_reference else ())
         fields += ("engine_log_probs",) if resolve_rollout_is(self.rl) != "off" else ()
+        size = actor_cfg.micro_batch_size
         steps: list[dict[str, float]] = []
         for _ in range(self.rl.ppo_epochs):
             for start in range(0, usable, mini):
                 batch = samples[start:start + mini]
-                shards = [micro_batches(shard, self.prompts.cached, actor_cfg.micro_batch_size,
-                                        self.prompts.pad_id, fields)
-                          for shard in _split(batch, roles.data_parallel_size("actor"))]
-                steps.append(roles.train_mini_batch(shards, loss, self._denominator(batch)))
+                on_policy = batch[0].old_log_probs is None  # see _on_policy_count: the update's forward gives them
+                split = _split(batch, roles.data_parallel_size("actor"))
+                shards = [micro_batches(shard, self.prompts.cached, size, self.prompts.pad_id,
+                                        fields + (() if on_policy else ("old_log_probs",))) for shard in split]
+                step_metrics, own = roles.train_mini_batch(shards, loss, self._denominator(batch))
+                steps.append(step_metrics)
+                if on_policy:
+                    _store(split, own, "old_log_probs", size)
         metrics = {f"actor/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
         skipped = sum(s["skipped"] for s in steps)
         metrics["actor/skipped_updates"] = float(skipped)
@@ -501,6 +514,16 @@ def _split(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
     micro-batch rather than once per sample."""
     size = math.ceil(len(samples) / parts)
     return [list(samples[i * size:(i + 1) * size]) for i in range(parts)]
+
+
+def _store(shards: Sequence[Sequence[Sample]], results: Sequence[Sequence[torch.Tensor] | None], name: str,
+           size: int) -> None:
+    """``name`` of every sample from its replica's per-micro-batch [B, S] log-probs (micro-batches of ``size``)."""
+    for shard, rows in zip(shards, results, strict=True):
+        if rows is None:
+            raise RuntimeError(f"a replica returned no {name} for its shard of {len(shard)} samples")
+        for sample, values in zip(shard, response_values(shard, rows, size), strict=True):
+            setattr(sample, name, values)
 
 
 def _accumulate(total: dict[str, float], batch: dict[str, float]) -> None:

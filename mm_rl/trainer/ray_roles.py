@@ -223,7 +223,7 @@ class RayRoles:
         return self._group(role).compute_log_probs_sharded(shards, temperature)
 
     def train_mini_batch(self, shards: Sequence[MicroBatches], loss: LossSpec, denominator: float) -> \
-            dict[str, float]:
+            tuple[dict[str, float], list[list[torch.Tensor] | None]]:
         return self.actor.train_mini_batch(shards, loss, denominator)
 
     def save(self, staging: Path) -> None:

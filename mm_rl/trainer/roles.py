@@ -87,8 +87,10 @@ class Roles(Protocol):
         ...
 
     def train_mini_batch(self, shards: Sequence[MicroBatches], loss: LossSpec, denominator: float) -> \
-            dict[str, float]:
-        """One optimizer step of the actor over a mini-batch; its metrics reduced over the replicas."""
+            tuple[dict[str, float], list[list[torch.Tensor] | None]]:
+        """One optimizer step of the actor over a mini-batch: its metrics reduced over the replicas, and per
+        replica the update forward's log-probs of every micro-batch where the shard came without old log-probs
+        (exactly on-policy), else None."""
         ...
 
     def save(self, staging: Path) -> None:

@@ -144,11 +144,13 @@ class WorkerGroup:
         self.run("setup_training", spec)
 
     def train_mini_batch(self, shards: Sequence[Sequence[dict[str, Any]]], loss: Any,
-                         denominator: float) -> dict[str, float]:
-        """One optimizer step, each DP replica on its shard of micro-batches; the mini-batch's metrics (the ranks
-        reduce them over the replicas)."""
-        return self.from_last_stage(self.run_sharded("train_mini_batch", list(map(list, shards)), loss,
-                                                     denominator))
+                         denominator: float) -> tuple[dict[str, float], list[Any]]:
+        """One optimizer step, each DP replica on its shard of micro-batches: the mini-batch's metrics (the ranks
+        reduce them over the replicas) and, per replica, the update forward's log-probs where its shard came
+        without old ones (else None; see ``TrainingWorker.train_mini_batch``)."""
+        results = self.run_sharded("train_mini_batch", list(map(list, shards)), loss, denominator)
+        own = [result.log_probs if result is not None else None for result in self.per_replica(results)]
+        return self.from_last_stage(results).metrics, own
 
     def save_checkpoint(self, staging: str) -> None:
         self.run("save_checkpoint", staging)

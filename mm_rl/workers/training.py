@@ -57,6 +57,16 @@ class OptimizerSpec:
 
 
 @dataclass(frozen=True)
+class UpdateResult:
+    """What a rank hands back from :meth:`TrainingWorker.train_mini_batch`: the mini-batch's metrics (the sender
+    only) and, where the micro-batches came without ``old_log_probs``, the log-probs of the update's own forward
+    per micro-batch (each replica's last-stage TP-rank 0), on the CPU."""
+
+    metrics: dict[str, float] | None
+    log_probs: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
 class LossSpec:
     """What the actor loss needs beside the batch: the RL settings, the response horizon and the temperature."""
 
@@ -102,18 +112,24 @@ class TrainingWorker(MegatronWorker):
 
     # ------------------------------------------------------------------------------------------- update
     def train_mini_batch(self, micro_batches: Sequence[MicroBatch], loss: LossSpec,
-                         denominator: float) -> dict[str, float] | None:
+                         denominator: float) -> UpdateResult | None:
         """One optimizer step over this rank's micro-batches of a mini-batch (every rank calls it).
 
         A micro-batch holds the log-prob inputs (see ``compute_log_probs``) plus ``response_mask``,
         ``old_log_probs``, ``advantages``, (with a KL loss) ``ref_log_probs`` and (with the rollout correction in
         force) ``engine_log_probs``, all [B, S] aligned with ``labels``. Returns the metrics (loss terms of the
         whole mini-batch, ratios averaged and maxima taken over its micro-batches on every DP replica,
-        ``grad_norm``, ``lr``, ``skipped``) on the last stage's TP-rank 0 of DP replica 0, None elsewhere.
+        ``grad_norm``, ``lr``, ``skipped``) on the last stage's TP-rank 0 of DP replica 0.
+
+        Without ``old_log_probs`` the mini-batch is exactly on-policy (no update since the rollout, no dropout):
+        the old log-probs are this forward's own, detached, which is what a separate log-prob pass would give at
+        the same weights; they come back in the result (every replica's last-stage TP-rank 0). Ranks with
+        nothing to return give None.
         """
         import torch
 
         from mm_rl.algorithms.policy_loss import actor_loss
+        from mm_rl.platform.transfer import to_host
 
         model, coords = self._require_model(), self._require_coords()
         model.train()
@@ -121,9 +137,14 @@ class TrainingWorker(MegatronWorker):
         self.optimizer.zero_grad()
         scale = len(micro_batches) * self.spec.dp  # undo the schedule's 1/num_microbatches and DDP's 1/dp
         collected: list[dict[str, torch.Tensor]] = []
+        own_log_probs: list[torch.Tensor] = []
 
         def actor_loss_of(batch: MicroBatch, out: dict[str, torch.Tensor]) -> torch.Tensor:
-            value, metrics = actor_loss(out["log_probs"], batch["old_log_probs"], batch.get("ref_log_probs"),
+            old = batch.get("old_log_probs")
+            if old is None:
+                old = out["log_probs"].detach()
+                own_log_probs.append(old)
+            value, metrics = actor_loss(out["log_probs"], old, batch.get("ref_log_probs"),
                                         batch["advantages"], batch["response_mask"], out["entropy"], loss.rl,
                                         loss.max_response_len, denominator=denominator,
                                         engine_logprob=batch.get("engine_log_probs"))
@@ -134,8 +155,9 @@ class TrainingWorker(MegatronWorker):
         loss_finite = all(bool(torch.isfinite(m["loss"])) for m in collected)
         metrics = self._step(loss_finite)
         metrics.update(reduce_over_replicas(collected) if collected else {})
-        keep = model.layout.has_output and coords.is_sender()
-        return metrics if keep else None
+        if not (model.layout.has_output and coords.leads_replica_stage()):
+            return None
+        return UpdateResult(metrics if coords.is_sender() else None, to_host(own_log_probs) if own_log_probs else None)
 
     def _step(self, loss_finite: bool) -> dict[str, float]:
         """Grad norm, NaN/inf check over every rank, then the clipped step or a skip."""
