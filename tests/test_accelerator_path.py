@@ -160,6 +160,20 @@ def test_memory_estimate_keeps_the_llm_attention_scores_whatever_use_flash_attn_
     assert [m.activations for m in flash] == [m.activations for m in math_attention]
 
 
+def test_memory_estimate_follows_the_micro_batch_token_budget():
+    """A budget of MBS x seq-length tokens is the fixed-count micro-batch's size: the same estimate; twice that
+    holds more activations and logits on every stage, and nothing else changes."""
+    from mm_rl.config.plan import estimate_memory
+
+    actor = "backend_config.actor_config"
+    counted = _plan_job()
+    rows = counted.backend_config.actor_config.micro_batch_size * counted.backend_config.training.seq_length
+    same = estimate_memory(_plan_job(**{f"{actor}.max_tokens_per_micro_batch": rows}))
+    double = estimate_memory(_plan_job(**{f"{actor}.max_tokens_per_micro_batch": 2 * rows}))
+    assert same == estimate_memory(counted)
+    assert all(d.activations > s.activations and d.weights == s.weights for d, s in zip(double, same, strict=True))
+
+
 def test_llm_core_attention_is_the_one_the_planner_assumes():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 

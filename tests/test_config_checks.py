@@ -320,3 +320,20 @@ def test_resume_from_the_same_layout_or_disabled_is_accepted(check, tmp_path):
     path = save_checkpoint(tmp_path / "same", 3, tp=1)
     assert check(f"{MT}.save={tmp_path / 'same'}") == []
     assert check(f"{MT}.save={tmp_path / 'same'}", f"{MT}.resume_mode={path}") == []
+
+
+# ------------------------------------------------------------------------------------------- token budgets
+@pytest.mark.parametrize("name", ["max_tokens_per_micro_batch", "log_prob_max_tokens_per_micro_batch"])
+def test_token_budget_below_the_longest_sample_is_rejected(check, name):
+    problem = rejected(check(f"{ACTOR}.{name}=300"), f"{ACTOR}.{name}")
+    assert "256 + 64 = 320" in problem.rule and "at least 320" in problem.fix  # tiny: prompts 256, responses 64
+
+
+def test_token_budgets_that_hold_the_longest_sample_are_accepted_and_free_gbs_from_mbs(check):
+    budgets = (f"{ACTOR}.max_tokens_per_micro_batch=640",
+               f"{ACTOR}.log_prob_max_tokens_per_micro_batch=2560")
+    assert check(*budgets) == []
+    assert check(*budgets, f"{MT}.global_batch_size=12",
+                 f"{RL}.rollout_batch_size=3", f"{RL}.n_samples_per_prompt=4") == []  # not a multiple of MBS 8
+    assert check(f"{MT}.global_batch_size=12", f"{RL}.rollout_batch_size=3",
+                 f"{RL}.n_samples_per_prompt=4") != []  # without a budget it must be

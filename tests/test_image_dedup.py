@@ -59,7 +59,7 @@ def driver_inputs() -> tuple[dict[str, torch.Tensor], dict[int, Any], dict[str, 
         prompts[index] = _text(g, 3) + _image(grid) + _text(g, 2 + index)
     samples = [Sample(index, index, prompts[index], _text(g, 2 + 2 * k + index), "stop")
                for index in GRIDS for k in range(SAMPLES)]
-    (batch,) = micro_batches(samples, items, len(samples), PAD)
+    (batch,) = micro_batches([samples], items, PAD)
     per_sample = {key: value for key, value in batch.items() if key != "image_index"}
     per_sample["pixel_values"] = torch.cat([items[s.index].pixel_values for s in samples])
     return batch, step_images(samples, items), per_sample

@@ -8,7 +8,18 @@ import torch
 from omegaconf import OmegaConf
 
 from mm_rl.platform.transfer import image_inputs
-from mm_rl.trainer.batch import Sample, micro_batches, padded, response_values, step_images
+from mm_rl.trainer.batch import (
+    Sample,
+    balanced_shards,
+    by_count,
+    by_tokens,
+    micro_batches,
+    padded,
+    padding_share,
+    response_values,
+    step_images,
+    tokens,
+)
 from mm_rl.trainer.grpo import sampling_seed
 
 PAD = 0
@@ -31,7 +42,7 @@ def _samples() -> tuple[list[Sample], dict[int, SimpleNamespace]]:
 
 def test_micro_batches_put_response_values_where_labels_predict_them():
     samples, items = _samples()
-    batches = micro_batches(samples, items, 2, PAD, ("old_log_probs", "advantages"))
+    batches = micro_batches(by_count(samples, 2), items, PAD, ("old_log_probs", "advantages"))
     assert [b["input_ids"].shape for b in batches] == [torch.Size([2, 6]), torch.Size([1, 4])]
     first = batches[0]
     assert first["input_ids"][0].tolist() == [5, 6, 7, 8, 9, PAD]
@@ -45,16 +56,64 @@ def test_micro_batches_put_response_values_where_labels_predict_them():
     # rows name their prompt; only the rows with images contribute grids, in row order; no pixels travel
     assert first["image_index"].tolist() == [0, 1] and "pixel_values" not in first
     assert torch.equal(first["image_grid_thw"], items[0].image_grid_thw)
-    assert "image_grid_thw" not in micro_batches(samples[1:2], items, 2, PAD)[0]
+    assert "image_grid_thw" not in micro_batches([samples[1:2]], items, PAD)[0]
 
 
 def test_response_values_read_back_what_micro_batches_wrote():
     samples, items = _samples()
-    batches = micro_batches(samples, items, 2, PAD, ("old_log_probs",))
-    back = response_values(samples, [b["old_log_probs"] for b in batches], 2)
+    batches = micro_batches(by_count(samples, 2), items, PAD, ("old_log_probs",))
+    back = response_values(by_count(samples, 2), [b["old_log_probs"] for b in batches])
     assert all(torch.equal(b, s.old_log_probs) for b, s in zip(back, samples, strict=True))
     values, mask = padded(samples, "advantages")
     assert values.shape == (3, 4) and mask.sum(-1).tolist() == [2, 4, 1]
+
+
+def _long_tailed(groups: int = 6, n: int = 4, seed: int = 0) -> list[Sample]:
+    """Groups of n samples with prompts of 10-40 tokens and long-tailed responses of 1-60 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for group in range(groups):
+        prompt = list(range(int(torch.randint(10, 41, (1,), generator=g))))
+        for _ in range(n):
+            length = min(60, 1 + int(torch.empty(1).exponential_(0.08, generator=g)))
+            out.append(Sample(group, group, prompt, [1] * length, "stop"))
+    return out
+
+
+def test_token_budget_runs_hold_every_sample_once_within_the_budget_in_order():
+    samples = _long_tailed()
+    for budget in (100, 160, 400):
+        runs = by_tokens(samples, budget)
+        assert [s for run in runs for s in run] == samples  # every sample once, in the step's order
+        assert all(len(run) * max(map(tokens, run)) <= budget for run in runs)
+        # greedy: the next sample would have broken the budget of the run before it
+        assert all((len(a) + 1) * max(map(tokens, [*a, b[0]])) > budget for a, b in zip(runs, runs[1:], strict=False))
+    for sample in samples:
+        sample.old_log_probs = torch.randn(sample.response_len)
+    runs = by_tokens(samples, 160)
+    batches = micro_batches(runs, {s.index: _item(0) for s in samples}, PAD, ("old_log_probs",))
+    back = response_values(runs, [b["old_log_probs"] for b in batches])
+    assert all(torch.equal(b, s.old_log_probs) for b, s in zip(back, samples, strict=True))
+    assert len(by_tokens(samples, 100)) > len(by_tokens(samples, 400))
+    assert padding_share(by_tokens(samples, 100)) < padding_share(by_count(samples, 8))
+    with pytest.raises(ValueError, match="does not fit the micro-batch budget of 20 tokens"):
+        by_tokens(samples, 20)
+
+
+def test_balanced_shards_even_out_tokens_and_keep_groups_whole():
+    samples = _long_tailed(groups=9)
+    shards = balanced_shards(samples, 3)
+    assert sorted(id(s) for shard in shards for s in shard) == sorted(map(id, samples))
+    loads = [sum(map(tokens, shard)) for shard in shards]
+    contiguous = [sum(map(tokens, samples[i * 12:(i + 1) * 12])) for i in range(3)]
+    assert max(loads) - min(loads) <= max(contiguous) - min(contiguous)
+    assert max(loads) - min(loads) <= max(sum(map(tokens, samples[i:i + 4])) for i in range(0, 36, 4))
+    assert all(len({s.group for s in shard}) * 4 == len(shard) for shard in shards)  # whole groups
+    assert all(shard == sorted(shard, key=samples.index) for shard in shards)  # the step's order
+    few = balanced_shards(samples[:4], 2)  # one group, two replicas: the group is split, no replica idle
+    assert all(few) and sorted(id(s) for shard in few for s in shard) == sorted(map(id, samples[:4]))
+    with pytest.raises(ValueError, match="3 samples cannot fill 4"):
+        balanced_shards(samples[:3], 4)
 
 
 def test_sampling_seeds_differ_per_step_and_batch_and_repeat():
@@ -108,7 +167,7 @@ def test_a_rank_puts_together_each_prompts_images_once_and_which_fills_each_slot
     samples = [Sample(index, 0, [1, 2], [4], "stop") for index in order]
     images = step_images(samples, items)
     assert list(images) == [7, 3, 5] and images[5][0].numel() == 0
-    (batch,) = micro_batches(samples, items, len(samples), PAD)
+    (batch,) = micro_batches([samples], items, PAD)
     inputs = image_inputs(batch, images)
     assert inputs["encoded_grid_thw"].tolist() == [[1, 2, 4], [1, 2, 2], [1, 4, 2]]  # prompts in order of first use
     assert inputs["image_slots"].tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2]
@@ -118,14 +177,14 @@ def test_a_rank_puts_together_each_prompts_images_once_and_which_fills_each_slot
     per_sample = torch.cat([items[i].pixel_values for i in order if items[i].image_grid_thw.numel()])
     assert torch.equal(torch.cat([blocks[k] for k in inputs["image_slots"].tolist()]), per_sample)
     assert inputs["pixel_values"].shape[0] == patches.sum() < per_sample.shape[0]
-    (text_only,) = micro_batches(samples[3:4], items, 1, PAD)
+    (text_only,) = micro_batches([samples[3:4]], items, PAD)
     assert image_inputs(text_only, images) == {}
 
 
 def test_a_micro_batch_of_another_steps_images_is_refused():
     g = torch.Generator().manual_seed(0)
     items = {0: _prompt([(1, 2, 2)], g), 1: _prompt([(1, 2, 4)], g)}
-    (batch,) = micro_batches([Sample(0, 0, [1], [2], "stop"), Sample(1, 1, [1], [2], "stop")], items, 2, PAD)
+    (batch,) = micro_batches([[Sample(0, 0, [1], [2], "stop"), Sample(1, 1, [1], [2], "stop")]], items, PAD)
     with pytest.raises(ValueError, match=r"prompts \[1\] are not among the step's images"):
         image_inputs(batch, {0: (items[0].pixel_values, items[0].image_grid_thw)})
     stale = {0: (items[0].pixel_values, items[0].image_grid_thw), 1: (items[0].pixel_values, items[0].image_grid_thw)}

@@ -84,6 +84,7 @@ class FakeRoles:
         self.has_reference = True
         self.calls: list[tuple] = []
         self.scored: dict[str, int] = {}  # samples scored per role by the log-prob passes
+        self.passes: list[list[int]] = []  # rows of each micro-batch of each log-prob pass
         self.updates = 0
 
     def data_parallel_size(self, role):
@@ -117,6 +118,7 @@ class FakeRoles:
 
     def log_probs(self, role, shards, temperature):
         self.calls.append(("log_probs", role))
+        self.passes.append([len(b["input_ids"]) for shard in shards for b in shard])
         self.scored[role] = self.scored.get(role, 0) + sum(len(b["input_ids"]) for shard in shards for b in shard)
         return [[torch.full(b["input_ids"].shape, -0.5) for b in shard] for shard in shards]
 
@@ -314,6 +316,21 @@ def test_only_mini_batches_after_an_update_take_old_log_probs_from_a_pass(tmp_pa
     kl = RecordingRoles(2, lambda s, uid, k: float(k))
     _trainer(_job(tmp_path / "kl", "--backend_config.rl_config.use_kl_in_reward=true"), kl).train_step(1)
     assert kl.scored["actor"] == 4 and all("old_log_probs" in batch for batch in kl.trained)
+
+
+def test_a_token_budget_cuts_the_micro_batches_of_every_pass(tmp_path):
+    """With budgets the update's micro-batches (and the log-prob passes', by their own budget) hold up to that many
+    padded tokens, whatever micro_batch_size (2) says; the step reports their count and padding share."""
+    roles = RecordingRoles(2, lambda s, uid, k: float(k))
+    longest = len(PROMPT) + 2  # the scripted responses are 2 tokens long
+    job = _job(tmp_path, f"--backend_config.actor_config.max_tokens_per_micro_batch={longest}",
+               f"--backend_config.actor_config.log_prob_max_tokens_per_micro_batch={4 * longest}",
+               f"--backend_config.data.dataset_param.preprocess_parameters.max_prompt_length={len(PROMPT)}",
+               "--backend_config.generate_config.sampling_config.max_tokens=2")
+    metrics = _trainer(job, roles).train_step(1)
+    assert [tuple(b["input_ids"].shape) for b in roles.trained] == [(1, longest)] * 4  # one sample each
+    assert roles.scored == {"reference": 4} and roles.passes == [[4]]  # all four in one log-prob micro-batch
+    assert metrics["actor/micro_batches"] == 4.0 and metrics["actor/padding_share"] == 0.0
 
 
 def test_bypass_mode_takes_the_engine_log_probs_as_the_old_ones_without_the_actor_pass(tmp_path):

@@ -72,6 +72,13 @@ def layer_counts(model: ModelConfig) -> LayerCounts:
     )
 
 
+def micro_batch_tokens(cfg: JobConfig) -> int:
+    """Positions (padding included) one training micro-batch holds on a rank: its token budget, or MBS rows of
+    seq-length."""
+    actor = cfg.backend_config.actor_config
+    return actor.max_tokens_per_micro_batch or actor.micro_batch_size * cfg.backend_config.training.seq_length
+
+
 def image_tokens(cfg: JobConfig) -> int:
     """LLM tokens of a typical image: one at min_pixels (small geometry figures are scaled up to it)."""
     vit = cfg.backend_config.model.image_encoder.vision_encoder
@@ -151,14 +158,15 @@ class StageMemory:
 
 def estimate_memory(cfg: JobConfig) -> list[StageMemory]:
     b = cfg.backend_config
-    model, t, actor = b.model, b.training, b.actor_config
+    model, t = b.model, b.training
     tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
     dp = topology(cfg).dp
     counts = layer_counts(model)
     low_precision = t.bf16 and cfg.env.DEVICE != "cpu"
     weight_bytes = 2 if low_precision else 4
     opt_bytes = (12 if low_precision else 8) / (dp if t.use_distributed_optimizer else 1)
-    micro_batches = max(1, b.megatron_training.global_batch_size // (actor.micro_batch_size * dp))
+    rows_tokens = micro_batch_tokens(cfg)
+    micro_batches = max(1, -(-b.megatron_training.global_batch_size * t.seq_length // (rows_tokens * dp)))
     vit_layers = model.image_encoder.vision_encoder.pipeline_num_layers
     llm_layers = model.text_decoder.pipeline_num_layers
     out = []
@@ -168,7 +176,7 @@ def estimate_memory(cfg: JobConfig) -> list[StageMemory]:
         in_flight = min(pp - s, micro_batches)
         act = in_flight * _stage_activations(cfg, s, vit_layers, llm_layers, tp, cp)
         if s == pp - 1:
-            act += 2 * 4 * (t.seq_length // cp) * actor.micro_batch_size * model.text_decoder.vocab_size / tp
+            act += 2 * 4 * (rows_tokens // cp) * model.text_decoder.vocab_size / tp
         stage = StageMemory(
             stage=s,
             weights=total_params * weight_bytes / GIB,
@@ -218,19 +226,23 @@ def _stage_activations(cfg: JobConfig, s: int, vit_layers: list[int], llm_layers
     """Bytes of activations one micro-batch leaves on stage ``s`` until its backward."""
     b = cfg.backend_config
     text, vit = b.model.text_decoder, b.model.image_encoder.vision_encoder
-    mbs = b.actor_config.micro_batch_size
 
-    def per_layer(tokens: float, hidden: int, heads: int, scores: bool) -> float:
-        score = 5 * heads * tokens / (hidden * tp) if scores else 0.0
-        return tokens * mbs * hidden * (10 + 24 / tp + score)
+    def per_layer(total: float, row: float, hidden: int, heads: int, scores: bool) -> float:
+        """``total`` tokens in rows of at most ``row`` (the attention scores grow with the row length)."""
+        score = 5 * heads * row / (hidden * tp) if scores else 0.0
+        return total * hidden * (10 + 24 / tp + score)
 
     seq = b.training.seq_length / cp
     vit_tokens = image_tokens(cfg) * vit.spatial_merge_size**2
-    # A frozen ViT runs without autograd: it keeps no activations for backward.
+    # A frozen ViT runs without autograd: it keeps no activations for backward. Under a token budget a micro-batch
+    # holds at most one image per image's worth of tokens.
     trains_vit = b.actor_config.unfreeze_vision_encoder
-    vit_act = per_layer(vit_tokens, vit.hidden_size, vit.num_attention_heads,
+    images = (b.actor_config.micro_batch_size if b.actor_config.max_tokens_per_micro_batch is None
+              else max(1, micro_batch_tokens(cfg) // image_tokens(cfg)))
+    vit_act = per_layer(vit_tokens * images, vit_tokens, vit.hidden_size, vit.num_attention_heads,
                         scores=not b.training.use_flash_attn) if trains_vit else 0.0
-    llm_act = per_layer(seq, text.hidden_size, text.num_attention_heads, scores=LLM_ATTENTION_KEEPS_SCORES)
+    llm_act = per_layer(micro_batch_tokens(cfg) / cp, seq, text.hidden_size, text.num_attention_heads,
+                        scores=LLM_ATTENTION_KEEPS_SCORES)
     return llm_layers[s] * llm_act + vit_layers[s] * vit_act
 
 

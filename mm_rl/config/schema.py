@@ -190,6 +190,12 @@ class ActorConfig:
     tensor_model_parallel_size: int = opt(1, "TP: splits every layer's weights across this many devices")
     pipeline_model_parallel_size: int = opt(1, "PP: splits the layer stack into this many stages")
     micro_batch_size: int = opt(1, "samples per forward/backward on one rank (MBS)")
+    max_tokens_per_micro_batch: int | None = opt(
+        None, "token budget of a training micro-batch on one rank (rows x longest row): samples are grouped up to "
+        "it instead of micro_batch_size at a time, and DP replicas get even token shares; null: micro_batch_size")
+    log_prob_max_tokens_per_micro_batch: int | None = opt(
+        None, "the same for the no-grad log-prob passes (no activations kept for a backward: it can be larger); "
+        "null: max_tokens_per_micro_batch")
     lr: float = opt(1e-6, "peak learning rate")
     min_lr: float = opt(0.0, "learning rate floor of the decay")
     unfreeze_vision_encoder: bool = opt(False, "train the ViT too (model.json's freeze flag is not the switch)")
@@ -199,6 +205,12 @@ class ActorConfig:
     offload_train_optimizer: bool = opt(False, "colocated: move optimizer state off the device during rollout")
     offload_train_grad: bool = opt(False, "colocated: move grads off the device during rollout")
     offload_train_param: bool = opt(False, "colocated: move params off the device during rollout")
+
+    def token_budget(self, grad: bool) -> int | None:
+        """Tokens per micro-batch of the update (``grad``) or of a log-prob pass; None: micro_batch_size rows."""
+        if grad or self.log_prob_max_tokens_per_micro_batch is None:
+            return self.max_tokens_per_micro_batch
+        return self.log_prob_max_tokens_per_micro_batch
 
 
 # ------------------------------------------------------------------------------------------ data

@@ -149,6 +149,11 @@ def gbs_multiple(cfg: JobConfig) -> Iterator[Violation]:
                             "error), then use a multiple of MBS x DP")
         return
     dp = world // model_parallel
+    if cfg.backend_config.actor_config.max_tokens_per_micro_batch is not None:  # cut by tokens: MBS plays no part
+        if gbs < dp:
+            yield Violation(f"{MT}.global_batch_size", gbs, f"gives each of the DP = {dp} replicas less than one "
+                            "sample", f"use at least {dp}")
+        return
     unit = mbs * dp
     if gbs % unit:
         below = gbs // unit * unit
@@ -497,6 +502,21 @@ def rollout_correction_settings(cfg: JobConfig) -> Iterator[Violation]:
                         "ones, so every weight pi_old / pi_engine is 1: the correction would do nothing",
                         "set rollout_is: auto (or null) to bypass, or bypass_mode: false to correct (an old "
                         "log-prob pass, then the weights)")
+
+
+@rule
+def token_budgets(cfg: JobConfig) -> Iterator[Violation]:
+    """A micro-batch token budget must hold the longest sample a step can have: no micro-batch could take it."""
+    b = cfg.backend_config
+    prompt = b.data.dataset_param.preprocess_parameters.max_prompt_length
+    response = b.generate_config.sampling_config.max_tokens
+    for name in ("max_tokens_per_micro_batch", "log_prob_max_tokens_per_micro_batch"):
+        budget = getattr(b.actor_config, name)
+        if budget is not None and budget < prompt + response:
+            yield Violation(f"{ACTOR}.{name}", budget, f"must hold the longest sample, max_prompt_length + "
+                            f"max_tokens = {prompt} + {response} = {prompt + response} tokens",
+                            f"use at least {prompt + response} (a few times that lets short samples share a "
+                            "micro-batch), or null to cut micro_batch_size samples at a time")
 
 
 @rule

@@ -51,11 +51,70 @@ class Sample:
         return len(self.response_ids)
 
 
-def micro_batches(samples: Sequence[Sample], items: dict[int, PromptItem], size: int, pad_id: int,
+def tokens(sample: Sample) -> int:
+    """The positions a sample takes in a micro-batch row: prompt (image placeholders included) + response."""
+    return len(sample.prompt_ids) + sample.response_len
+
+
+def by_count(samples: Sequence[Sample], size: int) -> list[list[Sample]]:
+    """Consecutive runs of ``size`` samples (``micro_batch_size``)."""
+    return [list(samples[i:i + size]) for i in range(0, len(samples), size)]
+
+
+def by_tokens(samples: Sequence[Sample], budget: int) -> list[list[Sample]]:
+    """Consecutive runs of samples, each as long as its padded tensor (rows x longest row) stays within ``budget``
+    tokens: short responses share a micro-batch, long ones get fewer rows. Consecutive keeps a group's samples
+    together, so its image is encoded once per micro-batch. A sample longer than the budget is a config error
+    caught by ``check`` (the budget must hold the longest possible sequence)."""
+    runs: list[list[Sample]] = []
+    width = 0
+    for sample in samples:
+        length = tokens(sample)
+        if length > budget:
+            raise ValueError(f"a sample of {length} tokens does not fit the micro-batch budget of {budget} tokens")
+        if runs and (len(runs[-1]) + 1) * max(width, length) <= budget:
+            runs[-1].append(sample)
+            width = max(width, length)
+        else:
+            runs.append([sample])
+            width = length
+    return runs
+
+
+def balanced_shards(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
+    """``parts`` shards (one per DP replica) with token totals as even as a largest-first greedy assignment makes
+    them, so no replica waits for another; whole groups move together unless there are fewer groups than parts.
+    Each shard keeps the step's order."""
+    if len(samples) < parts:
+        raise ValueError(f"{len(samples)} samples cannot fill {parts} data-parallel replicas")
+    units: list[list[Sample]] = []
+    for sample in samples:
+        if units and units[-1][0].group == sample.group:
+            units[-1].append(sample)
+        else:
+            units.append([sample])
+    if len(units) < parts:
+        units = [[sample] for sample in samples]
+    loads, members = [0] * parts, [[] for _ in range(parts)]  # type: list[int], list[list[int]]
+    for unit in sorted(range(len(units)), key=lambda u: -sum(map(tokens, units[u]))):
+        lightest = min(range(parts), key=lambda k: (loads[k], len(members[k])))
+        members[lightest].append(unit)
+        loads[lightest] += sum(map(tokens, units[unit]))
+    return [[sample for unit in sorted(chosen) for sample in units[unit]] for chosen in members]
+
+
+def padding_share(runs: Sequence[Sequence[Sample]]) -> float:
+    """The share of a pass's micro-batch positions that are padding."""
+    computed = sum(len(run) * max(map(tokens, run)) for run in runs)
+    return 1.0 - sum(tokens(s) for run in runs for s in run) / computed if computed else 0.0
+
+
+def micro_batches(runs: Sequence[Sequence[Sample]], items: dict[int, PromptItem], pad_id: int,
                   fields: Sequence[str] = ()) -> list[dict[str, torch.Tensor]]:
-    """Consecutive groups of ``size`` samples as model inputs, plus ``response_mask`` and the named per-token
-    ``fields`` of the samples (see the module docstring for the alignment)."""
-    return [_micro_batch(samples[i:i + size], items, pad_id, fields) for i in range(0, len(samples), size)]
+    """Each run of samples (see :func:`by_count`, :func:`by_tokens`) as one micro-batch of model inputs, plus
+    ``response_mask`` and the named per-token ``fields`` of the samples (see the module docstring for the
+    alignment)."""
+    return [_micro_batch(run, items, pad_id, fields) for run in runs]
 
 
 def _micro_batch(samples: Sequence[Sample], items: dict[int, PromptItem], pad_id: int,
@@ -100,13 +159,14 @@ def payload_bytes(value: object) -> int:
     return 0
 
 
-def response_values(samples: Sequence[Sample], rows: Sequence[torch.Tensor], size: int) -> list[torch.Tensor]:
-    """Each sample's response slice of the per-micro-batch [B, S] ``rows`` (in the order of ``micro_batches``)."""
+def response_values(runs: Sequence[Sequence[Sample]], rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each sample's response slice of the per-micro-batch [B, S] ``rows`` (one per run, as
+    :func:`micro_batches` made them), in the runs' order."""
     out = []
-    for i, sample in enumerate(samples):
-        row = rows[i // size][i % size]
-        start = len(sample.prompt_ids) - 1
-        out.append(row[start:start + sample.response_len].float().clone())
+    for run, values in zip(runs, rows, strict=True):
+        for sample, row in zip(run, values, strict=True):
+            start = len(sample.prompt_ids) - 1
+            out.append(row[start:start + sample.response_len].float().clone())
     return out
 
 

@@ -35,7 +35,18 @@ import torch
 
 from mm_rl.config.schema import JobConfig
 from mm_rl.rollout.base import FinishReason, RolloutOutputs
-from mm_rl.trainer.batch import Sample, micro_batches, padded, response_mask, response_values, step_images
+from mm_rl.trainer.batch import (
+    Sample,
+    balanced_shards,
+    by_count,
+    by_tokens,
+    micro_batches,
+    padded,
+    padding_share,
+    response_mask,
+    response_values,
+    step_images,
+)
 from mm_rl.trainer.generations import GENERATIONS_FILE, GenerationLog
 from mm_rl.trainer.prompts import PromptSource
 from mm_rl.trainer.roles import PendingRollout, Role, Roles, RolloutReady
@@ -318,11 +329,21 @@ class GRPOTrainer:
     # --------------------------------------------------------------------------------------- log-probs
     def _log_probs(self, role: Role, samples: list[Sample], name: str) -> None:
         """``name`` of every sample from ``role`` (the actor or the reference), DP replicas sharing the work."""
-        size = self.job.backend_config.actor_config.micro_batch_size
-        shards = _split(samples, self.roles.data_parallel_size(role))
-        batches = [micro_batches(shard, self.prompts.cached, size, self.prompts.pad_id) for shard in shards]
+        runs = self._cut(samples, self.roles.data_parallel_size(role), grad=False)
+        batches = [micro_batches(shard, self.prompts.cached, self.prompts.pad_id) for shard in runs]
         temperature = self.generate_cfg.sampling_config.temperature or 1.0
-        _store(shards, self.roles.log_probs(role, batches, temperature), name, size)
+        _store(runs, self.roles.log_probs(role, batches, temperature), name)
+
+    def _cut(self, samples: Sequence[Sample], replicas: int, grad: bool) -> list[list[list[Sample]]]:
+        """Per DP replica, the runs of samples that become its micro-batches: ``micro_batch_size`` samples of an
+        equal, contiguous shard each, or with a token budget (``max_tokens_per_micro_batch`` for the update,
+        ``log_prob_max_tokens_per_micro_batch`` for a log-prob pass) runs up to the budget of token-balanced
+        shards."""
+        actor = self.job.backend_config.actor_config
+        budget = actor.token_budget(grad)
+        if budget is None:
+            return [by_count(shard, actor.micro_batch_size) for shard in _split(samples, replicas)]
+        return [by_tokens(shard, budget) for shard in balanced_shards(samples, replicas)]
 
     def _on_policy_count(self, n_samples: int) -> int:
         """How many leading samples take their old log-probs from the update's own forward rather than a pass
@@ -372,27 +393,30 @@ class GRPOTrainer:
         from mm_rl.algorithms.rollout_correction import resolve_rollout_is
         from mm_rl.workers.training import LossSpec
 
-        actor_cfg, roles = self.job.backend_config.actor_config, self.roles
+        roles = self.roles
         mini = self.rl.mini_batch_size
         usable = len(samples) - len(samples) % mini
         loss = LossSpec(self.rl, self.generate_cfg.sampling_config.max_tokens,
                         self.generate_cfg.sampling_config.temperature or 1.0)
         fields = ("advantages",) + (("ref_log_probs",) if roles.has_reference else ())
         fields += ("engine_log_probs",) if resolve_rollout_is(self.rl) != "off" else ()
-        size = actor_cfg.micro_batch_size
         steps: list[dict[str, float]] = []
+        micro: list[list[Sample]] = []
         for _ in range(self.rl.ppo_epochs):
             for start in range(0, usable, mini):
                 batch = samples[start:start + mini]
                 on_policy = batch[0].old_log_probs is None  # see _on_policy_count: the update's forward gives them
-                split = _split(batch, roles.data_parallel_size("actor"))
-                shards = [micro_batches(shard, self.prompts.cached, size, self.prompts.pad_id,
-                                        fields + (() if on_policy else ("old_log_probs",))) for shard in split]
+                runs = self._cut(batch, roles.data_parallel_size("actor"), grad=True)
+                shards = [micro_batches(shard, self.prompts.cached, self.prompts.pad_id,
+                                        fields + (() if on_policy else ("old_log_probs",))) for shard in runs]
                 step_metrics, own = roles.train_mini_batch(shards, loss, self._denominator(batch))
                 steps.append(step_metrics)
+                micro += [run for shard in runs for run in shard]
                 if on_policy:
-                    _store(split, own, "old_log_probs", size)
+                    _store(runs, own, "old_log_probs")
         metrics = {f"actor/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
+        metrics["actor/micro_batches"] = len(micro) / max(1, len(steps))
+        metrics["actor/padding_share"] = padding_share(micro)
         skipped = sum(s["skipped"] for s in steps)
         metrics["actor/skipped_updates"] = float(skipped)
         metrics["actor/samples_unused"] = float(len(samples) - usable)
@@ -516,13 +540,14 @@ def _split(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
     return [list(samples[i * size:(i + 1) * size]) for i in range(parts)]
 
 
-def _store(shards: Sequence[Sequence[Sample]], results: Sequence[Sequence[torch.Tensor] | None], name: str,
-           size: int) -> None:
-    """``name`` of every sample from its replica's per-micro-batch [B, S] log-probs (micro-batches of ``size``)."""
-    for shard, rows in zip(shards, results, strict=True):
+def _store(shards: Sequence[Sequence[Sequence[Sample]]], results: Sequence[Sequence[torch.Tensor] | None],
+           name: str) -> None:
+    """``name`` of every sample from its replica's per-micro-batch [B, S] log-probs (``shards``: each replica's
+    runs of samples, one per micro-batch)."""
+    for runs, rows in zip(shards, results, strict=True):
         if rows is None:
-            raise RuntimeError(f"a replica returned no {name} for its shard of {len(shard)} samples")
-        for sample, values in zip(shard, response_values(shard, rows, size), strict=True):
+            raise RuntimeError(f"a replica returned no {name} for its {len(runs)} micro-batches")
+        for sample, values in zip((s for run in runs for s in run), response_values(runs, rows), strict=True):
             setattr(sample, name, values)
 
 
