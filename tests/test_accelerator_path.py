@@ -175,14 +175,15 @@ def test_memory_estimate_follows_the_micro_batch_token_budget():
 
 
 def test_llm_core_attention_is_the_one_the_planner_assumes():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
+    """Padded rows go through megatron's local DotProductAttention (baddbmm scores + fp32 softmax, which the planner
+    counts); packed rows through torch's SDPA per sequence, which keeps no more than that."""
     from mm_rl.config.plan import LLM_ATTENTION_KEEPS_SCORES
+    from mm_rl.models.qwen2_5_vl.llm_attention import LLMCoreAttention
     from mm_rl.models.qwen2_5_vl.model import llm_layer_spec
 
     spec = llm_layer_spec("RMSNorm", ulysses=False)
-    assert spec.submodules.self_attention.submodules.core_attention is DotProductAttention
-    assert LLM_ATTENTION_KEEPS_SCORES  # megatron's local DotProductAttention keeps baddbmm scores + fp32 softmax
+    assert spec.submodules.self_attention.submodules.core_attention is LLMCoreAttention
+    assert LLM_ATTENTION_KEEPS_SCORES
 
 
 def test_colocated_rollout_phase_counts_the_engine_share_beside_what_the_actor_keeps():

@@ -8,6 +8,8 @@ forward-backward schedule. Checked on the last stage: logits vs transformers' (<
 labels and entropy vs the same computed from transformers' logits (<= 1e-4); then every parameter gradient
 of a log-prob + entropy loss, gathered over TP and renamed to TP1 names, vs the TP1 run (<= 1e-5).
 Layouts: TP1, TP2, PP2 (vit [2, 0] / llm [1, 3], ViT and LLM sharing stage 0, tied embeddings), TP2 x PP2.
+The model packs each micro-batch's rows by default (``remove_padding``); at TP1, TP2, PP2 and CP2 the padded path
+runs too: log-probs and entropy on real tokens and every gradient (relative, in norm) within 1e-5 of the packed.
 The TP1 run also checks the freeze switches and model.json switches (activation, norm, GQA off, rope theta,
 mRoPE sections, fewer layers). Each layout is launched once and checks everything inside it.
 """
@@ -197,13 +199,13 @@ def tp1_name(name: str, layout: Any, tied_copy: bool) -> str:
 
 
 # ------------------------------------------------------------------------------- in the spawned ranks
-def _build_and_load(data: dict[str, Any], mm_dir: str | None, actor: Any = None) -> Any:
+def _build_and_load(data: dict[str, Any], mm_dir: str | None, actor: Any = None, remove_padding: bool = True) -> Any:
     from megatron.core import parallel_state
 
     from mm_rl.convert.layout import rank_file
     from mm_rl.models.qwen2_5_vl.model import build_model
 
-    model = build_model(load_model_config(data), actor=actor)
+    model = build_model(load_model_config(data), actor=actor, remove_padding=remove_padding)
     if mm_dir is not None:
         path = rank_file(Path(mm_dir) / "release", parallel_state.get_tensor_model_parallel_rank(),
                          parallel_state.get_pipeline_model_parallel_rank(),
@@ -308,8 +310,12 @@ def _parallel_worker(rank: int, world: int, port: int, case: dict[str, Any], sha
         tp1_outputs = torch.load(Path(shared) / f"outputs_{case['hf']}.pt", weights_only=True)
         result["outputs_vs_tp1"] = output_diffs(captured, tp1_outputs, inputs["batches"])
     reference_grads = torch.load(Path(shared) / f"grads_{case['hf']}.pt", weights_only=True)
-    for name, grad in tp1_grads(model).items():
+    packed_grads = tp1_grads(model)
+    for name, grad in packed_grads.items():
         result["grads"][name] = (grad - reference_grads[name]).abs().max().item()
+    if case.get("padded_rerun"):
+        result["packed_vs_padded"] = packed_vs_padded(case["json"], case["mm_dir"], inputs["batches"], captured,
+                                                      packed_grads)
     if case.get("frozen_rerun"):  # default freeze switches: the frozen ViT stages still pass the pipeline
         captured = run_schedule(_build_and_load(case["json"], case["mm_dir"]), inputs["batches"])
         if captured:
@@ -338,6 +344,9 @@ def _tp1_worker(rank: int, world: int, port: int, cases: dict[str, Any], shared:
                                        for name, hf_grad in inputs["reference"][key]["grads"].items()}
         # every compared gradient is non-trivial (a zero gradient would match anything)
         result[f"{key}_zero_grads"] = [name for name, grad in grads.items() if not grad.abs().max() > 1e-7]
+        if key == "untied":
+            result["packed_vs_padded"] = packed_vs_padded(cases[key]["json"], cases[key]["mm_dir"], batches,
+                                                          captured, grads)
     model = _build_and_load(cases["variant"]["json"], cases["variant"]["mm_dir"])
     result["variant"] = output_diffs(run_schedule(model, batches), inputs["reference"]["variant"]["outputs"],
                                      batches)
@@ -345,6 +354,25 @@ def _tp1_worker(rank: int, world: int, port: int, cases: dict[str, Any], shared:
     result["switches"] = _switch_runs(batches)
     save_rank_result(out_dir, rank, result)
     shutdown()
+
+
+def packed_vs_padded(data: dict[str, Any], mm_dir: str, batches: list[dict[str, torch.Tensor]],
+                     packed: list[dict[str, torch.Tensor]], packed_grads: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The same micro-batches through the padded path (``remove_padding`` off): the largest |difference| of the
+    log-probs and entropy on real tokens, and of every gradient relative to its norm (TP1 names)."""
+    from mm_rl.config.schema import ActorConfig
+
+    model = _build_and_load(data, mm_dir, ActorConfig(unfreeze_vision_encoder=True), remove_padding=False)
+    padded = run_schedule(model, batches)
+    diffs = {"log_probs": 0.0, "entropy": 0.0}
+    for ours, theirs, batch in zip(packed, padded, batches if packed else [], strict=True):  # last stage
+        valid = batch["attention_mask"].bool()
+        for key in diffs:
+            diffs[key] = max(diffs[key], (ours[key][valid] - theirs[key][valid]).abs().max().item())
+    grads = tp1_grads(model)
+    diffs["grad_rel"] = max(((packed_grads[name] - grad).norm() / grad.norm().clamp_min(1e-30)).item()
+                            for name, grad in grads.items())
+    return diffs
 
 
 def _freeze_checks(case: dict[str, Any], batches: list[dict[str, torch.Tensor]]) -> dict[str, bool]:
@@ -398,6 +426,7 @@ CASES = {  # name: (tp, pp, cp, tied, json kwargs)
     "tp2_cp2": (2, 1, 2, False, {}),
 }
 FROZEN_RERUN = {"pp3_vit_split"}
+PADDED_RERUN = {"tp2", "pp2", "cp2"}  # packed (the default) against padded rows, beside TP1's
 
 
 @pytest.fixture(scope="module")
@@ -416,6 +445,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         key = "tied" if tied else "untied"
         data = model_json(tied=tied, **kwargs)
         parallel[name] = {"tp": tp, "pp": pp, "cp": cp, "hf": key, "json": data, "frozen_rerun": name in FROZEN_RERUN,
+                          "padded_rerun": name in PADDED_RERUN,
                           "mm_dir": str(convert(hf[key], root / f"mm_{name}", data, tp))}
     batches = make_micro_batches()
     reference = {key: hf_reference(path, batches) for key, path in hf.items()}
@@ -443,6 +473,8 @@ def test_tp1_matches_transformers(setup: dict[str, Any]) -> None:
         assert len(grads) == len(HF_GRAD_NAMES) - (key == "tied")  # tied: no separate lm_head
         assert max(grads.values()) <= GRAD_TOL, grads
         assert not result[f"{key}_zero_grads"]
+    _report("tp1 packed vs padded", result["packed_vs_padded"])
+    assert max(result["packed_vs_padded"].values()) <= GRAD_TOL
 
 
 def test_freeze_switches(setup: dict[str, Any]) -> None:
@@ -476,6 +508,10 @@ def test_parallel_matches_transformers_and_tp1(setup: dict[str, Any], name: str,
     assert max(max(o.values()) for o in outputs) <= LOGIT_TOL
     assert max(max(o.values()) for o in vs_tp1) <= GRAD_TOL  # same code path as TP1: 1e-5 (CP2 vs CP1)
     assert grads[worst] <= GRAD_TOL
+    if case["padded_rerun"]:
+        padded = [r["packed_vs_padded"] for r in results if "packed_vs_padded" in r]
+        _report(f"{name} packed vs padded", {key: max(o[key] for o in padded) for key in padded[0]})
+        assert len(padded) == world and max(max(o.values()) for o in padded) <= GRAD_TOL  # grads on every rank
     if case["frozen_rerun"]:
         frozen = [r["outputs_frozen"] for r in results if "outputs_frozen" in r]
         _report(f"{name} frozen ViT", frozen[0])

@@ -83,9 +83,10 @@ def _long_tailed(groups: int = 6, n: int = 4, seed: int = 0) -> list[Sample]:
 def test_token_budget_runs_hold_every_sample_once_within_the_budget_in_order():
     samples = _long_tailed()
     for budget in (100, 160, 400):
-        runs = by_tokens(samples, budget)
+        runs = by_tokens(samples, budget, packed=False)
         assert [s for run in runs for s in run] == samples  # every sample once, in the step's order
         assert all(len(run) * max(map(tokens, run)) <= budget for run in runs)
+        assert all(sum(map(tokens, run)) <= budget for run in by_tokens(samples, budget))  # packed: the tokens
         # greedy: the next sample would have broken the budget of the run before it
         assert all((len(a) + 1) * max(map(tokens, [*a, b[0]])) > budget for a, b in zip(runs, runs[1:], strict=False))
     for sample in samples:
@@ -95,7 +96,9 @@ def test_token_budget_runs_hold_every_sample_once_within_the_budget_in_order():
     back = response_values(runs, [b["old_log_probs"] for b in batches])
     assert all(torch.equal(b, s.old_log_probs) for b, s in zip(back, samples, strict=True))
     assert len(by_tokens(samples, 100)) > len(by_tokens(samples, 400))
-    assert padding_share(by_tokens(samples, 100)) < padding_share(by_count(samples, 8))
+    assert padding_share(by_tokens(samples, 100, packed=False)) < padding_share(by_count(samples, 8))
+    assert padding_share(by_count(samples, 8), packed=True) == 0.0
+    assert len(by_tokens(samples, 160)) < len(by_tokens(samples, 160, packed=False))  # packed rows fit more
     with pytest.raises(ValueError, match="does not fit the micro-batch budget of 20 tokens"):
         by_tokens(samples, 20)
 

@@ -190,9 +190,13 @@ class ActorConfig:
     tensor_model_parallel_size: int = opt(1, "TP: splits every layer's weights across this many devices")
     pipeline_model_parallel_size: int = opt(1, "PP: splits the layer stack into this many stages")
     micro_batch_size: int = opt(1, "samples per forward/backward on one rank (MBS)")
+    remove_padding: bool = opt(
+        True, "pack each micro-batch's sequences into one row (no compute on padding; attention per sequence); "
+        "false: right-padded rows, for comparison")
     max_tokens_per_micro_batch: int | None = opt(
-        None, "token budget of a training micro-batch on one rank (rows x longest row): samples are grouped up to "
-        "it instead of micro_batch_size at a time, and DP replicas get even token shares; null: micro_batch_size")
+        None, "token budget of a training micro-batch on one rank (its tokens packed; rows x longest row without "
+        "remove_padding): samples are grouped up to it instead of micro_batch_size at a time, and DP replicas get "
+        "even token shares; null: micro_batch_size")
     log_prob_max_tokens_per_micro_batch: int | None = opt(
         None, "the same for the no-grad log-prob passes (no activations kept for a backward: it can be larger); "
         "null: max_tokens_per_micro_batch")

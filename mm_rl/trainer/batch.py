@@ -61,23 +61,25 @@ def by_count(samples: Sequence[Sample], size: int) -> list[list[Sample]]:
     return [list(samples[i:i + size]) for i in range(0, len(samples), size)]
 
 
-def by_tokens(samples: Sequence[Sample], budget: int) -> list[list[Sample]]:
-    """Consecutive runs of samples, each as long as its padded tensor (rows x longest row) stays within ``budget``
-    tokens: short responses share a micro-batch, long ones get fewer rows. Consecutive keeps a group's samples
+def computed_tokens(run: Sequence[Sample], packed: bool) -> int:
+    """Positions the model computes for a micro-batch: its tokens when packed, rows x longest row when padded."""
+    return sum(map(tokens, run)) if packed else len(run) * max(map(tokens, run))
+
+
+def by_tokens(samples: Sequence[Sample], budget: int, packed: bool = True) -> list[list[Sample]]:
+    """Consecutive runs of samples, each as long as the positions it computes (:func:`computed_tokens`) stay within
+    ``budget``: short responses share a micro-batch, long ones get fewer rows. Consecutive keeps a group's samples
     together, so its image is encoded once per micro-batch. A sample longer than the budget is a config error
     caught by ``check`` (the budget must hold the longest possible sequence)."""
     runs: list[list[Sample]] = []
-    width = 0
     for sample in samples:
-        length = tokens(sample)
-        if length > budget:
-            raise ValueError(f"a sample of {length} tokens does not fit the micro-batch budget of {budget} tokens")
-        if runs and (len(runs[-1]) + 1) * max(width, length) <= budget:
+        if tokens(sample) > budget:
+            raise ValueError(f"a sample of {tokens(sample)} tokens does not fit the micro-batch budget of {budget} "
+                             "tokens")
+        if runs and computed_tokens([*runs[-1], sample], packed) <= budget:
             runs[-1].append(sample)
-            width = max(width, length)
         else:
             runs.append([sample])
-            width = length
     return runs
 
 
@@ -103,9 +105,9 @@ def balanced_shards(samples: Sequence[Sample], parts: int) -> list[list[Sample]]
     return [[sample for unit in sorted(chosen) for sample in units[unit]] for chosen in members]
 
 
-def padding_share(runs: Sequence[Sequence[Sample]]) -> float:
-    """The share of a pass's micro-batch positions that are padding."""
-    computed = sum(len(run) * max(map(tokens, run)) for run in runs)
+def padding_share(runs: Sequence[Sequence[Sample]], packed: bool = False) -> float:
+    """The share of a pass's computed micro-batch positions that are padding (none when packed)."""
+    computed = sum(computed_tokens(run, packed) for run in runs)
     return 1.0 - sum(tokens(s) for run in runs for s in run) / computed if computed else 0.0
 
 

@@ -343,7 +343,7 @@ class GRPOTrainer:
         budget = actor.token_budget(grad)
         if budget is None:
             return [by_count(shard, actor.micro_batch_size) for shard in _split(samples, replicas)]
-        return [by_tokens(shard, budget) for shard in balanced_shards(samples, replicas)]
+        return [by_tokens(shard, budget, actor.remove_padding) for shard in balanced_shards(samples, replicas)]
 
     def _on_policy_count(self, n_samples: int) -> int:
         """How many leading samples take their old log-probs from the update's own forward rather than a pass
@@ -416,7 +416,7 @@ class GRPOTrainer:
                     _store(runs, own, "old_log_probs")
         metrics = {f"actor/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
         metrics["actor/micro_batches"] = len(micro) / max(1, len(steps))
-        metrics["actor/padding_share"] = padding_share(micro)
+        metrics["actor/padding_share"] = padding_share(micro, self.job.backend_config.actor_config.remove_padding)
         skipped = sum(s["skipped"] for s in steps)
         metrics["actor/skipped_updates"] = float(skipped)
         metrics["actor/samples_unused"] = float(len(samples) - usable)

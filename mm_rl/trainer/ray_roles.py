@@ -88,7 +88,7 @@ class RayRoles:
         bf16 = b.training.bf16 and topo.device != "cpu"
         return WorkerSpec(model=b.model, tp=topo.tp, pp=topo.pp, cp=topo.cp, dp=topo.dp,
                           actor=b.actor_config if trained else None, flags=b.training, seed=int(b.training.seed),
-                          bf16=bf16)
+                          bf16=bf16, remove_padding=b.actor_config.remove_padding)
 
     def _start_actor(self, worker_cls: type | None) -> None:
         from mm_rl.workers.group import WorkerGroup

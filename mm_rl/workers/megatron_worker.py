@@ -63,6 +63,7 @@ class WorkerSpec:
     num_threads: int = 1
     init_timeout_s: float = 300.0
     bf16: bool = False  # bf16 parameters (accelerators); CPU trains in fp32
+    remove_padding: bool = True  # pack each micro-batch's rows into one (actor_config.remove_padding)
 
     @property
     def world_size(self) -> int:
@@ -145,7 +146,8 @@ class MegatronWorker:
         from mm_rl.platform.device import current_device
 
         dtype = torch.bfloat16 if self.spec.bf16 else torch.float32
-        self.model = build_model(self.spec.model, self.spec.flags, self.spec.actor, params_dtype=dtype)
+        self.model = build_model(self.spec.model, self.spec.flags, self.spec.actor, params_dtype=dtype,
+                                 remove_padding=self.spec.remove_padding)
         # megatron's layers create their weights on the current device, plain torch modules (the ViT's patch
         # embedding, the norms) on the CPU: the whole stage goes to this rank's device (megatron-LM's get_model
         # does the same with .cuda()). The same Parameter objects stay, with megatron's attributes.

@@ -6,5 +6,6 @@ Modules:
 - ``config``: model.json + training flags -> megatron ``TransformerConfig`` for the text decoder.
 - ``rope_index``: Qwen2.5-VL 3D (t, h, w) position ids [3, B, S] from token ids, image grids and the mask.
 - ``model``: the full model for one pipeline stage (MindSpeed-MM state-dict names).
+- ``llm_attention``: the LLM's core attention and packed micro-batches (padding removed, attention per sequence).
 - ``logprobs``: per-token log-probs of labels and entropy from vocab-parallel logits, without gathering vocab.
 """

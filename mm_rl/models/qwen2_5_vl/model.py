@@ -59,6 +59,7 @@ from torch import Tensor
 
 from mm_rl.config.schema import ActorConfig, ModelConfig, TrainingFlags
 from mm_rl.models.qwen2_5_vl.config import megatron_normalization, padded_vocab_size, text_decoder_config
+from mm_rl.models.qwen2_5_vl.llm_attention import PackedRows
 from mm_rl.models.qwen2_5_vl.logprobs import log_probs_and_entropy
 from mm_rl.models.qwen2_5_vl.rope_index import get_rope_index
 from mm_rl.platform.device import current_device
@@ -254,7 +255,8 @@ class UlyssesAttention(torch.nn.Module):
 
     Each CP rank holds a contiguous 1/cp of the sequence. q, k, v go through one all-to-all each, from
     "my tokens, all heads" to "all tokens, 1/cp of the heads"; megatron's local attention then runs on the
-    full sequence (causal or padding masks work unchanged), and one all-to-all brings the output back.
+    full sequence (causal or padding masks, or a packed row's segments, work unchanged), and one all-to-all brings
+    the output back.
     KV groups are repeated to one per query head first when the CP size does not divide them.
     Built by megatron's layer spec with the arguments of any core attention.
     """
@@ -265,7 +267,8 @@ class UlyssesAttention(torch.nn.Module):
         import dataclasses
 
         from megatron.core import parallel_state
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from mm_rl.models.qwen2_5_vl.llm_attention import LLMCoreAttention
 
         super().__init__()
         self.group = parallel_state.get_context_parallel_group()
@@ -277,8 +280,8 @@ class UlyssesAttention(torch.nn.Module):
         self.repeat_kv = 1 if groups % self.size == 0 else heads // groups
         inner = dataclasses.replace(config, num_attention_heads=config.num_attention_heads // self.size,
                                     num_query_groups=config.num_query_groups * self.repeat_kv // self.size)
-        self.attention = DotProductAttention(inner, layer_number, attn_mask_type, attention_type,
-                                             attention_dropout, softmax_scale, None, pg_collection)
+        self.attention = LLMCoreAttention(inner, layer_number, attn_mask_type, attention_type,
+                                          attention_dropout, softmax_scale, None, pg_collection)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type: Any = None, attention_bias: Tensor | None = None,
@@ -371,8 +374,10 @@ class Qwen2_5_VLModel(torch.nn.Module):
         *,
         padded_vocab: int,
         image_encoder: torch.nn.Module | None,
+        remove_padding: bool = True,
     ) -> None:
         super().__init__()
+        self.remove_padding = remove_padding
         self.config = config
         self.model_cfg = model_cfg
         self.layout = layout
@@ -538,16 +543,23 @@ class Qwen2_5_VLModel(torch.nn.Module):
         images = self._images(pixel_values, encoded) if self.layout.has_vit or self.layout.has_embedding else None
         if not self.layout.has_llm:
             return self._vision_stage_output(images)
+        packed = PackedRows.of(input_ids, attention_mask) if self.remove_padding else None
+        if packed is not None:  # one row of the real tokens, each with the position it had in its own row
+            if position_ids is None:
+                position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask)
+            input_ids, labels, position_ids = packed.pack(input_ids), packed.pack(labels), packed.pack(position_ids)
+            attention_mask = None
         seq = input_ids.shape[1]
         if self.cp is not None:  # pad to a multiple of the CP size (right padding: invisible to real tokens)
             length = self.cp.padded_length(seq)
-            if attention_mask is None and length != seq:
+            if attention_mask is None and length != seq and packed is None:
                 attention_mask = torch.ones_like(input_ids)
             input_ids, attention_mask, labels = (_pad_sequence(t, length, 0) for t in (input_ids, attention_mask,
                                                                                         labels))
             position_ids = _pad_sequence(position_ids, length, 0)
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask)
+        segments = packed.segments(input_ids.shape[1]) if packed is not None else None
         decoder_input = self.decoder_input(input_ids, images, encoded, image_slots) if self.layout.has_embedding \
             else None
         if self.cp is not None:  # this rank's tokens; the attention mask stays whole (Ulysses sees all tokens)
@@ -559,10 +571,12 @@ class Qwen2_5_VLModel(torch.nn.Module):
             position_ids=position_ids,
             attention_mask=padding_attention_mask(attention_mask),
             decoder_input=decoder_input,
+            packed_seq_params=segments,
         )
         if not self.layout.has_output:
             return output
-        return self._last_stage_outputs(output, labels, seq, return_logits, temperature)
+        result = self._last_stage_outputs(output, labels, seq, return_logits, temperature)
+        return {key: packed.unpack(value) for key, value in result.items()} if packed is not None else result
 
     def _last_stage_outputs(
         self, logits: Tensor, labels: Tensor | None, seq: int, return_logits: bool, temperature: float
@@ -617,13 +631,15 @@ def _build_image_encoder(
 
 
 def llm_layer_spec(normalization: str, ulysses: bool) -> Any:
-    """The LLM layer: megatron's local spec, its core attention wrapped for Ulysses CP. That core attention is
-    megatron's ``DotProductAttention`` (S x S scores), which the memory planner counts (``mm_rl.config.plan``)."""
+    """The LLM layer: megatron's local spec with :class:`LLMCoreAttention` (packed rows per sequence, padded ones
+    through megatron's ``DotProductAttention``, whose S x S scores the memory planner counts, ``mm_rl.config.plan``),
+    wrapped for Ulysses CP."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from mm_rl.models.qwen2_5_vl.llm_attention import LLMCoreAttention
+
     spec = get_gpt_layer_local_spec(normalization=megatron_normalization(normalization))
-    if ulysses:
-        spec.submodules.self_attention.submodules.core_attention = UlyssesAttention
+    spec.submodules.self_attention.submodules.core_attention = UlyssesAttention if ulysses else LLMCoreAttention
     return spec
 
 
@@ -633,13 +649,15 @@ def build_model(
     actor: ActorConfig | None = None,
     *,
     params_dtype: torch.dtype = torch.float32,
+    remove_padding: bool = True,
     **config_overrides: Any,
 ) -> Qwen2_5_VLModel:
     """This rank's stage of the model, after megatron's ``initialize_model_parallel``.
 
     TP / PP sizes and ranks come from megatron's parallel state; ``flags`` give the vocab padding
     (``make-vocab-size-divisible-by``) and ``actor`` the freeze switches (default: ViT frozen, merger
-    trained). ``config_overrides`` reach the text decoder's ``TransformerConfig``.
+    trained); ``remove_padding`` packs each micro-batch's rows (see :mod:`llm_attention`). ``config_overrides``
+    reach the text decoder's ``TransformerConfig``.
     """
     from megatron.core import parallel_state
 
@@ -653,4 +671,5 @@ def build_model(
     divisible_by = flags.make_vocab_size_divisible_by if flags is not None else 1
     padded = padded_vocab_size(model_cfg.text_decoder.vocab_size, divisible_by, tp)
     encoder = _build_image_encoder(model_cfg, config, layout, actor) if layout.has_vit else None
-    return Qwen2_5_VLModel(model_cfg, config, layout, padded_vocab=padded, image_encoder=encoder)
+    return Qwen2_5_VLModel(model_cfg, config, layout, padded_vocab=padded, image_encoder=encoder,
+                           remove_padding=remove_padding)
