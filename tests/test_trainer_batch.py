@@ -13,6 +13,7 @@ from mm_rl.trainer.batch import (
     balanced_shards,
     by_count,
     by_tokens,
+    computed_tokens,
     micro_batches,
     padded,
     padding_share,
@@ -87,8 +88,14 @@ def test_token_budget_runs_hold_every_sample_once_within_the_budget_in_order():
         assert [s for run in runs for s in run] == samples  # every sample once, in the step's order
         assert all(len(run) * max(map(tokens, run)) <= budget for run in runs)
         assert all(sum(map(tokens, run)) <= budget for run in by_tokens(samples, budget))  # packed: the tokens
-        # greedy: the next sample would have broken the budget of the run before it
-        assert all((len(a) + 1) * max(map(tokens, [*a, b[0]])) > budget for a, b in zip(runs, runs[1:], strict=False))
+        run_of = {id(sample): k for k, run in enumerate(runs) for sample in run}
+        for group in {s.group for s in samples}:
+            members = [s for s in samples if s.group == group]
+            if computed_tokens(members, packed=False) <= budget:  # a group that fits a run is never split
+                assert len({run_of[id(s)] for s in members}) == 1
+        for a, b in zip(runs, runs[1:], strict=False):  # greedy: what came next did not fit the run before it
+            following = [s for s in samples if s.group == b[0].group] if b[0].group != a[-1].group else [b[0]]
+            assert computed_tokens([*a, *following], packed=False) > budget
     for sample in samples:
         sample.old_log_probs = torch.randn(sample.response_len)
     runs = by_tokens(samples, 160)

@@ -67,20 +67,39 @@ def computed_tokens(run: Sequence[Sample], packed: bool) -> int:
 
 
 def by_tokens(samples: Sequence[Sample], budget: int, packed: bool = True) -> list[list[Sample]]:
-    """Consecutive runs of samples, each as long as the positions it computes (:func:`computed_tokens`) stay within
-    ``budget``: short responses share a micro-batch, long ones get fewer rows. Consecutive keeps a group's samples
-    together, so its image is encoded once per micro-batch. A sample longer than the budget is a config error
-    caught by ``check`` (the budget must hold the longest possible sequence)."""
+    """Consecutive runs of samples, each computing (:func:`computed_tokens`) at most ``budget`` positions: short
+    responses share a micro-batch, long ones get fewer rows. A group (a prompt's samples, consecutive) that does not
+    fit the current run starts the next one when it fits a run of its own, so its image is encoded once; only a
+    group larger than the budget is split. A sample longer than the budget is a config error caught by ``check``
+    (the budget must hold the longest possible sequence)."""
     runs: list[list[Sample]] = []
-    for sample in samples:
-        if tokens(sample) > budget:
-            raise ValueError(f"a sample of {tokens(sample)} tokens does not fit the micro-batch budget of {budget} "
-                             "tokens")
-        if runs and computed_tokens([*runs[-1], sample], packed) <= budget:
-            runs[-1].append(sample)
-        else:
-            runs.append([sample])
+    for group in _groups(samples):
+        if runs and computed_tokens([*runs[-1], *group], packed) <= budget:
+            runs[-1].extend(group)
+            continue
+        if computed_tokens(group, packed) <= budget:
+            runs.append(list(group))
+            continue
+        for sample in group:
+            if tokens(sample) > budget:
+                raise ValueError(f"a sample of {tokens(sample)} tokens does not fit the micro-batch budget of "
+                                 f"{budget} tokens")
+            if runs and computed_tokens([*runs[-1], sample], packed) <= budget:
+                runs[-1].append(sample)
+            else:
+                runs.append([sample])
     return runs
+
+
+def _groups(samples: Sequence[Sample]) -> list[list[Sample]]:
+    """Runs of consecutive samples of the same group."""
+    groups: list[list[Sample]] = []
+    for sample in samples:
+        if groups and groups[-1][0].group == sample.group:
+            groups[-1].append(sample)
+        else:
+            groups.append([sample])
+    return groups
 
 
 def balanced_shards(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
@@ -89,12 +108,7 @@ def balanced_shards(samples: Sequence[Sample], parts: int) -> list[list[Sample]]
     Each shard keeps the step's order."""
     if len(samples) < parts:
         raise ValueError(f"{len(samples)} samples cannot fill {parts} data-parallel replicas")
-    units: list[list[Sample]] = []
-    for sample in samples:
-        if units and units[-1][0].group == sample.group:
-            units[-1].append(sample)
-        else:
-            units.append([sample])
+    units = _groups(samples)
     if len(units) < parts:
         units = [[sample] for sample in samples]
     loads, members = [0] * parts, [[] for _ in range(parts)]  # type: list[int], list[list[int]]

@@ -6,7 +6,7 @@ the norms and the output layer then work on T tokens instead of B x S, and the m
 first, travel with the tokens they belong to. Attention must not cross from one sequence into the next:
 :class:`CausalSegments` (megatron's ``packed_seq_params``, handed by ``TransformerBlock`` to every layer unchanged)
 carries each sequence's span, and :class:`LLMCoreAttention` runs torch's ``scaled_dot_product_attention``, causal,
-per batch of equally long sequences (the ViT's :class:`SegmentPlan`). Without segments it is megatron's own
+on each span. Without segments it is megatron's own
 ``DotProductAttention`` (dense scores with a causal or padding mask). ``qkv_format`` stays ``"sbhd"``, so
 megatron applies the rotary embedding per token, from the packed positions.
 """
@@ -22,8 +22,6 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
-
-from mm_rl.models.qwen2_5_vl.vision_attention import SegmentPlan
 
 
 @dataclass(frozen=True)
@@ -63,16 +61,18 @@ class PackedRows:
 
 @dataclass
 class CausalSegments(PackedSeqParams):
-    """The sequences of a packed row, passed to every LLM layer as ``packed_seq_params``."""
+    """The sequences of a packed row, passed to every LLM layer as ``packed_seq_params``: ``cu_seqlens`` and, read
+    once on the host, the (start, end) of each."""
 
-    plan: SegmentPlan | None = field(default=None, repr=False)
+    spans: list[tuple[int, int]] = field(default_factory=list, repr=False)
 
     @classmethod
     def build(cls, cu_seqlens: Tensor) -> CausalSegments:
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        longest = int(lengths.max()) if lengths.numel() else 0
+        bounds = cu_seqlens.tolist()
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+        longest = max((b - a for a, b in spans), default=0)
         return cls(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
-                   max_seqlen_kv=longest, plan=SegmentPlan.from_cu_seqlens(cu_seqlens))
+                   max_seqlen_kv=longest, spans=spans)
 
 
 class LLMCoreAttention(MegatronModule):
@@ -100,14 +100,13 @@ class LLMCoreAttention(MegatronModule):
                               attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         if query.size(1) != 1:
             raise ValueError(f"a packed micro-batch is one row, got {query.size(1)}")
-        assert packed_seq_params.plan is not None
-        q, k, v = (t.squeeze(1) for t in (query, key, value))
-        heads, head_dim = q.shape[1], q.shape[2]
-        if k.shape[1] != heads:  # grouped-query attention: each key / value head serves heads / groups queries
-            k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-        outputs = []
-        for index in packed_seq_params.plan.groups:
-            qg, kg, vg = (t[index].transpose(1, 2) for t in (q, k, v))  # [n, L, h, d] -> [n, h, L, d]
-            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=self.softmax_scale)
-            outputs.append(out.transpose(1, 2).reshape(-1, heads * head_dim))
-        return torch.cat(outputs)[packed_seq_params.plan.inverse].unsqueeze(1)
+        q, k, v = (t.squeeze(1).transpose(0, 1) for t in (query, key, value))  # [h, s, d]
+        heads, head_dim = q.shape[0], q.shape[2]
+        if k.shape[0] != heads:  # grouped-query attention: each key / value head serves heads / groups queries
+            k, v = (t.repeat_interleave(heads // t.shape[0], dim=0) for t in (k, v))
+        # The sequences are contiguous spans: slices (views, whose backward is a plain copy) rather than a gather
+        # of equally long ones, whose backward would be an accumulating scatter (slow on the CPU).
+        outputs = [F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True,
+                                                  scale=self.softmax_scale)
+                   for a, b in packed_seq_params.spans if b > a]
+        return torch.cat(outputs, dim=1).transpose(0, 1).reshape(-1, 1, heads * head_dim)
