@@ -41,7 +41,7 @@ def micro_batches() -> tuple[list[dict[str, torch.Tensor]], dict[int, tuple[torc
     """The trainer's micro-batches (``mm_rl.trainer.batch.micro_batches``) of six samples, two per micro-batch:
     one image + text beside text, text only, two images of different sizes beside text; with the per-token
     fields of a training step. And the step's images they name (``step_images``)."""
-    from mm_rl.trainer.batch import Sample, step_images
+    from mm_rl.trainer.batch import Sample, by_count, step_images
     from mm_rl.trainer.batch import micro_batches as build
 
     g = torch.Generator().manual_seed(0)
@@ -63,7 +63,7 @@ def micro_batches() -> tuple[list[dict[str, torch.Tensor]], dict[int, tuple[torc
         sample.old_log_probs = -torch.rand(sample.response_len, generator=g)
         sample.ref_log_probs = sample.old_log_probs - 0.05
         sample.advantages = torch.randn(sample.response_len, generator=g)
-    return build(samples, items, 2, PAD, FIELDS), step_images(samples, items)
+    return build(by_count(samples, 2), items, PAD, FIELDS), step_images(samples, items)
 
 
 @pytest.fixture(scope="module")
