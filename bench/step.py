@@ -9,7 +9,10 @@ straight on the rollout engine (same sampling and seed, ``--repeat`` times, medi
 rollout phase's are compared with (1.00x = the trainer adds nothing around the engine). Then the tensor bytes the
 driver hands the roles per step (every log-prob pass and update, and the step's images, measured at the roles
 boundary) beside what the same passes would have shipped with a copy of the prompt's pixel values in every sample's
-row (the micro-batches before the image hand-off). Then the same steps with ``rl_config.one_step_off_policy`` (each
+row (the micro-batches before the image hand-off). Then the actor's passes (old log-probs, reference, update) beside
+a baseline measured in the same run: the last step's micro-batches through transformers' Qwen2.5-VL in this
+process with the actor's thread count (forward for a log-prob pass; forward, backward and an Adam step for the
+update). Then the same steps with ``rl_config.one_step_off_policy`` (each
 step's batch generated while the previous step trained): the median step time of both, and their ratio.
 
     python bench/step.py [--job output/tiny_grpo/job.yaml] [--steps 5] [--repeat 3] [--json] [a.b.c=value ...]
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 PHASES = ("sync", "rollout", "reward", "onload", "images", "old_logp", "ref_logp", "advantages", "update")
+ACTOR_PHASES = ("old_logp", "ref_logp", "update")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -90,6 +94,7 @@ class MeteredRoles:
     def __init__(self, roles: Any) -> None:
         self.roles, self.images = roles, {}
         self.shipped = self.per_sample = 0
+        self.passes: list[tuple[str, list[Any], float]] = []  # the step's passes: kind, micro-batches, denominator
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.roles, name)
@@ -103,10 +108,12 @@ class MeteredRoles:
 
     def log_probs(self, role: str, shards: Any, temperature: float) -> Any:
         self._count(shards)
+        self.passes.append(("log_probs", [batch for shard in shards for batch in shard], 0.0))
         return self.roles.log_probs(role, shards, temperature)
 
     def train_mini_batch(self, shards: Any, loss: Any, denominator: float) -> Any:
         self._count(shards)
+        self.passes.append(("update", [batch for shard in shards for batch in shard], denominator))
         return self.roles.train_mini_batch(shards, loss, denominator)
 
     def _count(self, shards: Any) -> None:
@@ -119,9 +126,58 @@ class MeteredRoles:
                                                                         for index in batch["image_index"].tolist())
 
     def take(self) -> tuple[int, int]:
-        """(bytes shipped, bytes the per-sample way) since the last call."""
+        """(bytes shipped, bytes the per-sample way) since the last call; the step's passes start anew."""
         counts, self.shipped, self.per_sample = (self.shipped, self.per_sample), 0, 0
+        self.passes = []
         return counts
+
+
+def transformers_baseline(hf_dir: str, passes: list[tuple[str, list[Any], float]], images: Any, threads: int,
+                          repeat: int) -> float:
+    """Seconds (median of ``repeat``) of the same micro-batches through transformers' Qwen2.5-VL in this process
+    with the actor's thread count: forward, log-probs and entropy for a log-prob pass; the same plus a policy loss,
+    backward and an Adam step (the LLM and the merger train, the ViT is frozen, as in the actor) for the update."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.set_num_threads(threads)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32)
+    for name, param in model.named_parameters():
+        param.requires_grad_(".visual." not in name or ".merger." in name)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+
+    def inputs(batch: dict[str, Any]) -> dict[str, Any]:
+        rows = [index for index in batch["image_index"].tolist() if images[index][0].numel()]
+        pixels = {"pixel_values": torch.cat([images[index][0] for index in rows]),
+                  "image_grid_thw": batch["image_grid_thw"]} if rows else {}
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], **pixels}
+
+    def log_probs(batch: dict[str, Any]) -> tuple[Any, Any]:
+        logits = model(**inputs(batch)).logits.float()
+        all_log_probs = torch.log_softmax(logits, dim=-1)
+        entropy = -(all_log_probs.exp() * all_log_probs).sum(-1)
+        return all_log_probs.gather(-1, batch["labels"][..., None]).squeeze(-1), entropy
+
+    def run() -> float:
+        start = time.perf_counter()
+        for kind, batches, denominator in passes:
+            if kind == "log_probs":
+                with torch.no_grad():
+                    for batch in batches:
+                        log_probs(batch)
+                continue
+            optimizer.zero_grad()
+            for batch in batches:
+                values, _ = log_probs(batch)
+                mask = batch["response_mask"]
+                ratio = torch.exp(values - values.detach())
+                loss = -(ratio * batch["advantages"] * mask).sum() / denominator
+                loss.backward()
+            optimizer.step()
+        return time.perf_counter() - start
+
+    run()  # warm-up
+    return statistics.median(run() for _ in range(max(1, repeat)))
 
 
 def report(rows: list[dict[str, float]], raw_tok_per_s: float) -> dict[str, float]:
@@ -167,6 +223,7 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
         rows = []
         for step in range(1, steps + 1):
             metrics = trainer.train_step(step)
+            last_passes, images = meter.passes, meter.images
             shipped, per_sample = meter.take()
             metrics |= {"driver/bytes": float(shipped), "driver/bytes_per_sample_images": float(per_sample)}
             trainer.step = step
@@ -175,9 +232,16 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
         if trainer.pending is not None:
             trainer.pending.result()
         raw = raw_generate(trainer, steps, repeat) if repeat else None
+        threads = meter.roles.actor.run("threads")[0]
     finally:
         trainer.close()
         ray.shutdown()
+    if repeat:
+        hf_dir = job.backend_config.megatron_training.tokenizer_name_or_path
+        ours = statistics.median(sum(row.get(f"timing/{phase}", 0.0) for phase in ACTOR_PHASES) for row in rows[1:])
+        theirs = transformers_baseline(hf_dir, last_passes, images, threads, repeat)
+        print(f"actor passes ({' + '.join(ACTOR_PHASES)}): {ours:.3f} s vs the same micro-batches through "
+              f"transformers in one process ({threads} threads) {theirs:.3f} s -> {ours / theirs:.2f}x")
     return rows, raw
 
 
