@@ -273,18 +273,36 @@ def test_context_parallel_ranks_train_like_one_and_resume_their_optimizer_shards
     _assert_resumes_to(ray_session, mm_dir, spec, tmp_path / "ckpt", batch, expected, cp=2)
 
 
+KL_LOSS = LossSpec(RLConfig(kl_loss_coef=0.1, use_kl_loss=True), max_response_len=4)
+
+
+def _dp1_and_dp2(ray_session, mm_dir):
+    """Two actors from the same weights, without warm-up: one replica, and two."""
+    spec = OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0})
+    return _group(ray_session, mm_dir, spec, cpus=0.5), _group(ray_session, mm_dir, spec, cpus=0.5, dp=2)
+
+
+def _kl_batch(group) -> dict[str, torch.Tensor]:
+    """``_batch``'s micro-batch with reference log-probs 0.1 below the old ones (a KL term that is not zero)."""
+    (batch,) = _batch(group, 0)
+    batch["ref_log_probs"] = batch["old_log_probs"] - 0.1 * batch["response_mask"]
+    return batch
+
+
+def _per_row(batch: dict[str, torch.Tensor]) -> list[list[dict[str, torch.Tensor]]]:
+    """One shard per DP replica, each the micro-batch of one of the two rows."""
+    return [[{key: value[i:i + 1] for key, value in batch.items()}] for i in range(2)]
+
+
 def test_metrics_of_two_data_parallel_replicas_are_those_of_the_whole_mini_batch(ray_session, mm_dir):
     """DP2 (each replica one row) against DP1 (both rows) on the same mini-batch: loss, pg loss, KL loss, entropy
     and clip fractions are the mini-batch's on the returned rank, not one replica's share; grad norms agree."""
-    loss = LossSpec(RLConfig(kl_loss_coef=0.1, use_kl_loss=True), max_response_len=4)
-    spec = OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0})
-    single, split = _group(ray_session, mm_dir, spec, cpus=0.5), _group(ray_session, mm_dir, spec, cpus=0.5, dp=2)
+    single, split = _dp1_and_dp2(ray_session, mm_dir)
     try:
-        (batch,) = _batch(single, 0)
-        batch["ref_log_probs"] = batch["old_log_probs"] - 0.1 * batch["response_mask"]
-        rows = [[{key: value[i:i + 1] for key, value in batch.items()}] for i in range(2)]
-        whole, _ = single.train_mini_batch([[batch]], loss, 8.0)
-        shared, _ = split.train_mini_batch(rows, loss, 8.0)
+        batch = _kl_batch(single)
+        rows = _per_row(batch)
+        whole, _ = single.train_mini_batch([[batch]], KL_LOSS, 8.0)
+        shared, _ = split.train_mini_batch(rows, KL_LOSS, 8.0)
         assert whole.keys() == shared.keys() and whole["kl_loss"] > 0
         for key in whole:
             assert shared[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
@@ -297,15 +315,12 @@ def test_an_on_policy_update_takes_its_own_forward_as_the_old_log_probs(ray_sess
     """A mini-batch sent without old log-probs (exactly on-policy) trains like one with the log-prob pass's: the
     update's own forward, detached, comes back per DP replica equal to the pass's to 1e-6; ratio 1, no clipping;
     the same loss, grad norm and weights after the step."""
-    loss = LossSpec(RLConfig(kl_loss_coef=0.1, use_kl_loss=True), max_response_len=4)
-    spec = OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0})
-    passed, own = _group(ray_session, mm_dir, spec, cpus=0.5), _group(ray_session, mm_dir, spec, cpus=0.5, dp=2)
+    passed, own = _dp1_and_dp2(ray_session, mm_dir)
     try:
-        (batch,) = _batch(passed, 0)
-        batch["ref_log_probs"] = batch["old_log_probs"] - 0.1 * batch["response_mask"]
-        rows = [[{key: value[i:i + 1] for key, value in batch.items() if key != "old_log_probs"}] for i in range(2)]
-        expected, none = passed.train_mini_batch([[batch]], loss, 8.0)
-        metrics, returned = own.train_mini_batch(rows, loss, 8.0)
+        batch = _kl_batch(passed)
+        rows = _per_row({key: value for key, value in batch.items() if key != "old_log_probs"})
+        expected, none = passed.train_mini_batch([[batch]], KL_LOSS, 8.0)
+        metrics, returned = own.train_mini_batch(rows, KL_LOSS, 8.0)
         assert none == [None]  # old log-probs were sent: nothing to hand back
         mask = batch["response_mask"] == 1
         update_forward = torch.cat([replica[0] for replica in returned])

@@ -6,8 +6,8 @@ the norms and the output layer then work on T tokens instead of B x S, and the m
 first, travel with the tokens they belong to. Attention must not cross from one sequence into the next:
 :class:`CausalSegments` (megatron's ``packed_seq_params``, handed by ``TransformerBlock`` to every layer unchanged)
 carries each sequence's span, and :class:`LLMCoreAttention` runs torch's ``scaled_dot_product_attention``, causal,
-on each span. Without segments it is megatron's own
-``DotProductAttention`` (dense scores with a causal or padding mask). ``qkv_format`` stays ``"sbhd"``, so
+on each span. Without segments it is megatron's own ``DotProductAttention`` (dense scores with a causal or padding
+mask). ``qkv_format`` stays ``"sbhd"``, so
 megatron applies the rotary embedding per token, from the packed positions.
 """
 
