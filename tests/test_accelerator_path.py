@@ -6,6 +6,8 @@ gaps, NCCL / HCCL) is in tests/device/.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from mp_utils import init_megatron, load_rank_results, save_rank_result, shutdown, spawn
@@ -150,14 +152,16 @@ def _plan_job(**overrides):
     return job
 
 
-def test_memory_estimate_keeps_the_llm_attention_scores_whatever_use_flash_attn_says():
-    """The LLM runs megatron's local core attention on every device: the S x S scores are there with or without
-    the flag (the estimate once dropped them whenever the flag was set)."""
+def test_memory_estimate_counts_no_llm_attention_scores_whatever_use_flash_attn_says():
+    """The LLM's core attention is fused on every device: the flag changes only the (frozen) ViT's term, and the
+    LLM's activations grow linearly with the sequence, not with its square."""
     from mm_rl.config.plan import estimate_memory
 
-    key = "backend_config.training.use-flash-attn"
+    key, seq = "backend_config.training.use-flash-attn", "backend_config.training.seq-length"
     flash, math_attention = estimate_memory(_plan_job(**{key: True})), estimate_memory(_plan_job(**{key: False}))
     assert [m.activations for m in flash] == [m.activations for m in math_attention]
+    short, long = (estimate_memory(_plan_job(**{seq: length})) for length in (4096, 16384))
+    assert all(b.activations == pytest.approx(4 * a.activations, rel=0.05) for a, b in zip(short, long, strict=True))
 
 
 def test_memory_estimate_follows_the_micro_batch_token_budget():
@@ -174,16 +178,63 @@ def test_memory_estimate_follows_the_micro_batch_token_budget():
     assert all(d.activations > s.activations and d.weights == s.weights for d, s in zip(double, same, strict=True))
 
 
-def test_llm_core_attention_is_the_one_the_planner_assumes():
-    """Padded rows go through megatron's local DotProductAttention (baddbmm scores + fp32 softmax, which the planner
-    counts); packed rows through torch's SDPA per sequence, which keeps no more than that."""
-    from mm_rl.config.plan import LLM_ATTENTION_KEEPS_SCORES
-    from mm_rl.models.qwen2_5_vl.llm_attention import LLMCoreAttention
-    from mm_rl.models.qwen2_5_vl.model import llm_layer_spec
+@pytest.mark.parametrize("packed", [True, False])
+def test_llm_core_attention_keeps_no_scores_for_backward(packed):
+    """What the planner assumes: the LLM layer's core attention (packed rows per sequence, padded rows with a left
+    padding mask) saves nothing of S x S size for its backward, and computes causal attention within each
+    sequence's real tokens."""
+    import torch
+
+    from mm_rl.models.qwen2_5_vl.llm_attention import CausalSegments, LLMCoreAttention
+    from mm_rl.models.qwen2_5_vl.model import llm_layer_spec, padding_attention_mask
 
     spec = llm_layer_spec("RMSNorm", ulysses=False)
     assert spec.submodules.self_attention.submodules.core_attention is LLMCoreAttention
-    assert LLM_ATTENTION_KEEPS_SCORES
+    config, seq, heads, groups, dim = _attention_config(), 96, 4, 2, 16
+    generator = torch.Generator().manual_seed(0)
+    rows = 1 if packed else 2
+    q, k, v = (torch.randn(seq, rows, n, dim, generator=generator).requires_grad_() for n in (heads, groups, groups))
+    valid = torch.ones(rows, seq, dtype=torch.long)
+    if not packed:
+        valid[1, :30] = 0  # left padding: some queries see no real key
+    mask = None if packed else padding_attention_mask(valid)
+    segments = CausalSegments.build(torch.tensor([0, 40, 96], dtype=torch.int32)) if packed else None
+    saved: list[torch.Size] = []
+    core = LLMCoreAttention(config, 1, None, "self")
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.is_floating_point() and saved.append(t.shape) or t,
+                                                  lambda t: t):
+        out = core(q, k, v, mask, packed_seq_params=segments)
+    # q, k, v, out, log-sum-exp: O(S d) per head; padded rows also the mask as floats, one S x S per row (not per
+    # head, as a math kernel's probabilities would be)
+    assert saved and max(math.prod(shape) for shape in saved) <= rows * seq * seq
+    out.square().sum().backward()
+    assert torch.isfinite(q.grad).all()
+    pairs = [(slice(0, 40), 0), (slice(40, 96), 0)] if packed else [(slice(None), 0), (slice(30, None), 1)]
+    for span, row in pairs:  # each sequence alone (its real tokens), by the textbook formula
+        one = [t.detach()[span, row] for t in (q, k, v)]
+        expected = _causal_attention(*one, scale=1 / math.sqrt(dim))
+        assert torch.allclose(out.detach()[span, row], expected, atol=1e-5), (span, row)
+
+
+def _causal_attention(q, k, v, scale: float):
+    """softmax(q k^T scale + causal mask) v for one sequence [s, heads, d] (groups repeated), as [s, heads * d]."""
+    import torch
+
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
+
+
+def _attention_config():
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    from mm_rl.platform.device import cpu_safe_transformer_kwargs
+
+    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                             ffn_hidden_size=128, kv_channels=16, activation_func=F.silu, hidden_dropout=0.0,
+                             attention_dropout=0.0, **cpu_safe_transformer_kwargs())
 
 
 def test_colocated_rollout_phase_counts_the_engine_share_beside_what_the_actor_keeps():

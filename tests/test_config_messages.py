@@ -158,7 +158,7 @@ def test_config_refuses_a_plan_beyond_the_device_memory(tmp_path, capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "--nnodes = 1: the plan's memory estimate is" in err and "more than a device's 64 GiB" in err
-    assert "--nnodes 8 is estimated to fit" in err and "--allow-oversubscribe" in err
+    assert "--nnodes 4 is estimated to fit" in err and "--allow-oversubscribe" in err
     assert not out.exists()
     assert main([*argv, "--allow-oversubscribe"]) == 0
     assert "WARNING" in capsys.readouterr().out and out.exists()

@@ -10,9 +10,9 @@ LLM layer sees the whole sequence, and the output layer (vocab x hidden) costs a
 Memory model per device (bytes): trainable parameters cost param + fp32 grad + (fp32 master + Adam m, v) / DP
 with the distributed optimizer (2 + 4 + 12 / DP in bf16; 4 + 4 + 8 / DP in fp32), frozen ones only their
 weights, the colocated reference model its weights; activations per layer and micro-batch follow
-s*b*h*(10 + 24/t + 5*a*s/(h*t)) (the attention-score term vanishes with a fused attention: the ViT's SDPA with
-use-flash-attn, not yet the LLM's), with 1F1B keeping PP - stage micro-batches in flight; the last stage adds fp32
-logits and their gradient. The colocated rollout engine's share (its weights and KV cache at
+s*b*h*(10 + 24/t + 5*a*s/(h*t)) (the attention-score term vanishes with a fused attention: the LLM's always,
+``mm_rl.models.qwen2_5_vl.llm_attention``; the ViT's SDPA with use-flash-attn), with 1F1B keeping PP - stage
+micro-batches in flight; the last stage adds fp32 logits and their gradient. The colocated rollout engine's share (its weights and KV cache at
 ``gpu_memory_utilization``) is estimated beside the training phase: it holds that share while it generates.
 """
 
@@ -27,10 +27,6 @@ from mm_rl.config.schema import JobConfig, ModelConfig
 from mm_rl.config.topology import topology
 
 GIB = 1024**3
-# The LLM's core attention is megatron's local DotProductAttention on every device (the layer spec of
-# mm_rl.models.qwen2_5_vl.model; a test ties the two): it keeps the S x S scores and their softmax for backward
-# whatever use-flash-attn says, so the estimate counts them. The ViT's segment attention runs torch's SDPA.
-LLM_ATTENTION_KEEPS_SCORES = True
 OFFLOAD_KINDS = ("param", "grad", "optimizer")  # actor_config.offload_train_<kind>
 # What the planner lets the actor offload during a colocated rollout, in order: gradients are dropped, not copied
 # (free to move), optimizer state is only needed at the step's end, parameters are needed by the sync and the next
@@ -242,7 +238,7 @@ def _stage_activations(cfg: JobConfig, s: int, vit_layers: list[int], llm_layers
     vit_act = per_layer(vit_tokens * images, vit_tokens, vit.hidden_size, vit.num_attention_heads,
                         scores=not b.training.use_flash_attn) if trains_vit else 0.0
     llm_act = per_layer(micro_batch_tokens(cfg) / cp, seq, text.hidden_size, text.num_attention_heads,
-                        scores=LLM_ATTENTION_KEEPS_SCORES)
+                        scores=False)  # fused: no S x S scores kept (a test checks the saved tensors)
     return llm_layers[s] * llm_act + vit_layers[s] * vit_act
 
 

@@ -5,14 +5,19 @@ tokens of its rows into one row [1, T] (:class:`PackedRows`; verl's ``use_remove
 the norms and the output layer then work on T tokens instead of B x S, and the mRoPE positions, computed per row
 first, travel with the tokens they belong to. Attention must not cross from one sequence into the next:
 :class:`CausalSegments` (megatron's ``packed_seq_params``, handed by ``TransformerBlock`` to every layer unchanged)
-carries each sequence's span, and :class:`LLMCoreAttention` runs torch's ``scaled_dot_product_attention``, causal,
-on each span. Without segments it is megatron's own ``DotProductAttention`` (dense scores with a causal or padding
-mask). ``qkv_format`` stays ``"sbhd"``, so
-megatron applies the rotary embedding per token, from the packed positions.
+carries each sequence's span. ``qkv_format`` stays ``"sbhd"``, so megatron applies the rotary embedding per token,
+from the packed positions.
+
+:class:`LLMCoreAttention` never holds S x S scores (megatron's local ``DotProductAttention`` keeps them, and their
+fp32 softmax, for backward: ~0.94 GB per layer at S 4096 and 28 heads): a packed row runs torch's
+``scaled_dot_product_attention``, causal, on each span (flash / memory-efficient kernels on CUDA, the flash kernel
+on CPU), or on Ascend in bf16 / fp16 ``npu_fusion_attention``'s varlen form, all spans in one call (as MindSpeed's
+core attention runs packed sequences); padded rows run SDPA with the causal padding mask. Ulysses CP wraps it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,37 +81,82 @@ class CausalSegments(PackedSeqParams):
 
 
 class LLMCoreAttention(MegatronModule):
-    """Causal core attention of the LLM: within each sequence for a packed row (:class:`CausalSegments`), else
-    megatron's ``DotProductAttention``. Takes the arguments megatron's ``SelfAttention`` gives any core attention;
-    q, k, v are [s, b, heads, head_dim] (k, v with the query groups), the output [s, b, heads * head_dim]."""
+    """Causal core attention of the LLM: within each sequence for a packed row (:class:`CausalSegments`), else over
+    padded rows with megatron's mask (see the module docstring). Takes the arguments megatron's ``SelfAttention``
+    gives any core attention; q, k, v are [s, b, heads, head_dim] (k, v with the query groups), the output
+    [s, b, heads * head_dim]."""
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-
         super().__init__(config=config)
-        self.dense = DotProductAttention(config, layer_number, attn_mask_type, attention_type, attention_dropout,
-                                         softmax_scale, cp_comm_type, pg_collection)
         if config.apply_query_key_layer_scaling or config.attention_dropout:
-            raise ValueError("packed attention takes neither query-key layer scaling nor attention dropout")
+            raise ValueError("the LLM's core attention takes neither query-key layer scaling nor attention dropout")
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type: Any = None, attention_bias: Tensor | None = None,
                 packed_seq_params: PackedSeqParams | None = None) -> Tensor:
-        if not isinstance(packed_seq_params, CausalSegments):
-            return self.dense(query, key, value, attention_mask, attn_mask_type=attn_mask_type,  # type: ignore[no-any-return]
-                              attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        if query.size(1) != 1:
-            raise ValueError(f"a packed micro-batch is one row, got {query.size(1)}")
-        q, k, v = (t.squeeze(1).transpose(0, 1) for t in (query, key, value))  # [h, s, d]
-        heads, head_dim = q.shape[0], q.shape[2]
-        if k.shape[0] != heads:  # grouped-query attention: each key / value head serves heads / groups queries
-            k, v = (t.repeat_interleave(heads // t.shape[0], dim=0) for t in (k, v))
+        if attention_bias is not None:
+            raise ValueError("the LLM's core attention takes no attention bias")
+        if isinstance(packed_seq_params, CausalSegments):
+            if query.size(1) != 1:
+                raise ValueError(f"a packed micro-batch is one row, got {query.size(1)}")
+            if query.device.type == "npu" and query.dtype in (torch.bfloat16, torch.float16):
+                return self._npu_varlen(query, key, value, packed_seq_params)
+            return self._segments(query, key, value, packed_seq_params)
+        return self._padded(query, key, value, attention_mask)
+
+    def _segments(self, query: Tensor, key: Tensor, value: Tensor, segments: CausalSegments) -> Tensor:
+        # [1, h, s, d]: SDPA's fused kernels take 4-d inputs only (3-d ones fall back to the math kernel, which
+        # keeps the S x S probabilities for backward; torch 2.13, CPU)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        heads, head_dim = q.shape[1], q.shape[3]
+        k, v = _expand_groups(k, v, heads, dim=1)
         # The sequences are contiguous spans: slices (views, whose backward is a plain copy) rather than a gather
         # of equally long ones, whose backward would be an accumulating scatter (slow on the CPU).
-        outputs = [F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True,
+        outputs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
                                                   scale=self.softmax_scale)
-                   for a, b in packed_seq_params.spans if b > a]
-        return torch.cat(outputs, dim=1).transpose(0, 1).reshape(-1, 1, heads * head_dim)
+                   for a, b in segments.spans if b > a]
+        return torch.cat(outputs, dim=2).permute(2, 0, 1, 3).reshape(-1, 1, heads * head_dim)
+
+    def _npu_varlen(self, query: Tensor, key: Tensor, value: Tensor, segments: CausalSegments) -> Tensor:
+        """All spans in one ``torch_npu.npu_fusion_attention`` call: layout TND, ``actual_seq_qlen`` the spans'
+        cumulative ends, ``sparse_mode`` 3 (causal within each sequence) with the 2048 x 2048 upper-triangular
+        mask that mode takes, grouped-query heads native (Nq / Nkv an integer). The call and its constraints:
+        MindSpeed's docs/zh/ops/fusion_attention.md and mindspeed/core/context_parallel/dot_product_attention.py."""
+        import torch_npu  # type: ignore[import-not-found]
+
+        q, k, v = (t.squeeze(1) for t in (query, key, value))  # [T, heads, d]
+        ends = [b for _, b in segments.spans]
+        out = torch_npu.npu_fusion_attention(q, k, v, q.shape[1], "TND", atten_mask=_npu_causal_mask(q.device),
+                                             scale=self.softmax_scale, sparse_mode=3, actual_seq_qlen=ends,
+                                             actual_seq_kvlen=ends)[0]
+        return out.reshape(-1, 1, q.shape[1] * q.shape[2])
+
+    def _padded(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """Rows [s, b, ...] with megatron's mask ([b, 1, s, s], True = hidden; None = plain causal)."""
+        seq, rows, heads, head_dim = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        k, v = _expand_groups(k, v, heads, dim=1)
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        else:
+            # A query that may see nothing (a left-padding position) sees itself instead: SDPA would give NaN
+            # there, which the backward would spread; its output is padding and never read.
+            allowed = ~attention_mask | torch.eye(seq, dtype=torch.bool, device=attention_mask.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(seq, rows, heads * head_dim)
+
+
+def _expand_groups(k: Tensor, v: Tensor, heads: int, dim: int) -> tuple[Tensor, Tensor]:
+    """Grouped-query attention for SDPA: each key / value head repeated for the query heads it serves."""
+    if k.shape[dim] == heads:
+        return k, v
+    return k.repeat_interleave(heads // k.shape[dim], dim=dim), v.repeat_interleave(heads // v.shape[dim], dim=dim)
+
+
+@functools.cache
+def _npu_causal_mask(device: torch.device) -> Tensor:
+    """The fixed causal mask ``npu_fusion_attention``'s sparse_mode 3 takes (True = hidden)."""
+    return torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(1)

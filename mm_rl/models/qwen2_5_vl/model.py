@@ -631,9 +631,8 @@ def _build_image_encoder(
 
 
 def llm_layer_spec(normalization: str, ulysses: bool) -> Any:
-    """The LLM layer: megatron's local spec with :class:`LLMCoreAttention` (packed rows per sequence, padded ones
-    through megatron's ``DotProductAttention``, whose S x S scores the memory planner counts, ``mm_rl.config.plan``),
-    wrapped for Ulysses CP."""
+    """The LLM layer: megatron's local spec with :class:`LLMCoreAttention` (fused attention without S x S scores,
+    packed rows per sequence), wrapped for Ulysses CP."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from mm_rl.models.qwen2_5_vl.llm_attention import LLMCoreAttention
