@@ -4,14 +4,17 @@ The tiny Qwen2.5-VL checkpoint and the synthetic geo3k prompts (one image each) 
   (a) raw vLLM: ``vllm.LLM.generate`` with the text prompt and the images, built with the same engine arguments;
   (b) our vLLM engine, hosted in the Ray ``RolloutWorker`` actor, timed on the driver (so the Ray round trip,
       request and output serialisation included);
-  (c) our HF engine in this process.
-All three engines are set up first (they are idle when not called), each runs once untimed (first-call set-up), and
+  (c) our HF engine in this process;
+  (d) two replicas of (b), each with half the threads (the same cores in all), the prompts split between them by
+      whole groups as the trainer splits them (``mm_rl.trainer.ray_roles.RayEngines``).
+All four engines are set up first (they are idle when not called), each runs once untimed (first-call set-up), and
 then ``--repeat`` rounds run a, b, c in turn, so load changes on a shared machine hit every variant alike; the
 median wall time counts. All variants sample (temperature 1, n per prompt, log-probs of the sampled tokens on) with
 the same thread budget: ``--threads`` torch threads here for (a) and (c), a Ray CPU reservation of the same size for
-(b). Target: b >= 0.95 a.
+(b), and (d) splits that budget between its two replicas (``--threads 2`` or more for a fair split). Targets:
+b >= 0.95 a; d / b is what a second replica on the same cores gives.
 
-    python bench/rollout.py [--prompts 16] [--n 4] [--max-tokens 32] [--repeat 5] [--threads 1] [--dir DIR]
+    python bench/rollout.py [--prompts 16] [--n 4] [--max-tokens 32] [--repeat 5] [--threads 2] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads / Ray CPUs of every variant")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads / Ray CPUs of every variant")
     parser.add_argument("--dir", type=Path, default=None, help="where the checkpoint and data go (default: temp)")
     parser.add_argument("--json", action="store_true", help="also print the results as one json line")
     return parser.parse_args(argv)
@@ -111,37 +114,41 @@ def raw_vllm(model: Path, items: list[Any], args: argparse.Namespace) -> Variant
 
 def ray_vllm_engine(model: Path, items: list[Any], args: argparse.Namespace) -> Variant:
     """(b) our vLLM engine in the Ray actor, timed on the driver; ``engine_tok_per_s`` excludes the round trip."""
+    return _replicas(model, items, args, 1)
+
+
+def two_replicas(model: Path, items: list[Any], args: argparse.Namespace) -> Variant:
+    """(d) two engine actors of half the threads each, the batch split over them as the trainer does."""
+    return _replicas(model, items, args, 2)
+
+
+def _replicas(model: Path, items: list[Any], args: argparse.Namespace, count: int) -> Variant:
     import ray
 
-    from mm_rl.rollout.base import RolloutRequest
+    from mm_rl.rollout.base import RolloutRequest, SamplingSpec
     from mm_rl.rollout.engine_worker import rollout_worker_actor
+    from mm_rl.trainer.ray_roles import RayEngines
 
     config = generate_config(args)
     requests = [RolloutRequest.from_item(item) for item in items]  # images, no pixels: what crosses Ray
-    # Ray starts workers at nice 15; (a) and (c) run here at nice 0, so on a shared machine the comparison would
-    # measure scheduling priority rather than the engine. Workers get the driver's priority instead.
-    niceness = os.getpriority(os.PRIO_PROCESS, 0)
-    ray.init(
-        num_cpus=args.threads,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config={"worker_niceness": niceness},
-    )
-    worker = rollout_worker_actor(num_cpus=args.threads).remote(
-        str(model), config, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, backend="vllm"
-    )
+    threads = max(1, args.threads // count)
+    engines = RayEngines([rollout_worker_actor(num_cpus=threads).remote(
+        str(model), config, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, backend="vllm", num_threads=threads)
+        for _ in range(count)])
+    sampling = SamplingSpec.of(config.sampling_config)
     inner: list[float] = []
 
     def run() -> int:
-        outputs = ray.get(worker.generate.remote(requests, config.sampling_config))
+        outputs = engines.generate(requests, sampling, seed=0).result()
         inner.append(outputs.metrics.tok_per_s)
         return outputs.metrics.generated_tokens
 
     def close() -> None:
         variant.extra["engine_tok_per_s"] = statistics.median(inner[1:])
-        variant.extra["threads"] = ray.get(worker.threads.remote())
-        ray.get(worker.close.remote())
-        ray.shutdown()
+        variant.extra["threads"] = ray.get([engine.threads.remote() for engine in engines.actors])
+        ray.get([engine.close.remote() for engine in engines.actors])
+        for engine in engines.actors:
+            ray.kill(engine)
 
     variant = Variant(run, close)
     return variant
@@ -164,7 +171,8 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace) -> No
         f"\n{args.prompts} prompts x n={args.n} x <= {args.max_tokens} tokens, {args.threads} thread(s), "
         f"median of {args.repeat}"
     )
-    names = {"a": "(a) raw vLLM LLM.generate", "b": "(b) vllm engine via Ray actor", "c": "(c) hf engine"}
+    names = {"a": "(a) raw vLLM LLM.generate", "b": "(b) vllm engine via Ray actor", "c": "(c) hf engine",
+             "d": "(d) 2 vllm replicas via Ray"}
     for key, label in names.items():
         r = results[key]
         extra = f"  (engine-side {r['engine_tok_per_s']:.0f} tok/s)" if "engine_tok_per_s" in r else ""
@@ -172,8 +180,11 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace) -> No
     base = results["a"]["tok_per_s"]
     ratio_b, ratio_c = results["b"]["tok_per_s"] / base, results["c"]["tok_per_s"] / base
     print(f"b/a = {ratio_b:.3f} (target >= 0.95: {'met' if ratio_b >= 0.95 else 'NOT met'})   c/a = {ratio_c:.3f}")
+    ratio_d = results["d"]["tok_per_s"] / results["b"]["tok_per_s"]
+    print(f"replicas: 2 x {results['d']['threads'][0]} threads vs 1 x {results['b']['threads'][0]} threads: "
+          f"d/b = {ratio_d:.2f}x")
     if args.json:
-        print(json.dumps({"results": results, "b_over_a": ratio_b, "c_over_a": ratio_c}))
+        print(json.dumps({"results": results, "b_over_a": ratio_b, "c_over_a": ratio_c, "d_over_b": ratio_d}))
 
 
 def main(argv: list[str]) -> int:
@@ -182,21 +193,28 @@ def main(argv: list[str]) -> int:
 
     cpu_wheels.install()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # vLLM keeps torch's thread count when this is set
+    import ray
     import torch
 
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as scratch:
-        model, items = prepare(args.dir or Path(scratch), args.prompts)
-        variants = {
-            key: build(model, items, args) for key, build in (("a", raw_vllm), ("b", ray_vllm_engine), ("c", hf_engine))
-        }
-        for variant in variants.values():
-            variant.run()  # first-call set-up, untimed
-        for _ in range(args.repeat):  # interleaved, so load changes on a shared machine hit every variant alike
+    # Ray starts workers at nice 15; (a) and (c) run here at nice 0, so on a shared machine the comparison would
+    # measure scheduling priority rather than the engine. Workers get the driver's priority instead.
+    ray.init(num_cpus=2 * args.threads, include_dashboard=False, log_to_driver=False,
+             _system_config={"worker_niceness": os.getpriority(os.PRIO_PROCESS, 0)})
+    builds = (("a", raw_vllm), ("b", ray_vllm_engine), ("c", hf_engine), ("d", two_replicas))
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-rollout-") as scratch:
+            model, items = prepare(args.dir or Path(scratch), args.prompts)
+            variants = {key: build(model, items, args) for key, build in builds}
             for variant in variants.values():
-                variant.timed()
-        for variant in variants.values():
-            variant.close()
+                variant.run()  # first-call set-up, untimed
+            for _ in range(args.repeat):  # interleaved, so load changes on a shared machine hit every variant alike
+                for variant in variants.values():
+                    variant.timed()
+            for variant in variants.values():
+                variant.close()
+    finally:
+        ray.shutdown()
     results = {key: variant.result() for key, variant in variants.items()}
     report(results, args)
     return 0

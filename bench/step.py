@@ -66,21 +66,19 @@ def load(job_path: Path, out_dir: Path, overrides: list[str]) -> Any:
 
 
 def raw_generate(trainer: Any, step: int, repeat: int) -> float:
-    """Tokens per second of the engine alone on the last step's prompts (same sampling, same seed)."""
-    import ray
-
+    """Tokens per second of the engine replicas alone on the last step's prompts (same sampling, same seed, the
+    same split over the replicas), called through the deployment without the trainer."""
     from mm_rl.rollout.base import RolloutRequest, sampling_for
     from mm_rl.trainer.grpo import sampling_seed
 
-    roles, engine = trainer.roles, trainer.roles.engine  # the Ray deployment's engine actor, called directly
+    roles = trainer.roles
     requests = [RolloutRequest.from_item(item) for item in trainer.prompts.cached.values()]
     sampling = sampling_for(trainer.generate_cfg)
-    roles.before_rollout()  # wake the engine and give it the weights, untimed
+    roles.before_rollout()  # wake the engines and give them the weights, untimed
     rates = []
     for _ in range(repeat):
-        ray.get(engine.reseed.remote(sampling_seed(trainer.seed, step, 0)))
         start = time.perf_counter()
-        outputs = ray.get(engine.generate.remote(requests, sampling))
+        outputs = roles.start_generate(requests, sampling, sampling_seed(trainer.seed, step, 0)).result()
         seconds = time.perf_counter() - start
         rates.append(sum(len(s.response_ids) for out in outputs for s in out.samples) / seconds)
     roles.before_training()
@@ -201,6 +199,8 @@ def report(rows: list[dict[str, float]], raw_tok_per_s: float) -> dict[str, floa
     rollout = throughput.get("throughput/rollout_tok_per_s", 0.0)
     print(f"\nbaseline: rollout phase {rollout:.1f} generated tok/s vs raw engine generate of the same prompts "
           f"{raw_tok_per_s:.1f} tok/s -> {rollout / raw_tok_per_s:.2f}x")
+    print(f"rollout split over {median('rollout/replicas'):.0f} engine replica(s): slowest / fastest replica "
+          f"{median('rollout/replica_wall_spread'):.2f}x")
     before, after = median("driver/bytes_per_sample_images"), median("driver/bytes")
     print(f"driver bytes per step: {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB ({before / after:.1f}x fewer)")
     return ({f"timing/{k}": v for k, v in phases.items()} | {"timing/step": step} | throughput

@@ -186,10 +186,10 @@ def main(argv: list[str]) -> int:
         group = WorkerGroup(WorkerSpec(model, tp=args.tp, pp=args.pp), cpus_per_worker=0.5)
         group.build(str(mm_dir))
         ray.get(engine.ready.remote())
-        key = join_collective(group, engine)
+        key = join_collective(group, [engine])
         transports = {"sync": None, "sync_pg": key}
         for collective in transports.values():  # untimed first rounds
-            report = sync_weights(group, engine, bucket_bytes, args.max_in_flight, collective)
+            report = sync_weights(group, [engine], bucket_bytes, args.max_in_flight, collective)
         refs = engine_buckets(hf_dir, bucket_bytes)
         engine_seconds(engine, refs)
         memcpy_seconds(report.bytes)
@@ -198,7 +198,7 @@ def main(argv: list[str]) -> int:
         for _ in range(args.repeat):
             times["memcpy"].append(memcpy_seconds(report.bytes))
             for name, collective in transports.items():
-                reports[name].append(sync_weights(group, engine, bucket_bytes, args.max_in_flight, collective))
+                reports[name].append(sync_weights(group, [engine], bucket_bytes, args.max_in_flight, collective))
                 times[name].append(reports[name][-1].seconds)
             times["engine"].append(engine_seconds(engine, refs))
         median_runs = {name: sorted(runs, key=lambda r: r.seconds)[len(runs) // 2] for name, runs in reports.items()}

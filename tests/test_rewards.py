@@ -5,6 +5,7 @@ import sys
 import types
 
 import pytest
+from ray_utils import kill_and_wait
 
 from mm_rl.config.schema import RewardConfig
 from mm_rl.rewards import load_reward_function, reward_metrics, score_batch
@@ -146,23 +147,7 @@ def _a_dead_reward_worker_is_named(ray, pool) -> None:
     from mm_rl.trainer.ray_roles import named
     from mm_rl.workers.group import WorkerError
 
-    _kill_and_wait(ray, pool.workers[0])
+    kill_and_wait(ray, pool.workers[0], "ready")  # the check below sees a dead worker every time
     with pytest.raises(WorkerError, match="^reward workers failed: ") as caught, named("reward workers"):
         pool.score([RIGHT, RIGHT], ["8", "8"])
     assert "\n" not in str(caught.value) and isinstance(caught.value.__cause__, ray.exceptions.RayError)
-
-
-def _kill_and_wait(ray, worker, timeout_s: float = 60.0) -> None:
-    """``ray.kill`` only asks: a call made right after it can still reach the live actor and succeed. Wait until a
-    call fails, so the check above sees a dead worker every time."""
-    import time
-
-    ray.kill(worker)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(worker.ready.remote(), timeout=timeout_s)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the killed reward worker still answered after {timeout_s:.0f} s")

@@ -1,5 +1,5 @@
-"""The trainer end to end on the tiny model: a whole job, checkpoints and an exact resume after SIGKILL,
-TP2 and PP2 actors, validation and dynamic sampling, and what the user sees.
+"""The trainer end to end on the tiny model: a whole job, checkpoints and an exact resume after SIGKILL (with two
+engine replicas), TP2 and PP2 actors, validation and dynamic sampling, and what the user sees.
 
 The bar for resume: a run killed (SIGKILL to the driver) after a checkpoint and started again with the same
 command produces exactly the per-step metrics of an uninterrupted run from that checkpoint on (wall times
@@ -92,10 +92,17 @@ def _wait_for(predicate, proc, timeout_s: float) -> None:
 
 
 def test_sigkill_then_resume_repeats_the_uninterrupted_run(assets, tmp_path):
+    """With two vLLM engine replicas: each step's prompts are split over both, each replica's sampled tokens score
+    the same under the actor (both received the weights), and the replicas' seeds and split repeat on resume."""
     job_yaml, root = assets
-    steps = ("backend_config.megatron_training.train_iters=4", "backend_config.megatron_training.save_interval=2")
-    reference, _ = _run_job(job_for(job_yaml, root, tmp_path / "straight", *steps))
+    steps = ("backend_config.megatron_training.train_iters=4", "backend_config.megatron_training.save_interval=2",
+             "backend_config.generate_config.replicas=2")
+    reference, lines = _run_job(job_for(job_yaml, root, tmp_path / "straight", *steps))
     straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    assert any("rollout: 2 x vllm engine ready" in line for line in lines)
+    for record in straight:
+        assert record["rollout/replicas"] == 2 and record["rollout/replica_prompts_min"] >= 1  # split over both
+        assert record["rollout/logprob_gap_max"] < 1e-3  # max over both replicas' samples: both got the weights
 
     out = tmp_path / "killed"
     proc = train_cli(job_yaml, root, out, *steps, start_new_session=True)

@@ -221,7 +221,7 @@ def test_colocated_schedule_frees_actor_and_reference_during_the_rollout(ray_ses
         before = actor.run("resident_bytes")[0], reference.run("resident_bytes")[0]
         weights = actor.run("parameter_sums")[0]
         switches = ActorConfig(offload_train_param=True, offload_train_grad=True, offload_train_optimizer=True)
-        schedule = RolloutSchedule(actor, engine, generate, switches, reference=reference)
+        schedule = RolloutSchedule(actor, [engine], generate, switches, reference=reference)
         report = schedule.before_rollout()
         assert report.applied == report.tensors > 0
         assert actor.run("resident_bytes")[0] == dict.fromkeys(KINDS, 0)

@@ -188,8 +188,8 @@ def sync(layout: Layout, transport: str = "object_store") -> Any:
     from mm_rl.sync.driver import join_collective, sync_weights
 
     if transport == "collective" and layout.collective is None:
-        layout.collective = join_collective(layout.group, layout.engine)
-    return sync_weights(layout.group, layout.engine, BUCKET_BYTES,
+        layout.collective = join_collective(layout.group, [layout.engine])
+    return sync_weights(layout.group, [layout.engine], BUCKET_BYTES,
                         collective=layout.collective if transport == "collective" else None)
 
 
@@ -249,7 +249,7 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts):
     actor = ActorConfig(offload_train_param=True, offload_train_grad=True, offload_train_optimizer=False)
     engine_log = len(ray.get(layout.engine.call_log.remote()))
     worker_logs = [len(events) for events in layout.group.run("events")]
-    schedule = RolloutSchedule(layout.group, layout.engine, generate_config(colocate=True), actor)
+    schedule = RolloutSchedule(layout.group, [layout.engine], generate_config(colocate=True), actor)
     resident = layout.group.run("resident_bytes")
     schedule.before_rollout()
     assert [r["params"] for r in layout.group.run("resident_bytes")] == [0] * len(layout.group.coords)
@@ -276,10 +276,72 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts):
     finally:
         ray.get(layout.engine.wake_up.remote())
 
-    plain = RolloutSchedule(layout.group, layout.engine, generate_config(colocate=False), actor)
+    plain = RolloutSchedule(layout.group, [layout.engine], generate_config(colocate=False), actor)
     plain.before_rollout()
     plain.before_training()
     assert plain.events == ["sync"]
+
+
+
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_every_engine_replica_receives_the_weights(layout, prompts, transport):
+    """Two engine replicas: one sync (one object-store copy per bucket, or one broadcast to both) leaves each with
+    the actor's perturbed weights (log-probs of its own sampled responses <= 1e-3 from the actor's), and the sync
+    back restores both."""
+    import dataclasses
+
+    import ray
+
+    from mm_rl.rollout.engine_worker import rollout_worker_actor
+    from mm_rl.sync.driver import join_collective, sync_weights
+
+    if layout.name != "tp1":
+        pytest.skip("replicas differ only on the engine side: one actor layout shows it")
+    other = rollout_worker_actor(num_cpus=1).remote(str(layout.hf_dir), generate_config(), min_pixels=MIN_PIXELS,
+                                                    max_pixels=MAX_PIXELS, backend="vllm", dtype="float32")
+    replicas = [layout, dataclasses.replace(layout, engine=other)]
+    engines = [r.engine for r in replicas]
+    try:
+        ray.get(other.ready.remote())
+        key = join_collective(layout.group, engines) if transport == "collective" else None
+        baseline = greedy(layout, prompts)
+        layout.group.run("perturb_weights", NOISE, 2)
+        try:
+            report = sync_weights(layout.group, engines, BUCKET_BYTES, collective=key)
+            assert report.applied == report.tensors > 0  # every replica applied every tensor
+            outputs = [greedy(r, prompts) for r in replicas]
+            assert same(outputs[0], outputs[1]) and not same(outputs[0], baseline)
+            gaps = [actor_gap(r, prompts, sampled(r, prompts)) for r in replicas]
+        finally:
+            layout.group.run("restore_weights")
+        sync_weights(layout.group, engines, BUCKET_BYTES, collective=key)
+        assert all(same(greedy(r, prompts), baseline) for r in replicas)
+        GAPS[f"{layout.name} {transport} replicas"] = {f"replica {i}": gap for i, gap in enumerate(gaps)}
+        assert max(gaps) <= 1e-3, gaps
+    finally:
+        ray.get(other.close.remote())
+        ray.kill(other)
+
+
+def test_colocated_schedule_offloads_only_the_ranks_beside_an_engine(layout):
+    """An engine replica beside rank 0 only: rank 0 frees its parameters for the rollout, rank 1 keeps them."""
+    import ray
+
+    from mm_rl.trainer.schedule import RolloutSchedule
+
+    if layout.name != "dp2":
+        pytest.skip("needs two ranks on two bundles")
+    actor = ActorConfig(offload_train_param=True)
+    schedule = RolloutSchedule(layout.group, [layout.engine], generate_config(colocate=True), actor,
+                               shared_bundles={layout.group.bundles[0]})
+    try:
+        schedule.before_rollout()
+        params = [r["params"] for r in layout.group.run("resident_bytes")]
+        assert params[0] == 0 and params[1] > 1e6
+        schedule.before_training()
+        assert all(r["params"] > 0 for r in layout.group.run("resident_bytes"))
+    finally:
+        ray.get(layout.engine.wake_up.remote())
 
 
 # ----------------------------------------------------------------------------------------- single process

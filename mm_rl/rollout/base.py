@@ -201,6 +201,7 @@ class RolloutOutput:
     uid: int | str | None = None
     skipped: str | None = None  # why the bounds policy dropped the request (then ``samples`` is empty)
     truncated: bool = False  # the overflow policy shortened ``prompt_ids``
+    replica: int = 0  # the engine replica that generated it (mm_rl.rollout.replicas)
 
 
 @dataclass
@@ -221,6 +222,9 @@ class RolloutMetrics:
     images_resized: int = 0
     image_bounds_skipped: int = 0  # prompts skipped because an image was out of bounds (policy "skip")
     image_unusable_skipped: int = 0  # prompts skipped whatever the policy (aspect ratio, too many images, ...)
+    replicas: int = 1  # engine replicas that shared the batch
+    replica_prompts_min: int = 0  # the fewest prompts a replica generated (0: one stood idle)
+    replica_wall_spread: float = 1.0  # the slowest replica's wall time over the fastest's (1: balanced)
 
     @property
     def tok_per_s(self) -> float:
@@ -305,6 +309,7 @@ class RolloutEngine(abc.ABC):
             samples = next(results)
             outputs.append(RolloutOutput(item.request.prompt_ids, samples, timing, original.uid, None, item.truncated))
         metrics.wall_s = time.perf_counter() - start
+        metrics.replica_prompts_min = len(requests)  # one engine: every prompt
         _count_samples(outputs, metrics)
         timing.wall_s, timing.generated_tokens = metrics.wall_s, metrics.generated_tokens
         self.call_log.append(("generate", {"prompts": len(requests), "n": spec.n}))

@@ -108,14 +108,15 @@ class RolloutWorker:
     def update_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         return self.engine.update_weights(named_tensors)
 
-    def join_sync_group(self, key: str, stage: int, host: str, port: int) -> None:
-        """Join the weight-sync pair group of an actor stage's sender (see mm_rl.sync.transport)."""
-        from mm_rl.sync.transport import join_pair
+    def join_sync_group(self, key: str, stage: int, host: str, port: int, rank: int, world: int) -> None:
+        """Join the weight-sync group of an actor stage's sender as ``rank`` (1 + this replica's index) of ``world``
+        (see mm_rl.sync.transport)."""
+        from mm_rl.sync.transport import join_group
 
-        join_pair(key, stage, host, port, rank=1)
+        join_group(key, stage, host, port, rank=rank, world=world)
 
     def receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> int:
-        """Receive one bucket over a pair group (the sender broadcasts it as this call runs) and load it."""
+        """Receive one bucket over a sync group (the sender broadcasts it as this call runs) and load it."""
         from mm_rl.sync.transport import receive_bucket
 
         return self.engine.update_weights(receive_bucket(key, stage, layout, nbytes))

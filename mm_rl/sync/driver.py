@@ -1,4 +1,4 @@
-"""The driver side of the weight sync: pair the transports once, start a sync on every rank, check its report.
+"""The driver side of the weight sync: join the transports once, start a sync on every rank, check its report.
 
 The ranks' half (TP gather, merge, HF names, buckets, send) is :mod:`mm_rl.sync.sender`; the transports are
 :mod:`mm_rl.sync.transport`. The driver never holds a tensor: it hands each stage's sender a picklable sink
@@ -62,39 +62,41 @@ def bucket_bytes_of(generate: GenerateConfig) -> int:
     return int(generate.sync_bucket_mb) << 20
 
 
-def join_collective(group: SenderGroup, rollout: Any) -> str:
-    """Pair every stage's sender with the rollout worker in a two-rank device process group (nccl / hccl, gloo on
-    CPU); returns the key that :func:`sync_weights` takes to send over them. Each sender hosts its pair's
-    rendezvous on a port free on its own node; the rollout worker joins the pairs one after another while the
-    senders wait in theirs."""
+def join_collective(group: SenderGroup, rollouts: Sequence[Any]) -> str:
+    """Put every stage's sender and the rollout replicas' workers in one device process group per stage (nccl /
+    hccl, gloo on CPU; the sender is rank 0, replica r rank r + 1); returns the key that :func:`sync_weights`
+    takes to send over them. Each sender hosts its group's rendezvous on a port free on its own node; a replica
+    joins the stages' groups one after another while the senders wait in theirs."""
     import uuid
 
     import ray
 
-    key = f"weights-{uuid.uuid4().hex[:8]}"
+    key, world = f"weights-{uuid.uuid4().hex[:8]}", 1 + len(rollouts)
     addresses = group.run("rendezvous_address")
     senders = {c.pp_rank: addresses[i] for i, c in enumerate(group.coords) if c.is_sender()}
-    joined = [rollout.join_sync_group.remote(key, stage, host, port) for stage, (host, port) in senders.items()]
-    group.run("join_sync_group", key, senders)
+    joined = [rollout.join_sync_group.remote(key, stage, host, port, replica + 1, world)
+              for replica, rollout in enumerate(rollouts) for stage, (host, port) in senders.items()]
+    group.run("join_sync_group", key, senders, world)
     ray.get(joined)
     return key
 
 
-def sync_weights(group: SenderGroup, rollout: Any, bucket_bytes: int, max_in_flight: int = 1,
+def sync_weights(group: SenderGroup, rollouts: Sequence[Any], bucket_bytes: int, max_in_flight: int = 1,
                  collective: str | None = None) -> SyncReport:
-    """Push the actor group's current weights into the rollout worker actor ``rollout`` (all stages at once),
-    through the object store, or over the pair groups of ``collective`` (a :func:`join_collective` key).
+    """Push the actor group's current weights into every rollout worker actor of ``rollouts`` (all stages at
+    once), through the object store, or over the sync groups of ``collective`` (a :func:`join_collective` key).
 
-    Raises when the engine applied fewer tensors than were sent (a layer it held back: a mapping / checkpoint
+    Raises when an engine applied fewer tensors than were sent (a layer it held back: a mapping / checkpoint
     mismatch that would otherwise leave stale weights in the engine)."""
     start = time.perf_counter()
+    rollouts = list(rollouts)
     if collective is None:
-        factory = functools.partial(ObjectStoreSink, rollout, max_in_flight=max_in_flight)
+        factory = functools.partial(ObjectStoreSink, rollouts, max_in_flight=max_in_flight)
     else:
-        factory = functools.partial(CollectiveSink, rollout, collective, max_in_flight=max_in_flight)
+        factory = functools.partial(CollectiveSink, rollouts, collective, max_in_flight=max_in_flight)
     stats = [s for s in group.run("push_weights", factory, bucket_bytes) if s is not None]
     report = SyncReport(sorted(stats, key=lambda s: s.pp_rank), time.perf_counter() - start)
     if report.applied != report.tensors:
-        raise RuntimeError(f"weight sync: the engine applied {report.applied} of {report.tensors} tensors sent "
+        raise RuntimeError(f"weight sync: an engine applied {report.applied} of {report.tensors} tensors sent "
                            "(an incomplete layer was held back: do the engine's checkpoint and model.json agree?)")
     return report

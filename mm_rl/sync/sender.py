@@ -17,7 +17,7 @@ Per pipeline stage (all stages at once, each independently):
    by the bucket size, not the model: per sender about ``(max_in_flight + 1) x (sync_bucket_mb + one layer)``
    (a bucket is cut only between layers, so it may exceed the size by up to one layer). No disk round trip.
 
-The driver's half (pairing the transports, starting a sync, its report) is :mod:`mm_rl.sync.driver`.
+The driver's half (joining the transports, starting a sync, its report) is :mod:`mm_rl.sync.driver`.
 """
 
 from __future__ import annotations

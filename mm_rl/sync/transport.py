@@ -1,20 +1,20 @@
-"""How weight-sync buckets travel from an actor stage's sender to the rollout engine's worker.
+"""How weight-sync buckets travel from an actor stage's sender to every rollout engine replica's worker.
 
 A sender (the stage's TP-rank 0, in its Megatron worker process) makes a :class:`BucketSink` from a picklable
 factory called with its pipeline stage, ``send``s buckets of HF-named tensors in order, and ``close``s it. Two
 sinks, one contract:
 
-* :class:`ObjectStoreSink`: each bucket goes into Ray's object store (shared memory on the node; tensors travel
-  as raw byte buffers, see :class:`SharedBucket`, so the engine maps them without a copy) and the rollout
-  worker's ``update_weights`` loads it. Works anywhere Ray does; the default on CPU and for a colocated engine.
-* :class:`CollectiveSink`: the sender and the engine's worker share a two-rank process group (nccl on CUDA, hccl
-  on Ascend, gloo on CPU; :func:`join_pair`); a bucket is packed into one flat byte buffer on the sender's device
-  and broadcast into a buffer on the engine's device, and the Ray call that triggers the receive carries only the
-  names, dtypes, shapes and offsets. Device to device, no host copy, for engines on their own devices. (NCCL and
-  HCCL refuse two ranks on one device, so a colocated engine, which shares actor rank 0's device, uses the
-  object store.)
+* :class:`ObjectStoreSink`: each bucket goes into Ray's object store once (shared memory on the node; tensors
+  travel as raw byte buffers, see :class:`SharedBucket`, so an engine maps them without a copy) and every
+  replica's ``update_weights`` loads it. Works anywhere Ray does; the default on CPU and for colocated engines.
+* :class:`CollectiveSink`: the sender and the replicas' workers share a process group (nccl on CUDA, hccl on
+  Ascend, gloo on CPU; :func:`join_group`; the sender is rank 0, replica r rank r + 1); a bucket is packed into
+  one flat byte buffer on the sender's device and broadcast once into a buffer on each engine's device, and the
+  Ray calls that trigger the receives carry only the names, dtypes, shapes and offsets. Device to device, no host
+  copy, for engines on their own devices. (NCCL and HCCL refuse two ranks on one device, so a colocated engine,
+  which shares an actor rank's device, uses the object store.)
 
-Both keep at most ``max_in_flight`` buckets waiting for the engine, so the engine loads bucket i while the sender
+Both keep at most ``max_in_flight`` buckets waiting for the engines, so they load bucket i while the sender
 builds bucket i + 1 and memory stays bounded by the bucket size.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
@@ -38,7 +39,8 @@ _ALIGN = 64  # byte alignment of each tensor in a flat buffer (any dtype view of
 
 @dataclass
 class SinkResult:
-    """What a transport reports when closed: tensors the engine applied and where the sender waited."""
+    """What a transport reports when closed: tensors every engine replica applied (the fewest any replica did) and
+    where the sender waited."""
 
     applied: int = 0
     put_s: float = 0.0  # handing buckets to the transport (a copy into shared memory, or pack + broadcast)
@@ -54,15 +56,19 @@ class BucketSink(Protocol):
 
 
 class _Pipelined:
-    """The bounded queue of engine calls both sinks share."""
+    """The bounded queue of engine calls both sinks share: one call per replica and bucket."""
 
-    def __init__(self, max_in_flight: int) -> None:
+    def __init__(self, rollouts: Sequence[Any], max_in_flight: int) -> None:
+        if not rollouts:
+            raise ValueError("a weight-sync sink needs at least one rollout engine")
+        self.rollouts = list(rollouts)
         self.max_in_flight = max(1, max_in_flight)
-        self.pending: collections.deque[Any] = collections.deque()
+        self.pending: collections.deque[list[Any]] = collections.deque()
+        self.applied = [0] * len(self.rollouts)
         self.result = SinkResult()
 
-    def _submitted(self, ref: Any) -> None:
-        self.pending.append(ref)
+    def _submitted(self, refs: list[Any]) -> None:
+        self.pending.append(refs)
         self._drain(self.max_in_flight)
 
     def _drain(self, keep: int) -> None:
@@ -70,7 +76,9 @@ class _Pipelined:
 
         start = time.perf_counter()
         while len(self.pending) > keep:
-            self.result.applied += int(ray.get(self.pending.popleft()))
+            for replica, count in enumerate(ray.get(self.pending.popleft())):
+                self.applied[replica] += int(count)
+        self.result.applied = min(self.applied)
         self.result.wait_s += time.perf_counter() - start
 
     def close(self) -> SinkResult:
@@ -117,11 +125,11 @@ class SharedBucket:
 
 
 class ObjectStoreSink(_Pipelined):
-    """Buckets through Ray's object store into a ``RolloutWorker`` actor's ``update_weights``."""
+    """Buckets through Ray's object store (one copy) into every ``RolloutWorker`` actor's ``update_weights``."""
 
-    def __init__(self, rollout: Any, stage: int, max_in_flight: int = 1) -> None:
-        super().__init__(max_in_flight)
-        self.rollout, self.stage = rollout, stage
+    def __init__(self, rollouts: Sequence[Any], stage: int, max_in_flight: int = 1) -> None:
+        super().__init__(rollouts, max_in_flight)
+        self.stage = stage
 
     def send(self, bucket: Bucket) -> None:
         import ray
@@ -129,61 +137,62 @@ class ObjectStoreSink(_Pipelined):
         start = time.perf_counter()
         ref = ray.put(SharedBucket(bucket))
         self.result.put_s += time.perf_counter() - start
-        self._submitted(self.rollout.update_weights.remote(ref))
+        self._submitted([rollout.update_weights.remote(ref) for rollout in self.rollouts])
 
 
 # -------------------------------------------------------------------------------------------- collective
 @dataclass
-class PairGroup:
-    """A two-rank process group: rank 0 is an actor stage's sender, rank 1 the engine's worker."""
+class SyncGroup:
+    """A stage's weight-sync process group: rank 0 is the actor stage's sender, rank r + 1 engine replica r."""
 
     group: Any  # a torch.distributed backend (ProcessGroupGloo / NCCL / HCCL) outside the default world
     device: torch.device
 
 
-_PAIRS: dict[str, PairGroup] = {}  # this process's pair groups, by pair_name
+_GROUPS: dict[str, SyncGroup] = {}  # this process's sync groups, by group_name
 
 
-def pair_name(key: str, stage: int) -> str:
+def group_name(key: str, stage: int) -> str:
     return f"{key}/stage{stage}"
 
 
-def _pair_backend(store: Any, rank: int, timeout: timedelta) -> Any:
-    """The device collective for two ranks on this process's device kind, built on ``store`` (no default group:
-    the actor ranks already have theirs, and the engine's worker has vLLM's)."""
+def _group_backend(store: Any, rank: int, world: int, timeout: timedelta) -> Any:
+    """The device collective of ``world`` ranks on this process's device kind, built on ``store`` (no default
+    group: the actor ranks already have theirs, and the engines' workers have vLLM's)."""
     import torch.distributed as dist
 
     from mm_rl.platform.device import device_kind
 
     kind = device_kind()
     if kind == "cpu":
-        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
     if kind == "cuda":
         cls = dist.ProcessGroupNCCL
     else:
         from torch_npu._C._distributed_c10d import ProcessGroupHCCL as cls  # type: ignore[import-not-found]
     options = cls.Options()
     options._timeout = timeout
-    return cls(store, rank, 2, options)
+    return cls(store, rank, world, options)
 
 
-def join_pair(key: str, stage: int, host: str, port: int, rank: int, timeout_s: float = 600.0) -> None:
-    """Join (or rejoin) the pair group of ``stage``: rank 0 hosts the rendezvous store at ``host:port``; both
-    block until the other arrives (up to ``timeout_s``)."""
+def join_group(key: str, stage: int, host: str, port: int, rank: int, world: int,
+               timeout_s: float = 600.0) -> None:
+    """Join (or rejoin) the sync group of ``stage`` (``world`` = 1 + the engine replicas): rank 0 hosts the
+    rendezvous store at ``host:port``; all block until every rank arrived (up to ``timeout_s``)."""
     import torch.distributed as dist
 
     from mm_rl.platform.device import current_device
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout)
-    _PAIRS[pair_name(key, stage)] = PairGroup(_pair_backend(store, rank, timeout), current_device())
+    store = dist.TCPStore(host, port, world_size=world, is_master=rank == 0, timeout=timeout)
+    _GROUPS[group_name(key, stage)] = SyncGroup(_group_backend(store, rank, world, timeout), current_device())
 
 
-def _pair(key: str, stage: int) -> PairGroup:
+def _sync_group(key: str, stage: int) -> SyncGroup:
     try:
-        return _PAIRS[pair_name(key, stage)]
+        return _GROUPS[group_name(key, stage)]
     except KeyError:
-        raise RuntimeError(f"no weight-sync pair group {pair_name(key, stage)!r} in this process: "
+        raise RuntimeError(f"no weight-sync group {group_name(key, stage)!r} in this process: "
                            "join_collective() must run before a collective sync") from None
 
 
@@ -224,28 +233,29 @@ def receive_bucket(key: str, stage: int, layout: list[TensorLayout], nbytes: int
     """Engine side of :class:`CollectiveSink`: receive one ``nbytes`` bucket from ``stage``'s sender."""
     import torch
 
-    pair = _pair(key, stage)
-    flat = torch.empty(nbytes, dtype=torch.uint8, device=pair.device)
-    pair.group.broadcast(flat, 0).wait()
+    group = _sync_group(key, stage)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+    group.group.broadcast(flat, 0).wait()
     return unpack_bucket(layout, flat)
 
 
 class CollectiveSink(_Pipelined):
-    """Buckets broadcast over the stage's pair group; the rollout worker's ``receive_weights`` takes each one
-    (posted first, so the broadcast has its receiver) and loads it."""
+    """Buckets broadcast once over the stage's sync group; every replica's ``receive_weights`` takes each one
+    (posted first, so the broadcast has its receivers) and loads it."""
 
-    def __init__(self, rollout: Any, key: str, stage: int, max_in_flight: int = 1) -> None:
-        super().__init__(max_in_flight)
-        self.rollout, self.key, self.stage = rollout, key, stage
-        self.pair = _pair(key, stage)
+    def __init__(self, rollouts: Sequence[Any], key: str, stage: int, max_in_flight: int = 1) -> None:
+        super().__init__(rollouts, max_in_flight)
+        self.key, self.stage = key, stage
+        self.sync_group = _sync_group(key, stage)
 
     def send(self, bucket: Bucket) -> None:
         from mm_rl.platform.device import synchronize
 
         start = time.perf_counter()
-        layout, flat = pack_bucket(bucket, self.pair.device)
-        ref = self.rollout.receive_weights.remote(self.key, self.stage, layout, flat.numel())
-        self.pair.group.broadcast(flat, 0).wait()
-        synchronize(self.pair.device)  # the buffer is free to go only once the device has sent it
+        layout, flat = pack_bucket(bucket, self.sync_group.device)
+        refs = [rollout.receive_weights.remote(self.key, self.stage, layout, flat.numel())
+                for rollout in self.rollouts]
+        self.sync_group.group.broadcast(flat, 0).wait()
+        synchronize(self.sync_group.device)  # the buffer is free to go only once the device has sent it
         self.result.put_s += time.perf_counter() - start
-        self._submitted(ref)
+        self._submitted(refs)

@@ -551,10 +551,15 @@ def _store(shards: Sequence[Sequence[Sequence[Sample]]], results: Sequence[Seque
             setattr(sample, name, values)
 
 
+# rollout metrics that are rates or shapes of one generate call, not counts: the last call's stands
+_LAST_CALL = {"rollout/tok_per_s", "rollout/replicas", "rollout/replica_prompts_min", "rollout/replica_wall_spread"}
+
+
 def _accumulate(total: dict[str, float], batch: dict[str, float]) -> None:
-    """Counts add up over the generate calls of a step; reward means are the last batch's (overwritten)."""
+    """Counts add up over the generate calls of a step; reward means and rates are the last batch's."""
     for key, value in batch.items():
-        total[key] = total.get(key, 0.0) + value if key.startswith("rollout/") else value
+        counted = key.startswith("rollout/") and key not in _LAST_CALL
+        total[key] = total.get(key, 0.0) + value if counted else value
 
 
 def _sample_metrics(samples: Sequence[Sample], max_tokens: int) -> dict[str, float]:

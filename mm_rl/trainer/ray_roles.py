@@ -40,7 +40,7 @@ class RayRoles:
         self.job, self.report = job, report
         self.actor: Any = None
         self.ref: Any = None
-        self.engine: Any = None
+        self.engines = RayEngines([])
         self.rewards: Any = None
         self.placement: Any = None
         self.schedule: Any = None
@@ -61,8 +61,8 @@ class RayRoles:
         self.connection = connect(self.job, self.resources)
         self.report(f"ray: {self.connection.where}")
         self.placement = make_placement(self.resources, with_rollout=True, report=self.report)
-        # The ranks' processes first (they fix which device is rank 0's), then the engine, asleep when colocated,
-        # and only then the models: vLLM starts only with gpu_memory_utilization of its device free.
+        # The ranks' processes first (they fix which device is each rank's), then the engine replicas, asleep when
+        # colocated, and only then the models: vLLM starts only with gpu_memory_utilization of its device free.
         self._start_actor(worker_cls)
         self._start_reference()
         self._start_engine()
@@ -73,9 +73,6 @@ class RayRoles:
     def _notices(self) -> None:
         """Flags this device cannot honour are said once, not silently dropped."""
         t, device = self.job.backend_config.training, self.resources.device
-        if t.use_flash_attn:
-            self.report("notice: use-flash-attn: the ViT's attention runs through torch's SDPA; the LLM's is still "
-                        "megatron's local attention (S x S scores, counted by the memory estimate)")
         if t.bf16 and device == "cpu":
             self.report("notice: bf16 is for accelerators; on CPU the actor trains in fp32 (oneDNN bf16 is slower)")
 
@@ -136,25 +133,43 @@ class RayRoles:
         self.ref.owns_placement = not rl.colocate_ref
 
     def _start_engine(self) -> None:
+        import ray
+
         from mm_rl.config.topology import topology
         from mm_rl.rollout.engine_worker import rollout_worker_actor
+        from mm_rl.rollout.replicas import replica_seed
         from mm_rl.trainer.schedule import RolloutSchedule
 
         b, res = self.job.backend_config, self.resources
         pre = b.data.dataset_param.preprocess_parameters
         threads = topology(self.job).engine_threads()
-        options = self._engine_placement()
-        self.engine = rollout_worker_actor(num_cpus=ROLLOUT_CPUS if res.device == "cpu" else 0, **options).remote(
-            pre.model_name_or_path, b.generate_config, min_pixels=pre.min_pixels, max_pixels=pre.max_pixels,
-            num_threads=threads, seed=int(b.training.seed))
-        self._engine_call("ready")  # a start-up failure surfaces here, named
+        for replica in range(res.rollout_replicas):  # they start side by side
+            options = self._engine_placement(replica)
+            self.engines.actors.append(rollout_worker_actor(
+                num_cpus=ROLLOUT_CPUS if res.device == "cpu" else 0, **options).remote(
+                pre.model_name_or_path, b.generate_config, min_pixels=pre.min_pixels, max_pixels=pre.max_pixels,
+                num_threads=threads, seed=replica_seed(int(b.training.seed), replica)))
+        for replica, engine in enumerate(self.engines.actors):
+            with named(self.engines.name(replica)):  # a start-up failure surfaces here, named
+                ray.get(engine.ready.remote())
         # On CPU the engine and the actor share host memory: sleeping and offloading would free nothing.
         schedule = dataclasses.replace(b.generate_config, colocate=b.generate_config.colocate and res.device != "cpu")
-        self.schedule = RolloutSchedule(self.actor, self.engine, schedule, b.actor_config,
-                                        reference=self.ref if b.rl_config.colocate_ref else None)
-        with named("rollout engine going to sleep"):
+        self.schedule = RolloutSchedule(self.actor, self.engines.actors, schedule, b.actor_config,
+                                        reference=self.ref if b.rl_config.colocate_ref else None,
+                                        shared_bundles=self._engine_bundles())
+        with named("rollout engines going to sleep"):
             self.schedule.engine_started()
-        self.report(f"rollout: {b.generate_config.backend} engine ready")
+        count = f"{len(self.engines.actors)} x " if len(self.engines.actors) > 1 else ""
+        self.report(f"rollout: {count}{b.generate_config.backend} engine ready"
+                    + (f" ({threads} threads each)" if count and threads else ""))
+
+    def _engine_bundles(self) -> set[int] | None:
+        """The actor bundles (devices) that hold a colocated engine replica; None when every one does (or none
+        does: the engines have devices, or the host, of their own)."""
+        res = self.resources
+        if res.device == "cpu" or res.rollout_devices or res.rollout_replicas >= res.world_size:
+            return None
+        return {self.actor.bundles[replica] for replica in range(res.rollout_replicas)}
 
     def _join_sync(self) -> None:
         """Weights go device to device to an engine on devices of its own; a colocated engine shares actor rank 0's
@@ -162,19 +177,21 @@ class RayRoles:
         from mm_rl.sync.driver import join_collective
 
         if self.resources.rollout_devices:
-            with named("rollout engine joining the weight-sync groups"):
-                self.schedule.collective = join_collective(self.actor, self.engine)
+            with named("rollout engines joining the weight-sync groups"):
+                self.schedule.collective = join_collective(self.actor, self.engines.actors)
 
-    def _engine_placement(self) -> dict[str, Any]:
-        """Ray options of the engine's actor: separate, its own bundle of whole devices; colocated, a share of actor
-        rank 0's device (it sleeps while the actor trains); on CPU, none (it runs beside the ranks)."""
+    def _engine_placement(self, replica: int) -> dict[str, Any]:
+        """Ray options of engine replica ``replica``'s actor: separate, a bundle of whole devices of its own;
+        colocated, a share of actor rank ``replica``'s device (it sleeps while the actor trains); on CPU, none (it
+        runs beside the ranks)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         res = self.resources
         if res.device == "cpu":
             return {}
-        bundle, share = ((res.world_size, res.rollout_devices) if res.rollout_devices
-                         else (self.actor.bundles[0], res.device_share_rollout))  # beside actor rank 0
+        bundle, share = ((res.world_size + replica, res.rollout_devices // res.rollout_replicas)
+                         if res.rollout_devices
+                         else (self.actor.bundles[replica], res.device_share_rollout))  # beside actor rank replica
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, bundle),
                 **({"num_gpus": share} if res.device == "cuda" else {"resources": res.worker_resources(share)})}
 
@@ -203,9 +220,7 @@ class RayRoles:
 
     def start_generate(self, requests: Sequence[RolloutRequest], sampling: SamplingSpec, seed: int) -> \
             RayRollout:
-        # an actor runs one caller's calls in order: the seed precedes the batch
-        seeded = self.engine.reseed.remote(seed)
-        return RayRollout(seeded, self.engine.generate.remote(list(requests), sampling))
+        return self.engines.generate(requests, sampling, seed)
 
     def score(self, responses: Sequence[str], truths: Sequence[str]) -> RewardResult:
         with named("reward workers"):
@@ -238,13 +253,6 @@ class RayRoles:
             raise RuntimeError(f"the job has no {role} model")
         return group
 
-    def _engine_call(self, method: str, *args: Any) -> Any:
-        """``method`` of the engine's actor, its failure named."""
-        import ray
-
-        with named("rollout engine"):
-            return ray.get(getattr(self.engine, method).remote(*args))
-
     def close(self, graceful: bool = True) -> None:
         """End every role, then the Ray connection. A failed run skips the ranks' group teardown (a dead rank would
         block it) and names the worker log, which holds the workers' side of the failure."""
@@ -266,11 +274,12 @@ class RayRoles:
                     group.shutdown(graceful)
                 except Exception as error:  # noqa: BLE001 - teardown goes on; the run's own error matters more
                     logger.warning("shutting down the %s group: %s", group.role, error)
-        if self.engine is not None:
+        if self.engines.actors:
             if self.schedule is not None:  # started (one still starting has nothing to shut down)
-                with contextlib.suppress(Exception):  # best effort: the engine may be what failed
-                    ray.get(self.engine.close.remote(), timeout=60)
-            ray.kill(self.engine)
+                with contextlib.suppress(Exception):  # best effort: an engine may be what failed
+                    ray.get([engine.close.remote() for engine in self.engines.actors], timeout=60)
+            for engine in self.engines.actors:
+                ray.kill(engine)
         if self.rewards is not None:
             self.rewards.shutdown()
         if self.placement is not None and ray.is_initialized():
@@ -278,21 +287,50 @@ class RayRoles:
 
             with contextlib.suppress(Exception):
                 remove_placement_group(self.placement)
-        self.actor = self.ref = self.engine = self.rewards = self.placement = None
+        self.actor = self.ref = self.rewards = self.placement = None
+        self.engines = RayEngines([])
+
+
+@dataclasses.dataclass
+class RayEngines:
+    """The rollout engine replicas' actors: a batch split over them (:mod:`mm_rl.rollout.replicas`), and errors
+    naming the replica."""
+
+    actors: list[Any]
+
+    def name(self, replica: int) -> str:
+        return "rollout engine" + (f" {replica}" if len(self.actors) > 1 else "")
+
+    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingSpec, seed: int) -> RayRollout:
+        """The prompts split over the replicas by whole groups, each replica reseeded from (seed, replica) first
+        (an actor runs one caller's calls in order: the seed precedes the batch); returns at once."""
+        from mm_rl.rollout.replicas import replica_seed, split_requests
+
+        shares = split_requests(requests, sampling, len(self.actors))
+        calls = [(engine.reseed.remote(replica_seed(seed, replica)),
+                  engine.generate.remote([requests[i] for i in share], sampling)) if share else None
+                 for replica, (engine, share) in enumerate(zip(self.actors, shares, strict=True))]
+        return RayRollout(shares, calls, [self.name(r) for r in range(len(self.actors))])
 
 
 @dataclasses.dataclass
 class RayRollout:
-    """A generate call of the engine's actor under way (:class:`mm_rl.trainer.roles.PendingRollout`)."""
+    """The replicas' generate calls under way (:class:`mm_rl.trainer.roles.PendingRollout`)."""
 
-    seeded: Any  # the reseed call before it (its failure is the batch's)
-    outputs: Any
+    shares: list[list[int]]  # the request indices of each replica
+    calls: list[tuple[Any, Any] | None]  # per replica: its reseed call (whose failure is the batch's) and generate
+    names: list[str]  # how errors name each replica
 
     def result(self) -> RolloutOutputs:
         import ray
 
-        with named("rollout engine"):
-            return ray.get([self.seeded, self.outputs])[1]
+        from mm_rl.rollout.replicas import merge_outputs
+
+        results = []
+        for name, call in zip(self.names, self.calls, strict=True):
+            with named(name):
+                results.append(None if call is None else ray.get(list(call))[1])
+        return merge_outputs(self.shares, results)
 
 
 @contextlib.contextmanager

@@ -2,10 +2,10 @@
 
 One placement group holds a bundle per actor device (on CPU a bundle per training process), packed onto as few
 nodes as possible. Actor rank ``i`` runs in bundle ``i``; the reference model, when colocated, takes a share of
-the same bundle (same device), otherwise gets its own group. The rollout engine, colocated, sits in bundle 0
-beside actor rank 0 (it sleeps while the actor trains); separate (``generate_config.colocate: false`` on
-accelerators), it gets one more bundle of ``infer_tensor_parallel_size`` whole devices, taken from the cluster's
-``NNODES x NPROC_PER_NODE``. Reward workers take small CPU shares outside the group.
+the same bundle (same device), otherwise gets its own group. Rollout engine replica ``r``, colocated, sits beside
+actor rank ``r`` (it sleeps while the actor trains); separate (``generate_config.colocate: false`` on
+accelerators), each replica gets one more bundle of ``infer_tensor_parallel_size`` whole devices, taken from the
+cluster's ``NNODES x NPROC_PER_NODE``. Reward workers take small CPU shares outside the group.
 
 Ray: ``env.RAY_ADDRESS`` (or the ``RAY_ADDRESS`` environment variable) joins a running cluster; otherwise a
 local one is started with enough logical CPUs for the roles. Workers run at the driver's priority (Ray's
@@ -69,15 +69,16 @@ class Resources:
     device_share_ref: float
     device_share_rollout: float  # colocated engine: its fraction of actor rank 0's device
     threads: int  # torch threads of a training rank (phases run one after the other)
-    rollout_devices: int = 0  # separate engine: whole devices in a bundle of its own (index world_size)
+    rollout_devices: int = 0  # separate engine replicas: their whole devices, in bundles after the actor's
+    rollout_replicas: int = 1  # engine replicas (colocated: replica r beside actor rank r)
 
     def bundle(self) -> dict[str, float]:
         resource = DEVICE_RESOURCE[self.device]
         return {"CPU": self.bundle_cpus} | ({resource: 1.0} if resource else {})
 
     def rollout_bundle(self) -> dict[str, float]:
-        """A separate engine's bundle: its devices and the CPU of its process."""
-        return {"CPU": ROLLOUT_CPUS} | self.worker_resources(float(self.rollout_devices))
+        """A separate engine replica's bundle: its devices and the CPU of its process."""
+        return {"CPU": ROLLOUT_CPUS} | self.worker_resources(float(self.rollout_devices // self.rollout_replicas))
 
     def worker_resources(self, share: float) -> dict[str, float]:
         resource = DEVICE_RESOURCE[self.device]
@@ -93,7 +94,8 @@ def plan_resources(job: JobConfig) -> Resources:
     return Resources(device=topo.device, world_size=topo.world_size, bundle_cpus=1.0,
                      actor_share=0.5 if colocated else 1.0, ref_share=0.5 if colocated else 1.0,
                      device_share_actor=0.4 if colocated else 0.6, device_share_ref=0.2 if colocated else 0.4,
-                     device_share_rollout=0.4, threads=topo.rank_threads(), rollout_devices=topo.rollout_devices)
+                     device_share_rollout=0.4, threads=topo.rank_threads(), rollout_devices=topo.rollout_devices,
+                     rollout_replicas=topo.rollout_replicas)
 
 
 def show_worker_output(verbose: bool) -> None:
@@ -105,7 +107,8 @@ def show_worker_output(verbose: bool) -> None:
 
 def logical_cpus(resources: Resources, reward_workers: int) -> int:
     """Logical CPUs a local Ray cluster needs to place every role (at least the machine's cores)."""
-    needed = resources.world_size * resources.bundle_cpus * 2 + ROLLOUT_CPUS + reward_workers * REWARD_CPUS
+    needed = (resources.world_size * resources.bundle_cpus * 2 + ROLLOUT_CPUS * resources.rollout_replicas
+              + reward_workers * REWARD_CPUS)
     return max(os.cpu_count() or 1, int(needed + 0.999))
 
 
@@ -221,15 +224,15 @@ def _route_ray_logger(handlers: list[logging.Handler]) -> list[logging.Handler]:
 
 def make_placement(resources: Resources, with_rollout: bool = False,
                    report: Callable[[str], None] | None = None) -> Any:
-    """The placement group of the training ranks (one bundle each; then a separate engine's bundle when
-    ``with_rollout``), ready. A wait of more than a few seconds is reported: Ray's own "cannot be scheduled"
+    """The placement group of the training ranks (one bundle each; then, with ``with_rollout``, a bundle per
+    separate engine replica), ready. A wait of more than a few seconds is reported: Ray's own "cannot be scheduled"
     warnings no longer reach the console."""
     import ray
     from ray.util.placement_group import placement_group
 
     bundles = [resources.bundle()] * resources.world_size
     if with_rollout and resources.rollout_devices:
-        bundles.append(resources.rollout_bundle())
+        bundles += [resources.rollout_bundle()] * resources.rollout_replicas
     group = placement_group(bundles, strategy="PACK")
     ready = group.ready()
     if report is not None and not ray.wait([ready], timeout=PLACEMENT_NOTICE_S)[0]:

@@ -1,6 +1,7 @@
 """The order of the weight sync and the memory switches around each rollout.
 
-Colocated mode (verl's order; the device holds at most one side's large state at a time):
+Colocated mode (verl's order; the device holds at most one side's large state at a time). Every engine replica
+is switched alike, and only the ranks on a device that holds a replica (``shared_bundles``) offload:
 
 1. the actor offloads what the sync does not read (``offload_train_grad`` / ``offload_train_optimizer``, and with
    ``offload_train_param`` a colocated reference model's weights);
@@ -18,6 +19,7 @@ schedule there (only the sync); the colocated one is the same calls, and tests c
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mm_rl.sync.driver import SyncReport, bucket_bytes_of, sync_weights
@@ -32,10 +34,12 @@ class RolloutSchedule:
 
     ``events`` records what the driver did, in order, for logs and tests."""
 
-    def __init__(self, group: WorkerGroup, rollout: Any, generate: GenerateConfig, actor: ActorConfig,
-                 sleep_level: int = 2, collective: str | None = None, reference: WorkerGroup | None = None) -> None:
-        self.group, self.rollout, self.generate, self.actor = group, rollout, generate, actor
+    def __init__(self, group: WorkerGroup, rollouts: Sequence[Any], generate: GenerateConfig, actor: ActorConfig,
+                 sleep_level: int = 2, collective: str | None = None, reference: WorkerGroup | None = None,
+                 shared_bundles: Collection[int] | None = None) -> None:
+        self.group, self.rollouts, self.generate, self.actor = group, list(rollouts), generate, actor
         self.reference = reference  # a colocated reference model: its weights leave with the actor's parameters
+        self.shared_bundles = shared_bundles  # the bundles (devices) that hold an engine replica; None: all
         self.sleep_level, self.collective = sleep_level, collective
         self.events: list[str] = []
         self.offloaded_bytes = 0  # what the actor (and reference) ranks freed on their devices for the last rollout
@@ -46,47 +50,49 @@ class RolloutSchedule:
                 "optimizer": self.actor.offload_train_optimizer}
 
     def engine_started(self) -> None:
-        """Colocated: the freshly started engine sleeps before the actor's model takes the device."""
-        import ray
+        """Colocated: the freshly started engine replicas sleep before the actor's model takes the devices."""
 
         if self.generate.colocate:
-            ray.get(self.rollout.sleep.remote(self.sleep_level))
+            self._engines("sleep", self.sleep_level)
             self.events.append("engine.sleep")
+
+    def _engines(self, method: str, *args: Any) -> None:
+        """``method`` on every engine replica at once."""
+        import ray
+
+        ray.get([getattr(rollout, method).remote(*args) for rollout in self.rollouts])
 
     def before_rollout(self) -> SyncReport:
         """Colocated: offload what the sync does not read, engine weights back, sync, offload the parameters, engine
         KV cache back (see the module docstring). Separate: only the sync."""
-        import ray
-
-        switches, freed = self.offload_switches, 0
+        switches, freed, shared = self.offload_switches, 0, self.shared_bundles
         if self.generate.colocate:
-            freed += self.group.offload(params=False, grads=switches["grads"], optimizer=switches["optimizer"])
+            freed += self.group.offload(params=False, grads=switches["grads"], optimizer=switches["optimizer"],
+                                        bundles=shared)
             self.events.append("actor.offload(grads, optimizer)")
             if self.reference is not None and switches["params"]:
-                freed += self.reference.offload(params=True, grads=False, optimizer=False)
+                freed += self.reference.offload(params=True, grads=False, optimizer=False, bundles=shared)
                 self.events.append("reference.offload")
-            ray.get(self.rollout.wake_up.remote(["weights"]))
+            self._engines("wake_up", ["weights"])
             self.events.append("engine.wake_up(weights)")
-        report = sync_weights(self.group, self.rollout, bucket_bytes_of(self.generate), collective=self.collective)
+        report = sync_weights(self.group, self.rollouts, bucket_bytes_of(self.generate), collective=self.collective)
         self.events.append("sync")
         if self.generate.colocate:
-            freed += self.group.offload(params=switches["params"], grads=False, optimizer=False)
+            freed += self.group.offload(params=switches["params"], grads=False, optimizer=False, bundles=shared)
             self.events.append("actor.offload(params)")
             self.offloaded_bytes = freed
-            ray.get(self.rollout.wake_up.remote(["kv_cache"]))
+            self._engines("wake_up", ["kv_cache"])
             self.events.append("engine.wake_up(kv_cache)")
         return report
 
     def before_training(self) -> None:
         """Put the engine to sleep and bring the actor's offloaded state back (colocated; else nothing)."""
-        import ray
-
         if not self.generate.colocate:
             return
-        ray.get(self.rollout.sleep.remote(self.sleep_level))
+        self._engines("sleep", self.sleep_level)
         self.events.append("engine.sleep")
-        self.group.onload(**self.offload_switches)
+        self.group.onload(**self.offload_switches, bundles=self.shared_bundles)
         self.events.append("actor.onload")
         if self.reference is not None and self.actor.offload_train_param:
-            self.reference.onload(params=True, grads=False, optimizer=False)
+            self.reference.onload(params=True, grads=False, optimizer=False, bundles=self.shared_bundles)
             self.events.append("reference.onload")

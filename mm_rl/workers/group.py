@@ -10,7 +10,7 @@ need (the pipeline schedule, the TP gathers of the weight sync): calling ranks o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from mm_rl.config.topology import threads_for
@@ -86,14 +86,15 @@ class WorkerGroup:
                    for worker, coords in zip(self.workers, self.coords, strict=True)]
         return self._get(futures, method)
 
-    def _get(self, futures: Sequence[Any], method: str) -> list[Any]:
-        """The results, or a :class:`WorkerError` naming the first rank that failed (Ray's error chained)."""
+    def _get(self, futures: Sequence[Any], method: str, ranks: Sequence[int] | None = None) -> list[Any]:
+        """The results, or a :class:`WorkerError` naming the first rank that failed (Ray's error chained);
+        ``ranks``: whose futures they are (default: every rank in order)."""
         import ray
 
         try:
             return list(ray.get(list(futures)))
         except (ray.exceptions.RayError, KeyboardInterrupt):
-            for rank, future in enumerate(futures):
+            for rank, future in zip(ranks or range(len(futures)), futures, strict=True):
                 try:
                     ray.get(future, timeout=0)
                 except ray.exceptions.GetTimeoutError:
@@ -159,13 +160,21 @@ class WorkerGroup:
         self.run("load_checkpoint", save_dir, step, load_optim, load_rng)
 
     # ------------------------------------------------------------------------- colocated memory switches
-    def offload(self, params: bool, grads: bool, optimizer: bool) -> int:
-        """Every rank frees what the switches name on its device; the bytes freed in all."""
-        freed = self.run("offload", params, grads, optimizer)
+    def offload(self, params: bool, grads: bool, optimizer: bool, bundles: Collection[int] | None = None) -> int:
+        """The ranks in ``bundles`` (None: every rank) free what the switches name on their devices; the bytes
+        freed in all."""
+        freed = self._run_in("offload", bundles, params, grads, optimizer)
         return sum(sum(rank.values()) for rank in freed)
 
-    def onload(self, params: bool, grads: bool, optimizer: bool) -> None:
-        self.run("onload", params, grads, optimizer)
+    def onload(self, params: bool, grads: bool, optimizer: bool, bundles: Collection[int] | None = None) -> None:
+        self._run_in("onload", bundles, params, grads, optimizer)
+
+    def _run_in(self, method: str, bundles: Collection[int] | None, *args: Any) -> list[Any]:
+        """``method`` on the ranks placed in ``bundles`` (every rank when None); rank-local calls only."""
+        if bundles is None:
+            return self.run(method, *args)
+        ranks = [rank for rank, bundle in enumerate(self.bundles) if bundle in bundles]
+        return self._get([getattr(self.workers[rank], method).remote(*args) for rank in ranks], method, ranks)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Leave the process group on every rank (``graceful``; skip it after a failure, a dead rank would block

@@ -107,7 +107,7 @@ class MegatronWorker:
     # ------------------------------------------------------------------------------------ set-up
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a TCP port free a moment ago, for a rendezvous this rank hosts (rank 0's for the
-        group, a sender's for its weight-sync pair)."""
+        group, a sender's for its weight-sync group)."""
         import ray
 
         address = ray.util.get_node_ip_address()
@@ -205,14 +205,14 @@ class MegatronWorker:
         return to_host(captured) if keep else None
 
     # ---------------------------------------------------------------------------- weight sync
-    def join_sync_group(self, key: str, senders: dict[int, tuple[str, int]]) -> None:
-        """A stage's sender joins its weight-sync pair group with the engine (``senders``: stage -> the address
-        this rank gave for it); the other ranks have no part in it."""
-        from mm_rl.sync.transport import join_pair
+    def join_sync_group(self, key: str, senders: dict[int, tuple[str, int]], world: int) -> None:
+        """A stage's sender joins its weight-sync group with the engine replicas (``senders``: stage -> the address
+        this rank gave for it; ``world``: 1 + the replicas); the other ranks have no part in it."""
+        from mm_rl.sync.transport import join_group
 
         coords = self._require_coords()
         if coords.is_sender():
-            join_pair(key, coords.pp_rank, *senders[coords.pp_rank], rank=0)
+            join_group(key, coords.pp_rank, *senders[coords.pp_rank], rank=0, world=world)
 
     def push_weights(self, sink_factory: Callable[[int], BucketSink], bucket_bytes: int) -> SyncStats | None:
         """Stream this stage's weights, TP-merged and HF-named, in buckets of about ``bucket_bytes``.

@@ -10,7 +10,8 @@ parameters, gradients and Adam state while it generates) -> the checks:
 * the engine-vs-actor log-prob gap of the sampled tokens (bf16 engine and actor): mean < 5e-2;
 * the actor's device memory really drops when it offloads (the allocator's count, not the switches' report);
 * all three steps complete (a wake / sleep cycle that broke would fail the second);
-* one line of throughput per case.
+* one line of throughput per case;
+* on 2 or more devices, two colocated engine replicas (one beside each DP rank) share every step's prompts.
 
 The models: the embedded tiny model, and one with Qwen2.5-VL-3B widths (hidden 2048, 16 heads, 2 KV groups,
 ViT 1280 wide) and 2 LLM / 2 ViT layers, both random (no warm-up: only numbers and memory are checked here).
@@ -25,7 +26,7 @@ import torch
 from probes import ProbeWorker
 
 from mm_rl.config.schema import JobConfig
-from mm_rl.platform.device import device_kind
+from mm_rl.platform.device import device_count, device_kind
 
 pytestmark = pytest.mark.skipif(device_kind() == "cpu", reason="needs a CUDA GPU or an Ascend NPU (torch sees none)")
 
@@ -46,9 +47,9 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_synthetic_geo3k(tmp_path_factory.mktemp("data"), seed=0, templates=DEMO_TEMPLATES)
 
 
-def _job(out: Path, hf_dir: Path, data_dir: Path) -> JobConfig:
-    """The tiny preset's job on one device of this machine, pointed at ``hf_dir`` with that checkpoint's model.json
-    (the keys that follow the model, such as the converters' layer splits, follow it here too)."""
+def _job(out: Path, hf_dir: Path, data_dir: Path, devices: int = 1) -> JobConfig:
+    """The tiny preset's job on ``devices`` devices of this machine, pointed at ``hf_dir`` with that checkpoint's
+    model.json (the keys that follow the model, such as the converters' layer splits, follow it here too)."""
     import dataclasses
 
     from omegaconf import OmegaConf
@@ -58,7 +59,7 @@ def _job(out: Path, hf_dir: Path, data_dir: Path) -> JobConfig:
     from mm_rl.convert import model_config_from_hf
 
     actor = "backend_config.actor_config"
-    node, _, _ = create_job("tiny", "device_smoke", ClusterSpec(1, 1, device_kind()), overrides=[
+    node, _, _ = create_job("tiny", "device_smoke", ClusterSpec(1, devices, device_kind()), overrides=[
         f"af_output_dir={out}", f"backend_config.megatron_training.tokenizer_name_or_path={hf_dir}",
         f"backend_config.data.dataset_param.basic_parameters.dataset_dir={data_dir}",
         f"backend_config.megatron_training.train_iters={STEPS}",
@@ -113,6 +114,22 @@ def test_colocated_bf16_grpo_steps(widths: str, data_dir: Path, tmp_path: Path) 
           f"allocated {max(b for b, _, _ in memory) / 2**30:.2f} -> {min(a for _, a, _ in memory) / 2**30:.2f} GiB")
 
 
+@pytest.mark.skipif(device_count() < 2, reason="needs 2 or more devices of one kind")
+def test_two_colocated_engine_replicas_share_the_rollout(data_dir: Path, tmp_path: Path) -> None:
+    """Two devices, DP2, an engine replica beside each rank (the default): every step's prompts are split over
+    both replicas and both generate from the synced weights."""
+    from mm_rl.models.tiny import build_tiny_checkpoint
+
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", seed=0)
+    history, _ = _run(_job(tmp_path / "out", hf_dir, data_dir, devices=2))
+    assert len(history) == STEPS
+    for step in history:
+        assert step["rollout/replicas"] == 2 and step["rollout/replica_prompts_min"] >= 1
+        assert step["rollout/logprob_gap_mean"] < GAP_MEAN_BF16
+    print(f"device smoke 2 replicas on {device_kind()}: rollout {history[-1]['throughput/rollout_tok_per_s']:,.0f} "
+          f"tok/s, slowest / fastest replica {history[-1]['rollout/replica_wall_spread']:.2f}x")
+
+
 def test_micro_batch_reaches_the_rank_device_and_results_come_back() -> None:
     """The two boundary functions on the real device: every tensor of a micro-batch lands on it (from pinned
     memory), and results come back as CPU tensors."""
@@ -139,3 +156,37 @@ def test_device_generator_state_is_checkpointed() -> None:
     torch.rand(4, device=device)
     set_device_rng_state(state)
     assert torch.equal(torch.rand(4, device=device), first)
+
+
+def test_llm_core_attention_on_the_device_matches_the_same_attention_in_fp32() -> None:
+    """The LLM's core attention in bf16 on the device (on Ascend: npu_fusion_attention's varlen form; on CUDA:
+    SDPA's fused kernels) against SDPA per sequence in fp32 on the same inputs: packed sequences of uneven
+    lengths, grouped-query heads; outputs and input gradients agree to bf16 precision."""
+    import math
+
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    from mm_rl.models.qwen2_5_vl.llm_attention import CausalSegments, LLMCoreAttention
+    from mm_rl.platform.device import current_device, setup_process
+
+    setup_process()
+    device = current_device()
+    config = TransformerConfig(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2,
+                               kv_channels=64, ffn_hidden_size=1024, activation_func=F.silu, hidden_dropout=0.0,
+                               attention_dropout=0.0)
+    core = LLMCoreAttention(config, 1, None, "self")
+    bounds = [0, 300, 310, 1100]
+    segments = CausalSegments.build(torch.tensor(bounds, dtype=torch.int32, device=device))
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(bounds[-1], 1, heads, 64, generator=generator) for heads in (8, 2, 2)]
+    results = []
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = (t.to(device, dtype).requires_grad_() for t in inputs)
+        out = core(q, k, v, None, packed_seq_params=segments)
+        out.float().square().sum().backward()
+        results.append((out.float(), q.grad.float()))
+    (out16, grad16), (out32, grad32) = results
+    for low, high in ((out16, out32), (grad16, grad32)):
+        assert (low - high).abs().max() <= 2e-2 * high.abs().max() + 1e-3, (low - high).abs().max()
+    assert math.isfinite(grad16.sum().item())
