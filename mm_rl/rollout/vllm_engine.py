@@ -185,9 +185,10 @@ def engine_kwargs(
     if seed is not None:
         kwargs["seed"] = seed
     if device_kind() == "cpu":
+        # the host's share is split between the replicas, which start side by side (generate_config.replicas)
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(
-            model_path, config.max_num_seqs, int(config.max_model_len), dtype, config.gpu_memory_utilization
-        )
+            model_path, config.max_num_seqs, int(config.max_model_len), dtype,
+            config.gpu_memory_utilization / max(1, config.replicas))
     if config.colocate and device_kind() != "cpu":  # sleep() / wake_up() free and take back device memory
         kwargs["enable_sleep_mode"] = True
     kwargs["distributed_executor_backend"] = executor_backend(config.infer_tensor_parallel_size, in_process)
