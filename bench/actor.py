@@ -9,7 +9,8 @@ one rank with all cores:
 - before: right-padded micro-batches of ``--mbs`` samples, each row with its prompt's pixel values (one ViT pass
   per sample), an old log-prob pass, a reference pass and the update;
 - now: packed micro-batches (``remove_padding``) cut by token budgets (``--budget`` for the update,
-  ``--log-prob-budget`` for the log-prob pass), each distinct image encoded once per micro-batch, no old log-prob
+  ``--log-prob-budget`` for the log-prob pass), each distinct image encoded once per rank and step (the frozen
+  ViT's per-step cache; the reference pass runs as on ranks of its own, with their own cache), no old log-prob
   pass (the step is one mini-batch and one epoch: the update's own forward gives the old log-probs), the reference
   pass, the update.
 
@@ -136,9 +137,15 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
     worker.build(str(args.root / "mm"))
     worker.setup_training(OptimizerSpec(lr=1e-5, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
                                         clip_grad=1.0, lr_decay_style="constant", warmup_steps=0, total_steps=1))
-    worker.set_images(step_images(samples, items))
-    encoded: list[int] = []
-    worker.model.image_encoder.register_forward_hook(lambda module, inputs, out: encoded.append(len(inputs[1])))
+    images, encoder = step_images(samples, items), worker.model.image_encoder
+    worker.set_images(images)  # now: a per-step cache of the frozen ViT's outputs
+
+    def own_process() -> None:
+        """The next pass as on a rank of its own role: the reference's ranks keep their own cache (the way before:
+        no cache at all)."""
+        worker.set_images(images)
+        if not now:
+            encoder.cache = None
 
     def cut(grad: bool) -> list[list[Any]]:
         if not now:
@@ -165,9 +172,11 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
         for sample, values in zip(samples, response_values(runs, rows), strict=True):
             setattr(sample, name, values)
 
+    own_process()
     if not now:
         log_prob_pass("old_log_probs")
     log_prob_pass("ref_log_probs")
+    own_process()
     runs = cut(grad=True)
     fields = ("advantages", "ref_log_probs") + (() if now else ("old_log_probs",))
     loss = LossSpec(RLConfig(use_kl_loss=True, kl_loss_coef=0.01), args.max_response)
@@ -178,7 +187,8 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
     assert result is not None and result.metrics is not None
     worker.shutdown()
     return {"seconds": seconds, "computed": computed, "needed": sum(map(tokens, samples)) * len(seconds),
-            "vit_images": sum(encoded), "distinct_images": len(items) * len(seconds), "micro_batches": len(runs),
+            "vit_images": encoder.encoded_images, "distinct_images": len(items) * len(seconds),
+            "micro_batches": len(runs),
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "loss": result.metrics["loss"], "grad_norm": result.metrics["grad_norm"]}
 

@@ -153,3 +153,38 @@ def test_each_distinct_image_is_encoded_once_and_the_outputs_and_gradients_stay(
         assert ranks[0]["encoded"] == (len(GRIDS), len(GRIDS) * SAMPLES)  # 2 images through the ViT, not 6
         unfrozen = variant != "frozen"
         assert bool([n for r in ranks for n in r["vit_grads"]]) == unfrozen  # the shared encoding's gradient compared
+
+
+def _cache_rank(rank: int, world: int, port: int, checkpoints: dict[str, str], out_dir: str) -> None:
+    """The frozen ViT's per-step cache on one rank: the micro-batch cut in two so that prompt 1's group is split
+    (prompt 0 x 3 and prompt 1 x 1, then prompt 1 x 2), each half through forward + backward without the cache and
+    with it, then the first half again (a later pass of the step)."""
+    _init(rank, world, port, model_json())
+    batch, images, _ = driver_inputs()
+    halves = [{key: value[rows] for key, value in batch.items()} for rows in (slice(0, 4), slice(4, None))]
+    model = _build_and_load(model_json(), checkpoints["whole"])  # the default: ViT frozen, merger trained
+    encoder = model.image_encoder
+    plain = [_pass(model, half, images) for half in halves]
+    result: dict[str, Any] = {"plain_encoded": encoder.encoded_images}
+    encoder.cache, encoder.encoded_images = {}, 0
+    cached = [_pass(model, half, images) for half in halves]
+    result["cached_encoded"] = encoder.encoded_images
+    _pass(model, halves[0], images)
+    result["again_encoded"] = encoder.encoded_images
+    result["outputs"] = max((a["outputs"][key] - b["outputs"][key]).abs().max().item()
+                            for a, b in zip(plain, cached, strict=True) for key in ("log_probs", "entropy"))
+    result["grads"] = max(((b["grads"][name] - grad).norm() / grad.norm().clamp_min(1e-30)).item()
+                          for a, b in zip(plain, cached, strict=True) for name, grad in a["grads"].items())
+    result["merger_trained"] = any(name.startswith("image_encoder.projector.") for name in plain[0]["grads"])
+    save_rank_result(out_dir, rank, result)
+    shutdown()
+
+
+def test_a_frozen_vit_encodes_each_image_once_per_step(checkpoints: dict[str, str], tmp_path: Path) -> None:
+    """With the rank's per-step cache a frozen ViT encodes each of the step's images once, across micro-batches
+    (a group split over two) and passes; log-probs, entropy and every gradient (the merger's included) stay."""
+    spawn(_cache_rank, 1, checkpoints, str(tmp_path))
+    (result,) = load_rank_results(tmp_path, 1)
+    print(f"\nper-step cache: {result}")
+    assert (result["plain_encoded"], result["cached_encoded"], result["again_encoded"]) == (3, 2, 2)
+    assert result["outputs"] <= TOL and result["grads"] <= GRAD_RTOL and result["merger_trained"]

@@ -50,8 +50,9 @@ def to_device(batch: Mapping[str, Any], device: torch.device, images: StepImages
 
 def image_inputs(batch: Mapping[str, Any], images: StepImages) -> dict[str, torch.Tensor]:
     """The model's image inputs of a micro-batch whose rows name their prompt by ``image_index`` [B]: each distinct
-    prompt's images once (``pixel_values``, their grids ``encoded_grid_thw``, prompts in order of first use) and,
-    per image slot in row order, the encoded image that fills it (``image_slots``); none without images.
+    prompt's images once (``pixel_values``, their grids ``encoded_grid_thw``, their keys ``image_keys``: prompt index
+    and image number, prompts in order of first use) and, per image slot in row order, the encoded image that fills
+    it (``image_slots``); none without images.
 
     The n samples of a prompt share its images, so the ViT encodes them once per micro-batch and the model copies
     the embeddings into every slot. ``encoded_grid_thw[image_slots]`` must be the micro-batch's ``image_grid_thw``
@@ -73,8 +74,9 @@ def image_inputs(batch: Mapping[str, Any], images: StepImages) -> dict[str, torc
     if not torch.equal(grids[slots], batch.get("image_grid_thw", grids[:0])):
         raise ValueError("the micro-batch's image_grid_thw differs from its prompts' images in the step's images: "
                          "were this step's images handed to the ranks?")
+    keys = torch.tensor([(index, k) for index in prompts for k in range(len(images[index][1]))])
     return {"pixel_values": torch.cat([images[index][0] for index in prompts]), "encoded_grid_thw": grids,
-            "image_slots": slots}
+            "image_slots": slots, "image_keys": keys}
 
 
 def to_host(value: T) -> T:

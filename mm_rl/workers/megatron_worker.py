@@ -175,8 +175,16 @@ class MegatronWorker:
     # ------------------------------------------------------------------------------- log-probs
     def set_images(self, images: StepImages) -> None:
         """Keep the step's prompt images (on the host) for the micro-batches that name them by ``image_index``;
-        they replace the previous step's."""
+        they replace the previous step's, and a frozen ViT's per-step cache starts empty."""
         self.images = images
+        self._reset_image_cache({})
+
+    def _reset_image_cache(self, cache: dict | None) -> None:
+        """The frozen ViT's per-step cache of this rank's stage (see ``Qwen2_5VisionModel``): ``{}`` a new one,
+        None none (its device memory freed)."""
+        encoder = getattr(self.model, "image_encoder", None)
+        if encoder is not None:
+            encoder.cache = cache
 
     def compute_log_probs(self, micro_batches: Sequence[MicroBatch], temperature: float = 1.0) -> \
             list[torch.Tensor] | None:
@@ -237,6 +245,7 @@ class MegatronWorker:
         from mm_rl.platform.device import empty_cache
 
         switches = {"params": params, "grads": grads, "optimizer": optimizer}
+        self._reset_image_cache(None)  # the step is over: its images' ViT outputs go too
         freed = {kind: self._memory.offload(kind, self._memory_tensors(kind), keep=kind != "grads")
                  for kind, on in switches.items() if on}
         empty_cache()
@@ -339,7 +348,7 @@ def _forward_step(loss_of: Callable[..., torch.Tensor], temperature: float, imag
     output = model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
                    pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
                    labels=batch["labels"], temperature=temperature, encoded_grid_thw=batch.get("encoded_grid_thw"),
-                   image_slots=batch.get("image_slots"))
+                   image_slots=batch.get("image_slots"), image_keys=batch.get("image_keys"))
 
     def loss_func(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         return loss_of(batch, out), {}

@@ -462,14 +462,17 @@ class Qwen2_5_VLModel(torch.nn.Module):
         )
         return positions
 
-    def image_embeddings(self, pixel_values: Tensor | None, image_grid_thw: Tensor) -> Tensor:
+    def image_embeddings(self, pixel_values: Tensor | None, image_grid_thw: Tensor,
+                         image_keys: Tensor | None = None) -> Tensor:
         """This stage's part of the image encoder: image embeddings [N_tokens, H_llm] when it holds the
-        merger, else ViT hidden states for the next stage. Without an autograd graph when nothing in it trains."""
+        merger, else ViT hidden states for the next stage. Without an autograd graph when nothing in it trains.
+        ``image_keys``: the images' keys in the step (the frozen ViT's per-step cache)."""
         encoder = self.image_encoder
         trains = any(p.requires_grad for p in encoder.parameters())
         hidden = None if self.layout.has_patch_embed else self.received
         with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
-            return encoder(pixel_values if self.layout.has_patch_embed else None, image_grid_thw, hidden)
+            return encoder(pixel_values if self.layout.has_patch_embed else None, image_grid_thw, hidden,
+                           image_keys=image_keys)
 
     def _vision_stage_output(self, images: Tensor | None) -> Tensor:
         """What a stage holding only ViT blocks sends on: ViT hidden states or image embeddings [N, 1, H];
@@ -496,7 +499,8 @@ class Qwen2_5_VLModel(torch.nn.Module):
             embeddings = splice_image_embeddings(embeddings, input_ids, images, self.model_cfg.img_context_token_id)
         return keep_in_graph(embeddings, self.received) if self.layout.received != "none" else embeddings
 
-    def _images(self, pixel_values: Tensor | None, image_grid_thw: Tensor | None) -> Tensor | None:
+    def _images(self, pixel_values: Tensor | None, image_grid_thw: Tensor | None,
+                image_keys: Tensor | None = None) -> Tensor | None:
         """This stage's image result (see image_embeddings) or the received image embeddings; None without
         images in the micro-batch or nothing image-related on this stage."""
         if pixel_values is None or pixel_values.numel() == 0:
@@ -504,7 +508,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
         if image_grid_thw is None:
             raise ValueError("pixel_values need their grids (image_grid_thw; with image_slots, encoded_grid_thw)")
         if self.layout.has_vit:
-            return self.image_embeddings(pixel_values, image_grid_thw)
+            return self.image_embeddings(pixel_values, image_grid_thw, image_keys)
         if self.layout.received == "image" and self.received is not None:
             return self.received.squeeze(1)
         return None
@@ -520,6 +524,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
         *,
         encoded_grid_thw: Tensor | None = None,
         image_slots: Tensor | None = None,
+        image_keys: Tensor | None = None,
         return_logits: bool = False,
         temperature: float = 1.0,
     ) -> Tensor | dict[str, Tensor]:
@@ -530,7 +535,8 @@ class Qwen2_5_VLModel(torch.nn.Module):
         [N_patches, C*T*P*P] and ``image_grid_thw`` [N_images, 3] as the Qwen2.5-VL processor gives them.
         Images shared by several samples may come once: then ``pixel_values`` are those of the distinct images,
         ``encoded_grid_thw`` [N_encoded, 3] their grids and ``image_slots`` [N_images] the encoded image of each
-        image of ``image_grid_thw`` (which stays per sample: the positions need it).
+        image of ``image_grid_thw`` (which stays per sample: the positions need it); ``image_keys`` [N_encoded, 2]
+        name the encoded images in the step (the frozen ViT's per-step cache, see ``Qwen2_5VisionModel``).
         ``position_ids`` [3, B, S] may be passed precomputed. ``labels`` [B, S]: labels[b, s] is the token
         that position s predicts.
 
@@ -540,7 +546,8 @@ class Qwen2_5_VLModel(torch.nn.Module):
         set. ``temperature`` divides the logits before the log-probs and the entropy, as the sampler did.
         """
         encoded = image_grid_thw if image_slots is None else encoded_grid_thw
-        images = self._images(pixel_values, encoded) if self.layout.has_vit or self.layout.has_embedding else None
+        images = (self._images(pixel_values, encoded, image_keys) if self.layout.has_vit or self.layout.has_embedding
+                  else None)
         if not self.layout.has_llm:
             return self._vision_stage_output(images)
         packed = PackedRows.of(input_ids, attention_mask) if self.remove_padding else None

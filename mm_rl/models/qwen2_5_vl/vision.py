@@ -37,6 +37,7 @@ it); every stage also needs ``grid_thw`` (it recomputes windows and rotary from 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -399,6 +400,13 @@ class Qwen2_5VisionModel(MegatronModule):
         freeze_encoder: the default (``actor_config.unfreeze_vision_encoder`` false): ViT params get
             ``requires_grad=False`` and its forward runs under ``torch.no_grad`` (no activations kept).
         freeze_projector: ``actor_config.freeze_vision_projector``.
+
+    A stage holding the whole frozen ViT may keep its output per image for a training step (:attr:`cache`, set to
+    a dict by the rank when the step's images arrive, None: off): an image encoded for one micro-batch or pass is
+    not encoded again in the step's other micro-batches or passes (the old log-prob pass and the update; a group
+    split over micro-batches), and only the merger, which may train, runs each time. The ViT's frozen weights never
+    change, and it encodes every image on its own (windows and full attention stay within an image), so a cached
+    image's hidden states are those a new pass would compute.
     """
 
     def __init__(
@@ -422,6 +430,8 @@ class Qwen2_5VisionModel(MegatronModule):
         self.encoder_config = encoder_config
         self.pre_process, self.post_process = pre_process, post_process
         self.freeze_encoder = freeze_encoder
+        self.cache: dict[tuple[int, int], Tensor] | None = None  # image key -> its ViT output (original order)
+        self.encoded_images = 0  # images the ViT blocks ran on (a cache hit does not count)
         self.input_tensor: Tensor | None = None
         self.encoder: VisionEncoder | None = None
         self.projector: VisionProjector | None = None
@@ -439,8 +449,15 @@ class Qwen2_5VisionModel(MegatronModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
+    @property
+    def caches(self) -> bool:
+        """Whether this stage keeps its ViT output per image: the whole ViT here, frozen, and a cache set."""
+        return (self.cache is not None and self.freeze_encoder and self.pre_process and self.post_process
+                and self.encoder is not None)
+
     def forward(
-        self, pixel_values: Tensor | None, grid_thw: Tensor, hidden_states: Tensor | None = None
+        self, pixel_values: Tensor | None, grid_thw: Tensor, hidden_states: Tensor | None = None,
+        image_keys: Tensor | None = None,
     ) -> Tensor:
         """Run this stage's part of the image encoder.
 
@@ -449,14 +466,20 @@ class Qwen2_5VisionModel(MegatronModule):
             grid_thw: [num_images, 3] (t, h, w) patch grid per image; every stage needs it.
             hidden_states: on a stage without the patch embedding, the previous stage's output
                 ([N_patches, 1, vit_hidden], window order); None reads ``set_input_tensor``'s.
+            image_keys: [num_images, 2] a key per image (the step's prompt index, the image's place in it) under
+                which :attr:`cache` keeps its ViT output; None: no caching.
 
         Returns:
             with ``post_process``: image embeddings [N_patches / merge^2, llm_hidden] in the original token
             order (one row per image-pad token, images in ``grid_thw`` order), as HF ``model.visual(...)``;
             otherwise the hidden state [N_patches, 1, vit_hidden] in window order for the next stage.
         """
+        if image_keys is not None and self.caches:
+            assert self.projector is not None and pixel_values is not None
+            return self.projector(self._cached(pixel_values, grid_thw, image_keys))
         device = pixel_values.device if pixel_values is not None else self._stage_input(hidden_states).device
         batch = VisionBatch.build(grid_thw, self.encoder_config, device)
+        self.encoded_images += len(grid_thw)
         unit = self.encoder_config.spatial_merge_size**2
         with torch.no_grad() if self.freeze_encoder else nullcontext():
             if self.pre_process:
@@ -474,6 +497,28 @@ class Qwen2_5VisionModel(MegatronModule):
         assert self.projector is not None
         patches = _to_window_order(hidden.squeeze(1), batch.unit_inverse, unit)
         return self.projector(patches)
+
+    def _cached(self, pixel_values: Tensor, grid_thw: Tensor, image_keys: Tensor) -> Tensor:
+        """The ViT output [N_patches, vit_hidden] of every image (original order), the images not in
+        :attr:`cache` encoded together first and kept."""
+        assert self.cache is not None and self.encoder is not None and self.encoder.patch_embed is not None
+        keys = [tuple(key) for key in image_keys.tolist()]
+        sizes = grid_thw.prod(-1).tolist()
+        starts = [0, *itertools.accumulate(sizes)]
+        missing = [i for i, key in enumerate(keys) if key not in self.cache]
+        if missing:
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=pixel_values.device) for i in missing])
+            grids = grid_thw[missing]
+            batch = VisionBatch.build(grids, self.encoder_config, pixel_values.device)
+            unit = self.encoder_config.spatial_merge_size**2
+            with torch.no_grad():
+                embedded = self.encoder.patch_embed(pixel_values.index_select(0, rows))
+                hidden = self.encoder(_to_window_order(embedded, batch.unit_order, unit).unsqueeze(1), batch)
+                hidden = _to_window_order(hidden.squeeze(1), batch.unit_inverse, unit)
+            self.encoded_images += len(missing)
+            for i, part in zip(missing, hidden.split([sizes[i] for i in missing]), strict=True):
+                self.cache[keys[i]] = part
+        return torch.cat([self.cache[key] for key in keys])
 
     def _stage_input(self, hidden_states: Tensor | None) -> Tensor:
         hidden = hidden_states if hidden_states is not None else self.input_tensor
