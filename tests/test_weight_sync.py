@@ -262,7 +262,8 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts):
     try:
         calls = [name for name, _ in ray.get(layout.engine.call_log.remote())[engine_log:]]
         updates = calls.count("update_weights")
-        assert updates >= 2 and calls == ["wake_up"] + ["update_weights"] * updates + ["wake_up", "generate", "sleep"]
+        assert updates >= 2 and calls == ["wake_up", "begin_weight_update"] + ["update_weights"] * updates + [
+            "end_weight_update", "wake_up", "generate", "sleep"]
         switches = {"params": True, "grads": True, "optimizer": False}
         before_sync = {"params": False, "grads": True, "optimizer": False}
         after_sync = {"params": True, "grads": False, "optimizer": False}

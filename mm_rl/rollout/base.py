@@ -281,6 +281,12 @@ class RolloutEngine(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the engine's resources."""
 
+    def _begin_weight_update(self) -> None:  # noqa: B027 - optional hook
+        """Set up what loading a sync's buckets needs, once per sync; default: nothing."""
+
+    def _end_weight_update(self) -> None:  # noqa: B027 - optional hook
+        """Finish what :meth:`_begin_weight_update` set up, after the sync's last bucket."""
+
     @abc.abstractmethod
     def _reseed(self, seed: int) -> None:
         """Restart the sampling RNG from ``seed``."""
@@ -328,6 +334,16 @@ class RolloutEngine(abc.ABC):
         count = self._load_weights(named_tensors)
         self.call_log.append(("update_weights", count))
         return count
+
+    def begin_weight_update(self) -> None:
+        """A sync's buckets follow (:meth:`update_weights`), then :meth:`end_weight_update`: the engine's per-sync
+        set-up happens once, not once per bucket. ``update_weights`` also works alone (its own set-up)."""
+        self._begin_weight_update()
+        self.call_log.append(("begin_weight_update", None))
+
+    def end_weight_update(self) -> None:
+        self._end_weight_update()
+        self.call_log.append(("end_weight_update", None))
 
     def reseed(self, seed: int) -> None:
         """Restart sampling from ``seed``: the same requests after the same seed give the same samples. The

