@@ -10,10 +10,10 @@ the batch's metrics add up the replicas' counts (wall time: the slowest replica'
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from mm_rl.partition import largest_first
 from mm_rl.rollout.base import RolloutMetrics, RolloutOutputs
 
 if TYPE_CHECKING:
@@ -27,18 +27,11 @@ def expected_tokens(request: RolloutRequest, sampling: SamplingSpec) -> int:
 
 
 def split_requests(requests: Sequence[RolloutRequest], sampling: SamplingSpec, replicas: int) -> list[list[int]]:
-    """The request indices each replica generates: largest expected cost first onto the least-loaded replica (ties:
-    the lower replica), every share in request order. Deterministic for the same requests."""
+    """The request indices each replica generates: largest expected cost first onto the least-loaded replica,
+    every share in request order (:func:`mm_rl.partition.largest_first`). Deterministic for the same requests."""
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
-    shares: list[list[int]] = [[] for _ in range(replicas)]
-    load = [(0, replica) for replica in range(replicas)]
-    order = sorted(range(len(requests)), key=lambda i: (-expected_tokens(requests[i], sampling), i))
-    for index in order:
-        tokens, replica = heapq.heappop(load)
-        shares[replica].append(index)
-        heapq.heappush(load, (tokens + expected_tokens(requests[index], sampling), replica))
-    return [sorted(share) for share in shares]
+    return largest_first([expected_tokens(request, sampling) for request in requests], replicas)
 
 
 def replica_seed(seed: int, replica: int) -> int:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mm_rl.partition import largest_first
+
 if TYPE_CHECKING:
     from mm_rl.data.dataset import PromptItem
     from mm_rl.platform.transfer import StepImages
@@ -111,12 +113,8 @@ def balanced_shards(samples: Sequence[Sample], parts: int) -> list[list[Sample]]
     units = _groups(samples)
     if len(units) < parts:
         units = [[sample] for sample in samples]
-    loads, members = [0] * parts, [[] for _ in range(parts)]  # type: list[int], list[list[int]]
-    for unit in sorted(range(len(units)), key=lambda u: -sum(map(tokens, units[u]))):
-        lightest = min(range(parts), key=lambda k: (loads[k], len(members[k])))
-        members[lightest].append(unit)
-        loads[lightest] += sum(map(tokens, units[unit]))
-    return [[sample for unit in sorted(chosen) for sample in units[unit]] for chosen in members]
+    members = largest_first([sum(map(tokens, unit)) for unit in units], parts)
+    return [[sample for unit in chosen for sample in units[unit]] for chosen in members]
 
 
 def padding_share(runs: Sequence[Sequence[Sample]], packed: bool = False) -> float:
