@@ -139,6 +139,9 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
                                         clip_grad=1.0, lr_decay_style="constant", warmup_steps=0, total_steps=1))
     images, encoder = step_images(samples, items), worker.model.image_encoder
     worker.set_images(images)  # now: a per-step cache of the frozen ViT's outputs
+    encoded: list[int] = []  # images (one frame each) that reach the ViT blocks: a cache hit does not
+    encoder.encoder.register_forward_hook(
+        lambda module, args, out: encoded.append(len(args[1].segments.cu_full_seqlens) - 1))
 
     def own_process() -> None:
         """The next pass as on a rank of its own role: the reference's ranks keep their own cache (the way before:
@@ -187,7 +190,7 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
     assert result is not None and result.metrics is not None
     worker.shutdown()
     return {"seconds": seconds, "computed": computed, "needed": sum(map(tokens, samples)) * len(seconds),
-            "vit_images": encoder.encoded_images, "distinct_images": len(items) * len(seconds),
+            "vit_images": sum(encoded), "distinct_images": len(items) * len(seconds),
             "micro_batches": len(runs),
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "loss": result.metrics["loss"], "grad_norm": result.metrics["grad_norm"]}

@@ -195,7 +195,10 @@ def _log_prob_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str)
         worker.build(mm)  # as on a GPU: megatron allocates its layers on the device, build() moves the rest
         result["left_on_host"] = plain_tensors(worker.model)
         result["unmoved_model"] = _error(lambda: worker.compute_log_probs(batches[1:2]))
+        worker.set_images(images)  # the step starts: the frozen ViT's per-step cache, on this rank's device
         labelled = worker.compute_log_probs(batches)
+        cache = worker.model.image_encoder.cache
+        result["cache"] = (len(cache), sorted({str(t.device) for t in cache.values()}))
         result["labelled"] = _host_copy(labelled)
         result["labelled_on_host"] = _on_host(labelled)
         result["images_on_host"] = _on_host(worker.images)
@@ -225,9 +228,10 @@ def test_log_probs_of_a_labelled_rank_come_back_on_the_host_equal_to_the_cpu_ran
     """``compute_log_probs`` on the trainer's CPU micro-batches (images and text only) with every weight, buffer
     and activation of the rank on cuda:0: no op mixes devices, and the results are plain CPU tensors equal to
     the CPU rank's (CUDA's kernel choices computed on CPU: 1e-6). The step's images the rank keeps stay on the host
-    (each micro-batch takes what it needs to the device)."""
+    (each micro-batch takes what it needs to the device); the frozen ViT's per-step cache fills on the device."""
     assert log_prob_run["labelled_on_host"] is None
     assert log_prob_run["images_on_host"] is None
+    assert log_prob_run["cache"][0] > 0 and log_prob_run["cache"][1] == ["cuda:0"]  # the ViT outputs stay there
     plain, labelled = log_prob_run["plain"], log_prob_run["labelled"]
     assert len(plain) == len(labelled) == 3
     for ours, reference in zip(labelled, plain, strict=True):

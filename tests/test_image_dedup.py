@@ -163,14 +163,17 @@ def _cache_rank(rank: int, world: int, port: int, checkpoints: dict[str, str], o
     batch, images, _ = driver_inputs()
     halves = [{key: value[rows] for key, value in batch.items()} for rows in (slice(0, 4), slice(4, None))]
     model = _build_and_load(model_json(), checkpoints["whole"])  # the default: ViT frozen, merger trained
-    encoder = model.image_encoder
+    encoded: list[int] = []  # images (one frame each) that reach the ViT blocks: a cache hit does not
+    model.image_encoder.encoder.register_forward_hook(
+        lambda module, args, out: encoded.append(len(args[1].segments.cu_full_seqlens) - 1))
     plain = [_pass(model, half, images) for half in halves]
-    result: dict[str, Any] = {"plain_encoded": encoder.encoded_images}
-    encoder.cache, encoder.encoded_images = {}, 0
+    result: dict[str, Any] = {"plain_encoded": sum(encoded)}
+    model.image_encoder.cache = {}
+    encoded.clear()
     cached = [_pass(model, half, images) for half in halves]
-    result["cached_encoded"] = encoder.encoded_images
+    result["cached_encoded"] = sum(encoded)
     _pass(model, halves[0], images)
-    result["again_encoded"] = encoder.encoded_images
+    result["again_encoded"] = sum(encoded)
     result["outputs"] = max((a["outputs"][key] - b["outputs"][key]).abs().max().item()
                             for a, b in zip(plain, cached, strict=True) for key in ("log_probs", "entropy"))
     result["grads"] = max(((b["grads"][name] - grad).norm() / grad.norm().clamp_min(1e-30)).item()

@@ -431,7 +431,6 @@ class Qwen2_5VisionModel(MegatronModule):
         self.pre_process, self.post_process = pre_process, post_process
         self.freeze_encoder = freeze_encoder
         self.cache: dict[tuple[int, int], Tensor] | None = None  # image key -> its ViT output (original order)
-        self.encoded_images = 0  # images the ViT blocks ran on (a cache hit does not count)
         self.input_tensor: Tensor | None = None
         self.encoder: VisionEncoder | None = None
         self.projector: VisionProjector | None = None
@@ -477,46 +476,53 @@ class Qwen2_5VisionModel(MegatronModule):
         if image_keys is not None and self.caches:
             assert self.projector is not None and pixel_values is not None
             return self.projector(self._cached(pixel_values, grid_thw, image_keys))
+        hidden, batch = self._encode(pixel_values, grid_thw, hidden_states)
+        if not self.post_process:
+            return hidden
+        assert self.projector is not None
+        return self.projector(self._original_order(hidden, batch))
+
+    def _encode(self, pixel_values: Tensor | None, grid_thw: Tensor,
+                hidden_states: Tensor | None) -> tuple[Tensor, VisionBatch]:
+        """This stage's ViT blocks (after the patch embedding on the first): hidden states [N_patches, 1,
+        vit_hidden] in window order, and the batch layout they follow."""
         device = pixel_values.device if pixel_values is not None else self._stage_input(hidden_states).device
         batch = VisionBatch.build(grid_thw, self.encoder_config, device)
-        self.encoded_images += len(grid_thw)
-        unit = self.encoder_config.spatial_merge_size**2
         with torch.no_grad() if self.freeze_encoder else nullcontext():
             if self.pre_process:
                 if pixel_values is None:
                     raise ValueError("the stage holding the patch embedding needs pixel_values")
                 assert self.encoder is not None and self.encoder.patch_embed is not None
                 embedded = self.encoder.patch_embed(pixel_values)
-                hidden = _to_window_order(embedded, batch.unit_order, unit).unsqueeze(1)
+                hidden = _to_window_order(embedded, batch.unit_order, self._unit).unsqueeze(1)
             else:
                 hidden = self._stage_input(hidden_states)
             if self.encoder is not None:
                 hidden = self.encoder(hidden, batch)
-        if not self.post_process:
-            return hidden
-        assert self.projector is not None
-        patches = _to_window_order(hidden.squeeze(1), batch.unit_inverse, unit)
-        return self.projector(patches)
+        return hidden, batch
+
+    @property
+    def _unit(self) -> int:
+        return self.encoder_config.spatial_merge_size**2
+
+    def _original_order(self, hidden: Tensor, batch: VisionBatch) -> Tensor:
+        """Window-ordered hidden states [N, 1, H] as patches [N, H] in the original order (the merger's input)."""
+        return _to_window_order(hidden.squeeze(1), batch.unit_inverse, self._unit)
 
     def _cached(self, pixel_values: Tensor, grid_thw: Tensor, image_keys: Tensor) -> Tensor:
         """The ViT output [N_patches, vit_hidden] of every image (original order), the images not in
         :attr:`cache` encoded together first and kept."""
-        assert self.cache is not None and self.encoder is not None and self.encoder.patch_embed is not None
+        assert self.cache is not None
         keys = [tuple(key) for key in image_keys.tolist()]
         sizes = grid_thw.prod(-1).tolist()
         starts = [0, *itertools.accumulate(sizes)]
         missing = [i for i, key in enumerate(keys) if key not in self.cache]
         if missing:
             rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=pixel_values.device) for i in missing])
-            grids = grid_thw[missing]
-            batch = VisionBatch.build(grids, self.encoder_config, pixel_values.device)
-            unit = self.encoder_config.spatial_merge_size**2
-            with torch.no_grad():
-                embedded = self.encoder.patch_embed(pixel_values.index_select(0, rows))
-                hidden = self.encoder(_to_window_order(embedded, batch.unit_order, unit).unsqueeze(1), batch)
-                hidden = _to_window_order(hidden.squeeze(1), batch.unit_inverse, unit)
-            self.encoded_images += len(missing)
-            for i, part in zip(missing, hidden.split([sizes[i] for i in missing]), strict=True):
+            grids = grid_thw.index_select(0, torch.tensor(missing, device=grid_thw.device))
+            hidden, batch = self._encode(pixel_values.index_select(0, rows), grids, None)
+            parts = self._original_order(hidden, batch).split([sizes[i] for i in missing])
+            for i, part in zip(missing, parts, strict=True):
                 self.cache[keys[i]] = part
         return torch.cat([self.cache[key] for key in keys])
 
