@@ -82,9 +82,9 @@ class CausalSegments(PackedSeqParams):
 
 class LLMCoreAttention(MegatronModule):
     """Causal core attention of the LLM: within each sequence for a packed row (:class:`CausalSegments`), else over
-    padded rows with megatron's mask (see the module docstring). Takes the arguments megatron's ``SelfAttention``
-    gives any core attention; q, k, v are [s, b, heads, head_dim] (k, v with the query groups), the output
-    [s, b, heads * head_dim]."""
+    padded rows with the model's padding mask (see the module docstring). Takes the arguments megatron's
+    ``SelfAttention`` gives any core attention; q, k, v are [s, b, heads, head_dim] (k, v with the query groups), the
+    output [s, b, heads * head_dim]."""
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -135,17 +135,13 @@ class LLMCoreAttention(MegatronModule):
         return out.reshape(-1, 1, q.shape[1] * q.shape[2])
 
     def _padded(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None) -> Tensor:
-        """Rows [s, b, ...] with megatron's mask ([b, 1, s, s], True = hidden; None = plain causal)."""
+        """Rows [s, b, ...] with the model's mask ([b, 1, s, s], True = may attend, see
+        ``model.padding_attention_mask``; None = plain causal)."""
         seq, rows, heads, head_dim = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         k, v = _expand_groups(k, v, heads, dim=1)
-        if attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        else:
-            # A query that may see nothing (a left-padding position) sees itself instead: SDPA would give NaN
-            # there, which the backward would spread; its output is padding and never read.
-            allowed = ~attention_mask | torch.eye(seq, dtype=torch.bool, device=attention_mask.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None,
+                                             scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(seq, rows, heads * head_dim)
 
 

@@ -174,10 +174,13 @@ def embedding_ranks(model: ModelConfig) -> Callable[..., list[int]]:
 
 
 def padding_attention_mask(attention_mask: Tensor | None) -> Tensor | None:
-    """megatron's boolean mask [B, 1, S, S] (True = hidden) for causal attention that skips padding.
+    """The LLM's attention mask [B, 1, S, S] for causal attention that skips padding, in SDPA's convention (True =
+    may attend), built once per forward for every layer (:class:`LLMCoreAttention`).
 
     None (plain causal attention, no S x S tensor) when every row is right-padded: real tokens never look
-    ahead, so trailing padding cannot reach them. Left padding or holes need the explicit mask.
+    ahead, so trailing padding cannot reach them. Left padding or holes need the explicit mask. A query that may
+    see nothing (a left-padding position) sees itself: SDPA would give NaN there, which the backward would spread;
+    its output is padding and never read.
     """
     if attention_mask is None:
         return None
@@ -185,8 +188,9 @@ def padding_attention_mask(attention_mask: Tensor | None) -> Tensor | None:
     if not (valid[:, 1:] & ~valid[:, :-1]).any():
         return None
     seq = valid.shape[1]
-    future = torch.ones(seq, seq, dtype=torch.bool, device=valid.device).triu(1)
-    return future[None, None] | ~valid[:, None, None, :]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=valid.device).tril()
+    itself = torch.eye(seq, dtype=torch.bool, device=valid.device)
+    return (causal[None, None] & valid[:, None, None, :]) | itself
 
 
 def image_token_rows(encoded_grid_thw: Tensor, image_slots: Tensor, merge: int) -> Tensor:
