@@ -324,6 +324,46 @@ def test_every_engine_replica_receives_the_weights(layout, prompts, transport):
         ray.kill(other)
 
 
+@pytest.mark.slow
+def test_a_tp2_engine_receives_on_every_worker_over_the_collective(layout, prompts):
+    """A TP2 engine (two vLLM worker processes) joins each stage's sync group with both workers (world 1 + 2): the
+    broadcast lands in each worker itself, not in the engine's host process and then a file. After a sync of
+    perturbed weights its log-probs equal the actor's (<= 1e-3); the sync back restores its greedy generation."""
+    import dataclasses
+
+    import ray
+
+    from mm_rl.rollout.engine_worker import rollout_worker_actor
+    from mm_rl.sync.driver import join_collective, sync_weights
+
+    if layout.name != "tp2_pp2":
+        pytest.skip("one actor layout with two stages (two sync groups) shows it")
+    config = dataclasses.replace(generate_config(), infer_tensor_parallel_size=2)
+    engine = rollout_worker_actor(num_cpus=1).remote(str(layout.hf_dir), config, min_pixels=MIN_PIXELS,
+                                                     max_pixels=MAX_PIXELS, backend="vllm", dtype="float32")
+    tp2 = dataclasses.replace(layout, engine=engine)
+    try:
+        assert ray.get(engine.sync_ranks.remote()) == 2
+        key = join_collective(layout.group, [engine])
+        baseline = greedy(tp2, prompts)
+        layout.group.run("perturb_weights", NOISE, 3)
+        try:
+            report = sync_weights(layout.group, [engine], BUCKET_BYTES, collective=key)
+            assert report.applied == report.tensors > 0 and len(report.stages) == 2
+            perturbed = greedy(tp2, prompts)
+            assert not same(perturbed, baseline)
+            gap = actor_gap(tp2, prompts, sampled(tp2, prompts))
+        finally:
+            layout.group.run("restore_weights")
+        sync_weights(layout.group, [engine], BUCKET_BYTES, collective=key)
+        assert same(greedy(tp2, prompts), baseline)
+        GAPS[f"{layout.name} collective tp2 engine"] = {"perturbed sampled": gap}
+        assert gap <= 1e-3, gap
+    finally:
+        ray.get(engine.close.remote())
+        ray.kill(engine)
+
+
 def test_colocated_schedule_offloads_only_the_ranks_beside_an_engine(layout):
     """An engine replica beside rank 0 only: rank 0 frees its parameters for the rollout, rank 1 keeps them."""
     import ray

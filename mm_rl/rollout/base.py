@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from mm_rl.config.schema import GenerateConfig
     from mm_rl.data.dataset import PromptItem
     from mm_rl.rollout.bounds import BoundsPolicy
+    from mm_rl.sync.transport import TensorLayout
 
 # "vision_token": the trainer cut the response before a vision special token it sampled as text
 FinishReason = Literal["stop", "length", "vision_token"]
@@ -334,6 +335,29 @@ class RolloutEngine(abc.ABC):
         count = self._load_weights(named_tensors)
         self.call_log.append(("update_weights", count))
         return count
+
+    def sync_ranks(self) -> int:
+        """How many ranks this engine puts in an actor stage's weight-sync group (:mod:`mm_rl.sync.transport`):
+        the processes that load weights. One here: this process receives and loads."""
+        return 1
+
+    def join_sync_group(self, key: str, stage: int, host: str, port: int, first_rank: int, world: int) -> None:
+        """Join ``stage``'s weight-sync group with ranks ``first_rank`` .. ``first_rank + sync_ranks() - 1``."""
+        from mm_rl.sync.transport import join_group
+
+        join_group(key, stage, host, port, rank=first_rank, world=world)
+
+    def receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> int:
+        """Receive one bucket over ``stage``'s sync group (its sender broadcasts as this runs) and load it; returns
+        how many tensors were applied."""
+        count = self._receive_weights(key, stage, layout, nbytes)
+        self.call_log.append(("update_weights", count))
+        return count
+
+    def _receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> int:
+        from mm_rl.sync.transport import receive_bucket
+
+        return self._load_weights(receive_bucket(key, stage, layout, nbytes))
 
     def begin_weight_update(self) -> None:
         """A sync's buckets follow (:meth:`update_weights`), then :meth:`end_weight_update`: the engine's per-sync

@@ -114,18 +114,17 @@ class RolloutWorker:
     def end_weight_update(self) -> None:
         self.engine.end_weight_update()
 
-    def join_sync_group(self, key: str, stage: int, host: str, port: int, rank: int, world: int) -> None:
-        """Join the weight-sync group of an actor stage's sender as ``rank`` (1 + this replica's index) of ``world``
-        (see mm_rl.sync.transport)."""
-        from mm_rl.sync.transport import join_group
+    def sync_ranks(self) -> int:
+        return self.engine.sync_ranks()
 
-        join_group(key, stage, host, port, rank=rank, world=world)
+    def join_sync_group(self, key: str, stage: int, host: str, port: int, first_rank: int, world: int) -> None:
+        """Join the weight-sync group of an actor stage's sender (see mm_rl.sync.transport) with the engine's
+        ``sync_ranks()`` ranks from ``first_rank`` of ``world``."""
+        self.engine.join_sync_group(key, stage, host, port, first_rank, world)
 
     def receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> int:
         """Receive one bucket over a sync group (the sender broadcasts it as this call runs) and load it."""
-        from mm_rl.sync.transport import receive_bucket
-
-        return self.engine.update_weights(receive_bucket(key, stage, layout, nbytes))
+        return self.engine.receive_weights(key, stage, layout, nbytes)
 
     def reseed(self, seed: int) -> None:
         self.engine.reseed(seed)

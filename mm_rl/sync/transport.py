@@ -7,11 +7,11 @@ sinks, one contract:
 * :class:`ObjectStoreSink`: each bucket goes into Ray's object store once (shared memory on the node; tensors
   travel as raw byte buffers, see :class:`SharedBucket`, so an engine maps them without a copy) and every
   replica's ``update_weights`` loads it. Works anywhere Ray does; the default on CPU and for colocated engines.
-* :class:`CollectiveSink`: the sender and the replicas' workers share a process group (nccl on CUDA, hccl on
-  Ascend, gloo on CPU; :func:`join_group`; the sender is rank 0, replica r rank r + 1); a bucket is packed into
-  one flat byte buffer on the sender's device and broadcast once into a buffer on each engine's device, and the
-  Ray calls that trigger the receives carry only the names, dtypes, shapes and offsets. Device to device, no host
-  copy, for engines on their own devices. (NCCL and HCCL refuse two ranks on one device, so a colocated engine,
+* :class:`CollectiveSink`: the sender and the replicas' loading processes share a process group (nccl on CUDA,
+  hccl on Ascend, gloo on CPU; :func:`join_group`; the sender is rank 0, then each replica's ranks: a vLLM
+  engine's TP workers, each on its own device); a bucket is packed into one flat byte buffer on the sender's device
+  and broadcast once into a buffer on each receiving device, and the Ray calls that trigger the receives carry only
+  the names, dtypes, shapes and offsets. Device to device, no host copy, for engines on their own devices. (NCCL and HCCL refuse two ranks on one device, so a colocated engine,
   which shares an actor rank's device, uses the object store.)
 
 Both keep at most ``max_in_flight`` buckets waiting for the engines, so they load bucket i while the sender
@@ -143,7 +143,7 @@ class ObjectStoreSink(_Pipelined):
 # -------------------------------------------------------------------------------------------- collective
 @dataclass
 class SyncGroup:
-    """A stage's weight-sync process group: rank 0 is the actor stage's sender, rank r + 1 engine replica r."""
+    """A stage's weight-sync process group: rank 0 is the actor stage's sender, the others the engines' ranks."""
 
     group: Any  # a torch.distributed backend (ProcessGroupGloo / NCCL / HCCL) outside the default world
     device: torch.device
@@ -177,7 +177,7 @@ def _group_backend(store: Any, rank: int, world: int, timeout: timedelta) -> Any
 
 def join_group(key: str, stage: int, host: str, port: int, rank: int, world: int,
                timeout_s: float = 600.0) -> None:
-    """Join (or rejoin) the sync group of ``stage`` (``world`` = 1 + the engine replicas): rank 0 hosts the
+    """Join (or rejoin) the sync group of ``stage`` (``world`` = 1 + the engines' ranks): rank 0 hosts the
     rendezvous store at ``host:port``; all block until every rank arrived (up to ``timeout_s``)."""
     import torch.distributed as dist
 
