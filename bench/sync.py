@@ -178,7 +178,7 @@ def main(argv: list[str]) -> int:
     import ray
     import torch
 
-    from mm_rl.sync.driver import join_collective, sync_weights
+    from mm_rl.sync.driver import join_device_sync, sync_weights
     from mm_rl.workers.group import WorkerGroup
     from mm_rl.workers.megatron_worker import WorkerSpec
 
@@ -194,10 +194,10 @@ def main(argv: list[str]) -> int:
         group = WorkerGroup(WorkerSpec(model, tp=args.tp, pp=args.pp), cpus_per_worker=0.5)
         group.build(str(mm_dir))
         ray.get(engine.ready.remote())
-        key = join_collective(group, [engine])
-        transports = {"sync": None, "sync_pg": key}
-        for collective in transports.values():  # untimed first rounds
-            report = sync_weights(group, [engine], bucket_bytes, args.max_in_flight, collective)
+        route = join_device_sync(group, [engine])
+        transports = {"sync": None, "sync_pg": route}
+        for route_of in transports.values():  # untimed first rounds
+            report = sync_weights(group, [engine], bucket_bytes, args.max_in_flight, route=route_of)
         refs = engine_buckets(hf_dir, bucket_bytes)
         engine_seconds(engine, refs)
         engine_seconds(engine, refs, session=True)
@@ -207,8 +207,8 @@ def main(argv: list[str]) -> int:
         reports: dict[str, list[Any]] = {name: [] for name in transports}
         for _ in range(args.repeat):
             times["memcpy"].append(memcpy_seconds(report.bytes))
-            for name, collective in transports.items():
-                reports[name].append(sync_weights(group, [engine], bucket_bytes, args.max_in_flight, collective))
+            for name, route_of in transports.items():
+                reports[name].append(sync_weights(group, [engine], bucket_bytes, args.max_in_flight, route=route_of))
                 times[name].append(reports[name][-1].seconds)
             times["engine"].append(engine_seconds(engine, refs))
             times["engine_once"].append(engine_seconds(engine, refs, session=True))

@@ -111,7 +111,7 @@ class Layout:
     group: Any
     engine: Any
     model: Any
-    collective: str | None = None  # the pair groups' key, joined by the first collective sync
+    route: Any = None  # the device route, joined by the first collective sync
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -185,12 +185,12 @@ def actor_gap(layout: Layout, prompts: list[Any], responses: list[tuple[list[int
 
 
 def sync(layout: Layout, transport: str = "object_store") -> Any:
-    from mm_rl.sync.driver import join_collective, sync_weights
+    from mm_rl.sync.driver import join_device_sync, sync_weights
 
-    if transport == "collective" and layout.collective is None:
-        layout.collective = join_collective(layout.group, [layout.engine])
+    if transport == "collective" and layout.route is None:
+        layout.route = join_device_sync(layout.group, [layout.engine])
     return sync_weights(layout.group, [layout.engine], BUCKET_BYTES,
-                        collective=layout.collective if transport == "collective" else None)
+                        route=layout.route if transport == "collective" else None)
 
 
 # ------------------------------------------------------------------------------------------------------- tests
@@ -284,17 +284,19 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts):
 
 
 
-@pytest.mark.parametrize("transport", ["object_store", "collective"])
+@pytest.mark.parametrize("transport", ["object_store", "collective", "mixed"])
 def test_every_engine_replica_receives_the_weights(layout, prompts, transport):
-    """Two engine replicas: one sync (one object-store copy per bucket, or one broadcast to both) leaves each with
-    the actor's perturbed weights (log-probs of its own sampled responses <= 1e-3 from the actor's), and the sync
-    back restores both."""
+    """Two engine replicas: one sync (one object-store copy per bucket, or one broadcast to both, or "mixed": the
+    route of a colocated replica on the sender's device beside one on another device, which on CPU, where no
+    device memory can be shared, falls back to the object store for the first while the second takes the
+    broadcast) leaves each with the actor's perturbed weights (log-probs of its own sampled responses <= 1e-3 from
+    the actor's), and the sync back restores both."""
     import dataclasses
 
     import ray
 
     from mm_rl.rollout.engine_worker import rollout_worker_actor
-    from mm_rl.sync.driver import join_collective, sync_weights
+    from mm_rl.sync.driver import join_device_sync, join_route, plan_route, sync_weights
 
     if layout.name != "tp1":
         pytest.skip("replicas differ only on the engine side: one actor layout shows it")
@@ -304,18 +306,24 @@ def test_every_engine_replica_receives_the_weights(layout, prompts, transport):
     engines = [r.engine for r in replicas]
     try:
         ray.get(other.ready.remote())
-        key = join_collective(layout.group, engines) if transport == "collective" else None
+        key = {"object_store": None, "collective": lambda: join_device_sync(layout.group, engines),
+               "mixed": lambda: join_route(layout.group, engines,
+                                           plan_route("mixed", {0: "device-0"}, [["device-0"], ["device-1"]]))
+               }[transport]
+        key = key() if key else None
+        if transport == "mixed":
+            assert key.stages[0].local == (0,) and key.stages[0].group == (1,) and key.stages[0].world == 2
         baseline = greedy(layout, prompts)
         layout.group.run("perturb_weights", NOISE, 2)
         try:
-            report = sync_weights(layout.group, engines, BUCKET_BYTES, collective=key)
+            report = sync_weights(layout.group, engines, BUCKET_BYTES, route=key)
             assert report.applied == report.tensors > 0  # every replica applied every tensor
             outputs = [greedy(r, prompts) for r in replicas]
             assert same(outputs[0], outputs[1]) and not same(outputs[0], baseline)
             gaps = [actor_gap(r, prompts, sampled(r, prompts)) for r in replicas]
         finally:
             layout.group.run("restore_weights")
-        sync_weights(layout.group, engines, BUCKET_BYTES, collective=key)
+        sync_weights(layout.group, engines, BUCKET_BYTES, route=key)
         assert all(same(greedy(r, prompts), baseline) for r in replicas)
         GAPS[f"{layout.name} {transport} replicas"] = {f"replica {i}": gap for i, gap in enumerate(gaps)}
         assert max(gaps) <= 1e-3, gaps
@@ -334,7 +342,7 @@ def test_a_tp2_engine_receives_on_every_worker_over_the_collective(layout, promp
     import ray
 
     from mm_rl.rollout.engine_worker import rollout_worker_actor
-    from mm_rl.sync.driver import join_collective, sync_weights
+    from mm_rl.sync.driver import join_device_sync, sync_weights
 
     if layout.name != "tp2_pp2":
         pytest.skip("one actor layout with two stages (two sync groups) shows it")
@@ -343,19 +351,20 @@ def test_a_tp2_engine_receives_on_every_worker_over_the_collective(layout, promp
                                                      max_pixels=MAX_PIXELS, backend="vllm", dtype="float32")
     tp2 = dataclasses.replace(layout, engine=engine)
     try:
-        assert ray.get(engine.sync_ranks.remote()) == 2
-        key = join_collective(layout.group, [engine])
+        assert ray.get(engine.device_identities.remote()) == [None, None]  # two loading processes (CPU)
+        key = join_device_sync(layout.group, [engine])
+        assert {stage.world for stage in key.stages.values()} == {3}
         baseline = greedy(tp2, prompts)
         layout.group.run("perturb_weights", NOISE, 3)
         try:
-            report = sync_weights(layout.group, [engine], BUCKET_BYTES, collective=key)
+            report = sync_weights(layout.group, [engine], BUCKET_BYTES, route=key)
             assert report.applied == report.tensors > 0 and len(report.stages) == 2
             perturbed = greedy(tp2, prompts)
             assert not same(perturbed, baseline)
             gap = actor_gap(tp2, prompts, sampled(tp2, prompts))
         finally:
             layout.group.run("restore_weights")
-        sync_weights(layout.group, [engine], BUCKET_BYTES, collective=key)
+        sync_weights(layout.group, [engine], BUCKET_BYTES, route=key)
         assert same(greedy(tp2, prompts), baseline)
         GAPS[f"{layout.name} collective tp2 engine"] = {"perturbed sampled": gap}
         assert gap <= 1e-3, gap
@@ -427,3 +436,34 @@ def test_vocab_padding_is_cut_before_the_merge():
     assert [s.shape[0] for s in shards] == [5, 5] and torch.equal(torch.cat(shards), full)
     unpadded = list(full.chunk(2))
     assert strip_vocab_padding(bound, unpadded, model) is unpadded  # nothing to cut: the shards as they are
+
+
+def test_a_replica_on_the_senders_device_maps_its_buffer_and_the_others_join_its_group():
+    """The device route: colocated (one replica per device, PP2), each stage's sender's own replica reads its
+    buffer in place and the rest take the broadcast with one rank each; separate TP2 engines take two ranks each;
+    on CPU (no device identity) everything goes over the group; a TP2 engine straddling the sender's device is
+    refused (it could do neither)."""
+    from mm_rl.sync.driver import plan_route
+
+    colocated = plan_route("k", {0: "gpu-a", 1: "gpu-c"}, [["gpu-a"], ["gpu-b"], ["gpu-c"], ["gpu-d"]])
+    assert colocated.stages[0].local == (0,) and colocated.stages[0].group == (1, 2, 3)
+    assert colocated.stages[1].local == (2,) and colocated.stages[1].group == (0, 1, 3)
+    assert colocated.stages[1].world == 4 and colocated.stages[1].first_rank(3) == 3
+
+    separate = plan_route("k", {0: "gpu-a"}, [["gpu-e", "gpu-f"], ["gpu-g", "gpu-h"]]).stages[0]
+    assert separate.local == () and separate.ranks == (2, 2) and separate.world == 5
+    assert [separate.first_rank(r) for r in separate.group] == [1, 3]
+
+    cpu = plan_route("k", {0: None}, [[None], [None, None]]).stages[0]
+    assert cpu.local == () and cpu.group == (0, 1) and cpu.world == 4
+
+    with pytest.raises(ValueError, match="colocated engine must have TP 1"):
+        plan_route("k", {0: "gpu-a"}, [["gpu-a", "gpu-b"]])
+
+
+def test_ipc_is_offered_only_where_a_device_shares_memory():
+    """CUDA tensors are mapped in place by a same-device reader; CPU and other devices take the object store."""
+    from mm_rl.platform.device import ipc_supported
+
+    assert ipc_supported(torch.device("cuda", 0))
+    assert not ipc_supported(torch.device("cpu")) and not ipc_supported(torch.device("meta"))

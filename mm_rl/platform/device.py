@@ -19,6 +19,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import os
 from typing import Any, Literal
 
 import torch
@@ -79,6 +80,68 @@ def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device`` (nothing to wait for on CPU)."""
     if device.type != "cpu":
         getattr(torch, device.type).synchronize()
+
+
+def device_identity() -> str | None:
+    """Which physical device this process's current device is, comparable across processes (``CUDA_VISIBLE_DEVICES``
+    / ``ASCEND_RT_VISIBLE_DEVICES`` renumber devices per process): the GPU's UUID (as vLLM's IPC weight transfer
+    keys handles, vllm/distributed/weight_transfer/ipc_engine.py), or the host and the physical NPU index behind
+    the visible one (vllm-ascend's npu_generate_uuid does the same). None on CPU: no device is shared."""
+    import socket
+
+    kind = device_kind()
+    if kind == "cuda":
+        return f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+    if kind == "npu":
+        logical = torch.npu.current_device()  # type: ignore[attr-defined]
+        visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "")
+        physical = int(visible.split(",")[logical]) if visible else logical
+        return f"{socket.gethostname()}-NPU-{physical}"
+    return None
+
+
+def ipc_supported(device: torch.device) -> bool:
+    """Whether another process on ``device`` can map a tensor of this one: CUDA, and NPU where torch_npu shares
+    storages (``_share_npu_``, torch_npu/multiprocessing/reductions.py); never CPU tensors here (those go through
+    Ray's shared-memory object store)."""
+    if device.type == "cuda":
+        return True
+    return device.type == "npu" and hasattr(torch.UntypedStorage, "_share_npu_")
+
+
+def export_ipc(tensor: torch.Tensor) -> bytes:
+    """A handle another process on the same device opens with :func:`import_ipc` (no copy): torch's
+    multiprocessing reduction of the tensor (torch_npu installs its own for NPU tensors when imported), pickled
+    with this process's :func:`device_identity`. The caller keeps ``tensor`` alive until the reader is done."""
+    import pickle
+
+    from torch.multiprocessing import reductions
+
+    return pickle.dumps((device_identity(), reductions.reduce_tensor(tensor)))
+
+
+def import_ipc(handle: bytes) -> torch.Tensor:
+    """The tensor of :func:`export_ipc` mapped into this process, on its current device. The device index inside
+    the handle is the exporter's numbering, so it is replaced by this process's (index 6 of the rebuild arguments
+    of torch's and torch_npu's reductions is the storage device; vLLM's IPC engine does the same)."""
+    import pickle
+
+    identity, (rebuild, args) = pickle.loads(handle)  # noqa: S301 - made by export_ipc in this job
+    if identity != device_identity():
+        raise RuntimeError(f"a shared weight buffer of device {identity} was sent to a process on {device_identity()}"
+                           ": only a process on the sender's own device can map it")
+    args = list(args)
+    args[6] = current_device().index
+    return rebuild(*args)
+
+
+def release_ipc(device: torch.device) -> None:
+    """Free the buffers this process exported with :func:`export_ipc` and has since dropped: a shared block stays
+    reserved until its readers let go of it, and only ``ipc_collect`` hands it back (``torch.cuda.ipc_collect``;
+    torch_npu's where it has one). Without it a colocated engine would size its KV cache without them."""
+    collect = getattr(getattr(torch, device.type, None), "ipc_collect", None) if device.type != "cpu" else None
+    if collect is not None:
+        collect()
 
 
 def empty_cache() -> None:

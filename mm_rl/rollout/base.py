@@ -336,13 +336,15 @@ class RolloutEngine(abc.ABC):
         self.call_log.append(("update_weights", count))
         return count
 
-    def sync_ranks(self) -> int:
-        """How many ranks this engine puts in an actor stage's weight-sync group (:mod:`mm_rl.sync.transport`):
-        the processes that load weights. One here: this process receives and loads."""
-        return 1
+    def device_identities(self) -> list[str | None]:
+        """The devices of the processes that load this engine's weights, one per rank it puts in an actor stage's
+        weight-sync group (:mod:`mm_rl.sync.transport`). Here one: this process receives and loads."""
+        from mm_rl.platform.device import device_identity
+
+        return [device_identity()]
 
     def join_sync_group(self, key: str, stage: int, host: str, port: int, first_rank: int, world: int) -> None:
-        """Join ``stage``'s weight-sync group with ranks ``first_rank`` .. ``first_rank + sync_ranks() - 1``."""
+        """Join ``stage``'s weight-sync group with one rank per :meth:`device_identities` from ``first_rank``."""
         from mm_rl.sync.transport import join_group
 
         join_group(key, stage, host, port, rank=first_rank, world=world)
@@ -358,6 +360,22 @@ class RolloutEngine(abc.ABC):
         from mm_rl.sync.transport import receive_bucket
 
         return self._load_weights(receive_bucket(key, stage, layout, nbytes))
+
+    def receive_shared(self, layout: list[TensorLayout], handle: bytes) -> int:
+        """Load one bucket straight out of the sender's buffer on this process's device (``handle``: from
+        :func:`mm_rl.platform.device.export_ipc`); returns how many tensors were applied. The sender reuses the
+        buffer once this returns, so the loads are waited for."""
+        count = self._receive_shared(layout, handle)
+        self.call_log.append(("update_weights", count))
+        return count
+
+    def _receive_shared(self, layout: list[TensorLayout], handle: bytes) -> int:
+        from mm_rl.platform.device import current_device, import_ipc, synchronize
+        from mm_rl.sync.transport import unpack_bucket
+
+        count = self._load_weights(unpack_bucket(layout, import_ipc(handle)))
+        synchronize(current_device())
+        return count
 
     def begin_weight_update(self) -> None:
         """A sync's buckets follow (:meth:`update_weights`), then :meth:`end_weight_update`: the engine's per-sync

@@ -114,12 +114,16 @@ class RolloutWorker:
     def end_weight_update(self) -> None:
         self.engine.end_weight_update()
 
-    def sync_ranks(self) -> int:
-        return self.engine.sync_ranks()
+    def device_identities(self) -> list[str | None]:
+        return self.engine.device_identities()
+
+    def receive_shared(self, layout: list[TensorLayout], handle: bytes) -> int:
+        """Load one bucket out of the sender's device buffer (an IPC handle; same device only)."""
+        return self.engine.receive_shared(layout, handle)
 
     def join_sync_group(self, key: str, stage: int, host: str, port: int, first_rank: int, world: int) -> None:
         """Join the weight-sync group of an actor stage's sender (see mm_rl.sync.transport) with the engine's
-        ``sync_ranks()`` ranks from ``first_rank`` of ``world``."""
+        ranks (one per loading process) from ``first_rank`` of ``world``."""
         self.engine.join_sync_group(key, stage, host, port, first_rank, world)
 
     def receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> int:

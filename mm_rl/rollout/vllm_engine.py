@@ -174,8 +174,24 @@ class WeightReceiver:
         vllm/model_executor/model_loader/reload/layerwise.py); the senders cut buckets between layers anyway."""
         from mm_rl.sync.transport import receive_bucket
 
-        bucket = receive_bucket(key, stage, [(n, d, tuple(shape), o) for n, d, shape, o in layout], nbytes)
+        bucket = receive_bucket(key, stage, layout, nbytes)
         self.mm_rl_reload_weights(bucket, session)
+        return len(bucket)
+
+    def mm_rl_device_identity(self) -> str | None:
+        from mm_rl.platform.device import device_identity
+
+        return device_identity()
+
+    def mm_rl_receive_shared(self, layout: list[Any], handle: bytes, session: bool) -> int:
+        """Load one bucket out of the sender's buffer on this worker's device (an IPC handle, same device only),
+        waiting for the copies: the sender packs the next bucket into it once this returns."""
+        from mm_rl.platform.device import current_device, import_ipc, synchronize
+        from mm_rl.sync.transport import unpack_bucket
+
+        bucket = unpack_bucket(layout, import_ipc(handle))
+        self.mm_rl_reload_weights(bucket, session)
+        synchronize(current_device())
         return len(bucket)
 
     def mm_rl_reload_weights_file(self, path: str, session: bool = False) -> None:
@@ -490,8 +506,8 @@ class VllmEngine(RolloutEngine):
         finally:
             os.unlink(path)
 
-    def sync_ranks(self) -> int:
-        return int(self.kwargs["tensor_parallel_size"])
+    def device_identities(self) -> list[str | None]:
+        return list(self.llm.collective_rpc("mm_rl_device_identity"))
 
     def join_sync_group(self, key: str, stage: int, host: str, port: int, first_rank: int, world: int) -> None:
         """Every vLLM worker joins (one rank per TP rank), so buckets arrive on the workers' devices directly."""
@@ -499,6 +515,12 @@ class VllmEngine(RolloutEngine):
 
     def _receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> int:
         counts = self.llm.collective_rpc("mm_rl_receive_bucket", args=(key, stage, layout, nbytes, self.session))
+        if not self.session:
+            self._reset_caches()
+        return min(counts)
+
+    def _receive_shared(self, layout: list[TensorLayout], handle: bytes) -> int:
+        counts = self.llm.collective_rpc("mm_rl_receive_shared", args=(layout, handle, self.session))
         if not self.session:
             self._reset_caches()
         return min(counts)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mm_rl.sync.transport import CollectiveSink, ObjectStoreSink
+from mm_rl.sync.transport import DeviceSink, ObjectStoreSink, StageRoute, SyncRoute
 
 if TYPE_CHECKING:
     from mm_rl.config.schema import GenerateConfig
@@ -62,33 +62,60 @@ def bucket_bytes_of(generate: GenerateConfig) -> int:
     return int(generate.sync_bucket_mb) << 20
 
 
-def join_collective(group: SenderGroup, rollouts: Sequence[Any]) -> str:
-    """Put every stage's sender and the rollout replicas' loading processes in one device process group per stage
-    (nccl / hccl, gloo on CPU); returns the key that :func:`sync_weights` takes to send over them. The sender is
-    rank 0; then each replica's ``sync_ranks()`` ranks in replica order (a vLLM engine's TP workers, so a TP > 1
-    engine receives on every worker's device). Each sender hosts its group's rendezvous on a port free on its own
-    node; a replica joins the stages' groups one after another while the senders wait in theirs."""
-    import itertools
+def plan_route(key: str, senders: dict[int, str | None], replicas: Sequence[Sequence[str | None]]) -> SyncRoute:
+    """Per stage, which replicas map the sender's buffer in place and which receive its broadcast.
+
+    ``senders``: each stage's sender device (:func:`mm_rl.platform.device.device_identity`); ``replicas``: the
+    devices of each replica's loading processes. A replica whose only process sits on the sender's device reads
+    the sender's buffer through an IPC handle: NCCL and HCCL refuse two ranks of a group on one device, and a copy
+    to the same device would be wasted. Every other replica joins the stage's process group, with one rank per
+    process (CPU has no identity: everything there goes over the group)."""
+    stages = {}
+    for stage, sender in senders.items():
+        for replica, ids in enumerate(replicas):
+            if sender is not None and sender in ids and len(ids) > 1:
+                raise ValueError(f"engine replica {replica} has a TP worker on stage {stage}'s sender device "
+                                 f"({sender}) and others elsewhere: it can neither map the sender's buffer nor "
+                                 "share a process group with it (a colocated engine must have TP 1)")
+        local = tuple(r for r, ids in enumerate(replicas) if sender is not None and list(ids) == [sender])
+        group = tuple(r for r in range(len(replicas)) if r not in local)
+        stages[stage] = StageRoute(group, tuple(len(replicas[r]) for r in group), local)
+    return SyncRoute(key, stages)
+
+
+def join_device_sync(group: SenderGroup, rollouts: Sequence[Any]) -> SyncRoute:
+    """Set up device-to-device syncs from every stage's sender to the rollout replicas along the route their
+    devices give (:func:`plan_route`); returns the route :func:`sync_weights` takes."""
     import uuid
 
     import ray
 
-    ranks = ray.get([rollout.sync_ranks.remote() for rollout in rollouts])
-    firsts = [1 + before for before in itertools.accumulate([0, *ranks[:-1]])]
-    key, world = f"weights-{uuid.uuid4().hex[:8]}", 1 + sum(ranks)
+    devices = ray.get([rollout.device_identities.remote() for rollout in rollouts])
+    identities = group.run("device_identity")
+    senders = {c.pp_rank: identities[i] for i, c in enumerate(group.coords) if c.is_sender()}
+    return join_route(group, rollouts, plan_route(f"weights-{uuid.uuid4().hex[:8]}", senders, devices))
+
+
+def join_route(group: SenderGroup, rollouts: Sequence[Any], route: SyncRoute) -> SyncRoute:
+    """Form the stages' process groups of ``route``: each sender hosts its group's rendezvous on a port free on
+    its own node; a replica joins the stages' groups one after another while the senders wait in theirs."""
+    import ray
+
     addresses = group.run("rendezvous_address")
     senders = {c.pp_rank: addresses[i] for i, c in enumerate(group.coords) if c.is_sender()}
-    joined = [rollout.join_sync_group.remote(key, stage, host, port, first, world)
-              for rollout, first in zip(rollouts, firsts, strict=True) for stage, (host, port) in senders.items()]
-    group.run("join_sync_group", key, senders, world)
+    joined = [rollouts[replica].join_sync_group.remote(route.key, stage, *senders[stage],
+                                                       stage_route.first_rank(replica), stage_route.world)
+              for replica in range(len(rollouts)) for stage, stage_route in route.stages.items()
+              if replica in stage_route.group]
+    group.run("join_sync_group", route.key, senders, {stage: r.world for stage, r in route.stages.items()})
     ray.get(joined)
-    return key
+    return route
 
 
 def sync_weights(group: SenderGroup, rollouts: Sequence[Any], bucket_bytes: int, max_in_flight: int = 1,
-                 collective: str | None = None) -> SyncReport:
+                 route: SyncRoute | None = None) -> SyncReport:
     """Push the actor group's current weights into every rollout worker actor of ``rollouts`` (all stages at
-    once), through the object store, or over the sync groups of ``collective`` (a :func:`join_collective` key).
+    once), through the object store, or device to device along ``route`` (:func:`join_device_sync`).
 
     Raises when an engine applied fewer tensors than were sent (a layer it held back: a mapping / checkpoint
     mismatch that would otherwise leave stale weights in the engine). The engines' per-sync set-up happens once,
@@ -97,10 +124,10 @@ def sync_weights(group: SenderGroup, rollouts: Sequence[Any], bucket_bytes: int,
 
     start = time.perf_counter()
     rollouts = list(rollouts)
-    if collective is None:
+    if route is None:
         factory = functools.partial(ObjectStoreSink, rollouts, max_in_flight=max_in_flight)
     else:
-        factory = functools.partial(CollectiveSink, rollouts, collective, max_in_flight=max_in_flight)
+        factory = functools.partial(DeviceSink, rollouts, route, max_in_flight=max_in_flight)
     ray.get([rollout.begin_weight_update.remote() for rollout in rollouts])  # before any bucket arrives
     stats = [s for s in group.run("push_weights", factory, bucket_bytes) if s is not None]
     ray.get([rollout.end_weight_update.remote() for rollout in rollouts])  # after every bucket was loaded

@@ -1,4 +1,4 @@
-"""How weight-sync buckets travel from an actor stage's sender to every rollout engine replica's worker.
+"""How weight-sync buckets travel from an actor stage's sender to every rollout engine replica's loading processes.
 
 A sender (the stage's TP-rank 0, in its Megatron worker process) makes a :class:`BucketSink` from a picklable
 factory called with its pipeline stage, ``send``s buckets of HF-named tensors in order, and ``close``s it. Two
@@ -6,13 +6,16 @@ sinks, one contract:
 
 * :class:`ObjectStoreSink`: each bucket goes into Ray's object store once (shared memory on the node; tensors
   travel as raw byte buffers, see :class:`SharedBucket`, so an engine maps them without a copy) and every
-  replica's ``update_weights`` loads it. Works anywhere Ray does; the default on CPU and for colocated engines.
-* :class:`CollectiveSink`: the sender and the replicas' loading processes share a process group (nccl on CUDA,
-  hccl on Ascend, gloo on CPU; :func:`join_group`; the sender is rank 0, then each replica's ranks: a vLLM
-  engine's TP workers, each on its own device); a bucket is packed into one flat byte buffer on the sender's device
-  and broadcast once into a buffer on each receiving device, and the Ray calls that trigger the receives carry only
-  the names, dtypes, shapes and offsets. Device to device, no host copy, for engines on their own devices. (NCCL and HCCL refuse two ranks on one device, so a colocated engine,
-  which shares an actor rank's device, uses the object store.)
+  replica's ``update_weights`` loads it. Works anywhere Ray does; the default on CPU.
+* :class:`DeviceSink`, on accelerators: a bucket is packed into one flat byte buffer on the sender's device, and
+  the stage's :class:`SyncRoute` says how each replica gets it. A replica on the sender's own device (colocated)
+  maps that buffer through an IPC handle (torch's CUDA / torch_npu's NPU multiprocessing reductions) and copies
+  out of it: no copy, nothing through the host. The others share a process group with the sender (nccl on CUDA,
+  hccl on Ascend, gloo on CPU; :func:`join_group`; the sender is rank 0, then one rank per loading process: a
+  vLLM engine's TP workers, each on its own device) and the buffer is broadcast once into a buffer on each of
+  their devices. NCCL and HCCL refuse two ranks of a group on one device, which is why the same-device replica
+  is not in the group. The Ray calls that trigger the receives carry only names, dtypes, shapes and offsets
+  (and the IPC handle).
 
 Both keep at most ``max_in_flight`` buckets waiting for the engines, so they load bucket i while the sender
 builds bucket i + 1 and memory stays bounded by the bucket size.
@@ -140,7 +143,32 @@ class ObjectStoreSink(_Pipelined):
         self._submitted([rollout.update_weights.remote(ref) for rollout in self.rollouts])
 
 
-# -------------------------------------------------------------------------------------------- collective
+# ---------------------------------------------------------------------------------------------- device
+@dataclass(frozen=True)
+class StageRoute:
+    """How one stage's buckets reach the engine replicas: broadcast over the stage's process group, or mapped in
+    place by the replicas on the sender's own device."""
+
+    group: tuple[int, ...] = ()  # replicas in the stage's process group, in rank order (the sender is rank 0)
+    ranks: tuple[int, ...] = ()  # how many ranks each of them takes (a vLLM engine: one per TP worker)
+    local: tuple[int, ...] = ()  # replicas on the sender's device: they read its buffer through an IPC handle
+
+    @property
+    def world(self) -> int:
+        return 1 + sum(self.ranks)
+
+    def first_rank(self, replica: int) -> int:
+        return 1 + sum(self.ranks[:self.group.index(replica)])
+
+
+@dataclass(frozen=True)
+class SyncRoute:
+    """A device sync's routes by stage (``mm_rl.sync.driver.join_device_sync``); ``key`` names its groups."""
+
+    key: str
+    stages: dict[int, StageRoute]
+
+
 @dataclass
 class SyncGroup:
     """A stage's weight-sync process group: rank 0 is the actor stage's sender, the others the engines' ranks."""
@@ -193,7 +221,7 @@ def _sync_group(key: str, stage: int) -> SyncGroup:
         return _GROUPS[group_name(key, stage)]
     except KeyError:
         raise RuntimeError(f"no weight-sync group {group_name(key, stage)!r} in this process: "
-                           "join_collective() must run before a collective sync") from None
+                           "join_device_sync() must run before a device sync") from None
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
@@ -210,15 +238,23 @@ def _view(flat: torch.Tensor, dtype: str, shape: tuple[int, ...], start: int) ->
     return flat[start:start + kind.itemsize * math.prod(shape)].view(kind).view(shape)
 
 
-def pack_bucket(bucket: Bucket, device: torch.device) -> tuple[list[TensorLayout], torch.Tensor]:
-    """One flat byte buffer on ``device`` holding the bucket's tensors (each at an aligned offset), and where."""
-    import torch
-
+def bucket_layout(bucket: Bucket) -> tuple[list[TensorLayout], int]:
+    """Where each tensor of ``bucket`` goes in one flat byte buffer (aligned offsets), and the buffer's size."""
     layout, offset = [], 0
     for name, tensor in bucket:
         layout.append((name, _dtype_name(tensor), tuple(tensor.shape), offset))
         offset += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
-    flat = torch.empty(offset, dtype=torch.uint8, device=device)
+    return layout, offset
+
+
+def pack_bucket(bucket: Bucket, device: torch.device, out: torch.Tensor | None = None) -> \
+        tuple[list[TensorLayout], torch.Tensor]:
+    """The bucket's tensors in one flat byte buffer on ``device`` (``out`` when given: a buffer reused between
+    buckets, at least as large), and where each one is."""
+    import torch
+
+    layout, nbytes = bucket_layout(bucket)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device) if out is None else out[:nbytes]
     for (_, tensor), (_, dtype, shape, start) in zip(bucket, layout, strict=True):
         _view(flat, dtype, shape, start).copy_(tensor, non_blocking=True)
     return layout, flat
@@ -226,11 +262,11 @@ def pack_bucket(bucket: Bucket, device: torch.device) -> tuple[list[TensorLayout
 
 def unpack_bucket(layout: list[TensorLayout], flat: torch.Tensor) -> Bucket:
     """The tensors of :func:`pack_bucket`'s buffer, as views of it."""
-    return [(name, _view(flat, dtype, shape, start)) for name, dtype, shape, start in layout]
+    return [(name, _view(flat, dtype, tuple(shape), start)) for name, dtype, shape, start in layout]
 
 
 def receive_bucket(key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> Bucket:
-    """Engine side of :class:`CollectiveSink`: receive one ``nbytes`` bucket from ``stage``'s sender."""
+    """Engine side of a broadcast: receive one ``nbytes`` bucket from ``stage``'s sender."""
     import torch
 
     group = _sync_group(key, stage)
@@ -239,23 +275,64 @@ def receive_bucket(key: str, stage: int, layout: list[TensorLayout], nbytes: int
     return unpack_bucket(layout, flat)
 
 
-class CollectiveSink(_Pipelined):
-    """Buckets broadcast once over the stage's sync group; every replica's ``receive_weights`` takes each one
-    (posted first, so the broadcast has its receivers) and loads it."""
+class DeviceSink(_Pipelined):
+    """Buckets packed into a device buffer on the sender and delivered per the stage's :class:`StageRoute`: one
+    broadcast to the replicas of its process group (each one's ``receive_weights`` posted first, so the broadcast
+    has its receivers), and an IPC handle of the same buffer to the replicas on the sender's device
+    (``receive_shared``: they copy straight out of it). Where the device cannot share memory between processes
+    (an NPU whose torch_npu lacks it), those replicas get the bucket through the object store instead.
 
-    def __init__(self, rollouts: Sequence[Any], key: str, stage: int, max_in_flight: int = 1) -> None:
+    The buffers are reused: ``max_in_flight + 1`` of them in turn, so a buffer is packed again only after the
+    engines finished the bucket it held (at most ``max_in_flight`` buckets are unfinished after each send)."""
+
+    def __init__(self, rollouts: Sequence[Any], route: SyncRoute, stage: int, max_in_flight: int = 1) -> None:
+        from mm_rl.platform.device import current_device, ipc_supported
+
         super().__init__(rollouts, max_in_flight)
-        self.key, self.stage = key, stage
-        self.sync_group = _sync_group(key, stage)
+        self.key, self.stage, self.route = route.key, stage, route.stages[stage]
+        self.sync_group = _sync_group(route.key, stage) if self.route.group else None
+        self.device = self.sync_group.device if self.sync_group else current_device()
+        self.shared = ipc_supported(self.device)
+        self.buffers: list[torch.Tensor | None] = [None] * (self.max_in_flight + 1)
+        self.sent = 0
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        slot = self.sent % len(self.buffers)
+        self.sent += 1
+        held = self.buffers[slot]
+        if held is None or held.numel() < nbytes:
+            held = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return held
 
     def send(self, bucket: Bucket) -> None:
-        from mm_rl.platform.device import synchronize
+        import ray
+
+        from mm_rl.platform.device import export_ipc, synchronize
 
         start = time.perf_counter()
-        layout, flat = pack_bucket(bucket, self.sync_group.device)
-        refs = [rollout.receive_weights.remote(self.key, self.stage, layout, flat.numel())
-                for rollout in self.rollouts]
-        self.sync_group.group.broadcast(flat, 0).wait()
-        synchronize(self.sync_group.device)  # the buffer is free to go only once the device has sent it
+        layout, flat = pack_bucket(bucket, self.device, self._buffer(bucket_layout(bucket)[1]))
+        synchronize(self.device)  # packed before another process reads it (no stream order across processes)
+        refs: list[Any] = [None] * len(self.rollouts)
+        for replica in self.route.group:
+            refs[replica] = self.rollouts[replica].receive_weights.remote(self.key, self.stage, layout, flat.numel())
+        if self.route.local:
+            shared = export_ipc(flat) if self.shared else ray.put(SharedBucket(bucket))
+            for replica in self.route.local:
+                rollout = self.rollouts[replica]
+                refs[replica] = (rollout.receive_shared.remote(layout, shared) if self.shared
+                                 else rollout.update_weights.remote(shared))
+        if self.sync_group is not None:
+            self.sync_group.group.broadcast(flat, 0).wait()
+            synchronize(self.device)  # sent before the buffer is packed again
         self.result.put_s += time.perf_counter() - start
         self._submitted(refs)
+
+    def close(self) -> SinkResult:
+        from mm_rl.platform.device import release_ipc
+
+        result = super().close()  # every engine is done with every buffer
+        self.buffers.clear()
+        release_ipc(self.device)
+        return result

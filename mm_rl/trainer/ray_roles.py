@@ -172,14 +172,14 @@ class RayRoles:
         return {self.actor.bundles[replica] for replica in range(res.rollout_replicas)}
 
     def _join_sync(self) -> None:
-        """Weights go device to device to engine replicas on devices of their own; a colocated replica shares an
-        actor rank's device, where nccl / hccl cannot hold two ranks, and on CPU shared memory is faster
-        (bench/sync.py)."""
-        from mm_rl.sync.driver import join_collective
+        """On accelerators weights go device to device (mm_rl.sync.driver.join_device_sync): a colocated replica
+        maps its sender's buffer when they share a device, every other replica receives a broadcast. On CPU Ray's
+        shared-memory object store is faster (bench/sync.py)."""
+        from mm_rl.sync.driver import join_device_sync
 
-        if self.resources.rollout_devices:
-            with named("rollout engines joining the weight-sync groups"):
-                self.schedule.collective = join_collective(self.actor, self.engines.actors)
+        if self.resources.device != "cpu":
+            with named("rollout engines joining the weight sync"):
+                self.schedule.route = join_device_sync(self.actor, self.engines.actors)
 
     def _engine_placement(self, replica: int) -> dict[str, Any]:
         """Ray options of engine replica ``replica``'s actor: separate, a bundle of whole devices of its own;

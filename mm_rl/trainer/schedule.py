@@ -26,6 +26,7 @@ from mm_rl.sync.driver import SyncReport, bucket_bytes_of, sync_weights
 
 if TYPE_CHECKING:
     from mm_rl.config.schema import ActorConfig, GenerateConfig
+    from mm_rl.sync.transport import SyncRoute
     from mm_rl.workers.group import WorkerGroup
 
 
@@ -35,12 +36,12 @@ class RolloutSchedule:
     ``events`` records what the driver did, in order, for logs and tests."""
 
     def __init__(self, group: WorkerGroup, rollouts: Sequence[Any], generate: GenerateConfig, actor: ActorConfig,
-                 sleep_level: int = 2, collective: str | None = None, reference: WorkerGroup | None = None,
+                 sleep_level: int = 2, route: SyncRoute | None = None, reference: WorkerGroup | None = None,
                  shared_bundles: Collection[int] | None = None) -> None:
         self.group, self.rollouts, self.generate, self.actor = group, list(rollouts), generate, actor
         self.reference = reference  # a colocated reference model: its weights leave with the actor's parameters
         self.shared_bundles = shared_bundles  # the bundles (devices) that hold an engine replica; None: all
-        self.sleep_level, self.collective = sleep_level, collective
+        self.sleep_level, self.route = sleep_level, route  # route: device to device (else the object store)
         self.events: list[str] = []
         self.offloaded_bytes = 0  # what the actor (and reference) ranks freed on their devices for the last rollout
 
@@ -75,7 +76,7 @@ class RolloutSchedule:
                 self.events.append("reference.offload")
             self._engines("wake_up", ["weights"])
             self.events.append("engine.wake_up(weights)")
-        report = sync_weights(self.group, self.rollouts, bucket_bytes_of(self.generate), collective=self.collective)
+        report = sync_weights(self.group, self.rollouts, bucket_bytes_of(self.generate), route=self.route)
         self.events.append("sync")
         if self.generate.colocate:
             freed += self.group.offload(params=switches["params"], grads=False, optimizer=False, bundles=shared)

@@ -213,14 +213,21 @@ class MegatronWorker:
         return to_host(captured) if keep else None
 
     # ---------------------------------------------------------------------------- weight sync
-    def join_sync_group(self, key: str, senders: dict[int, tuple[str, int]], world: int) -> None:
-        """A stage's sender joins its weight-sync group with the engine replicas (``senders``: stage -> the address
-        this rank gave for it; ``world``: 1 + the replicas); the other ranks have no part in it."""
+    def device_identity(self) -> str | None:
+        """This rank's physical device (mm_rl.platform.device.device_identity): who may map its sync buffers."""
+        from mm_rl.platform.device import device_identity
+
+        return device_identity()
+
+    def join_sync_group(self, key: str, senders: dict[int, tuple[str, int]], worlds: dict[int, int]) -> None:
+        """A stage's sender joins its weight-sync group with the engines' ranks (``senders``: stage -> the address
+        this rank gave for it; ``worlds``: stage -> 1 + the engines' ranks; 1: every replica maps the sender's
+        buffer, no group); the other ranks have no part in it."""
         from mm_rl.sync.transport import join_group
 
         coords = self._require_coords()
-        if coords.is_sender():
-            join_group(key, coords.pp_rank, *senders[coords.pp_rank], rank=0, world=world)
+        if coords.is_sender() and worlds[coords.pp_rank] > 1:
+            join_group(key, coords.pp_rank, *senders[coords.pp_rank], rank=0, world=worlds[coords.pp_rank])
 
     def push_weights(self, sink_factory: Callable[[int], BucketSink], bucket_bytes: int) -> SyncStats | None:
         """Stream this stage's weights, TP-merged and HF-named, in buckets of about ``bucket_bytes``.

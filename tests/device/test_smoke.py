@@ -20,6 +20,7 @@ ViT 1280 wide) and 2 LLM / 2 ViT layers, both random (no warm-up: only numbers a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -73,8 +74,9 @@ def _job(out: Path, hf_dir: Path, data_dir: Path, devices: int = 1) -> JobConfig
     return to_job(node)
 
 
-def _run(job: JobConfig) -> tuple[list[dict[str, float]], list[tuple[int, int, int]]]:
-    """hf2mg and the GRPO steps with probe ranks; the metrics per step and rank 0's device memory per offload."""
+def _run(job: JobConfig) -> tuple[list[dict[str, float]], list[tuple[int, int, int]], Any]:
+    """hf2mg and the GRPO steps with probe ranks; the metrics per step, rank 0's device memory per offload and the
+    weight sync's device route."""
     import ray
 
     from mm_rl.trainer.grpo import build_trainer
@@ -86,11 +88,12 @@ def _run(job: JobConfig) -> tuple[list[dict[str, float]], list[tuple[int, int, i
     try:
         history = trainer.fit()
         memory = trainer.roles.actor.run("device_memory_log")[0]
+        route = trainer.roles.schedule.route
         graceful = True
     finally:
         trainer.close(graceful)
         ray.shutdown()
-    return history, memory
+    return history, memory, route
 
 
 @pytest.mark.parametrize("widths", ["tiny", "qwen2_5_vl_3b"])
@@ -99,9 +102,10 @@ def test_colocated_bf16_grpo_steps(widths: str, data_dir: Path, tmp_path: Path) 
 
     overrides = QWEN2_5_VL_3B_WIDTHS if widths == "qwen2_5_vl_3b" else {}
     hf_dir = build_tiny_checkpoint(tmp_path / "hf", seed=0, **overrides)
-    history, memory = _run(_job(tmp_path / "out", hf_dir, data_dir))
+    history, memory, route = _run(_job(tmp_path / "out", hf_dir, data_dir))
 
     assert len(history) == STEPS  # every step after the first went through sleep -> wake again
+    assert route.stages[0].local == (0,) and route.stages[0].group == ()  # the engine mapped the sender's buffers
     gaps = [step["rollout/logprob_gap_mean"] for step in history]
     assert max(gaps) < GAP_MEAN_BF16, gaps
     parameter_offloads = [(before, after, freed) for before, after, freed in memory if freed]
@@ -121,8 +125,10 @@ def test_two_colocated_engine_replicas_share_the_rollout(data_dir: Path, tmp_pat
     from mm_rl.models.tiny import build_tiny_checkpoint
 
     hf_dir = build_tiny_checkpoint(tmp_path / "hf", seed=0)
-    history, _ = _run(_job(tmp_path / "out", hf_dir, data_dir, devices=2))
+    history, _, route = _run(_job(tmp_path / "out", hf_dir, data_dir, devices=2))
     assert len(history) == STEPS
+    # replica 0 maps rank 0's buffers in place, replica 1 (on the other device) takes the broadcast
+    assert route.stages[0].local == (0,) and route.stages[0].group == (1,)
     for step in history:
         assert step["rollout/replicas"] == 2 and step["rollout/replica_prompts_min"] >= 1
         assert step["rollout/logprob_gap_mean"] < GAP_MEAN_BF16
@@ -190,3 +196,25 @@ def test_llm_core_attention_on_the_device_matches_the_same_attention_in_fp32() -
     for low, high in ((out16, out32), (grad16, grad32)):
         assert (low - high).abs().max() <= 2e-2 * high.abs().max() + 1e-3, (low - high).abs().max()
     assert math.isfinite(grad16.sum().item())
+
+
+def _read_shared(handle: bytes) -> int:
+    """In a fresh process on the same device: map the exported buffer and sum it there."""
+    from mm_rl.platform.device import import_ipc
+
+    return int(import_ipc(handle).sum(dtype=torch.int64))
+
+
+def test_a_device_buffer_is_read_in_place_by_another_process_on_the_device() -> None:
+    """export_ipc / import_ipc, the colocated weight sync's hand-over: another process on this device maps the
+    sender's buffer (device index rewritten to its own numbering) and reads the sender's bytes."""
+    import multiprocessing
+
+    from mm_rl.platform.device import current_device, export_ipc, ipc_supported
+
+    device = current_device()
+    if not ipc_supported(device):
+        pytest.skip("this torch_npu cannot share device storages: colocated syncs take the object store")
+    flat = (torch.arange(1 << 20, device=device) % 251).to(torch.uint8)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_read_shared, (export_ipc(flat),)) == int(flat.sum(dtype=torch.int64))
