@@ -312,7 +312,7 @@ def test_every_engine_replica_receives_the_weights(layout, prompts, transport):
                }[transport]
         key = key() if key else None
         if transport == "mixed":
-            assert key.stages[0].local == (0,) and key.stages[0].group == (1,) and key.stages[0].world == 2
+            assert key.stages[0].ranks == ((None,), (1,)) and key.stages[0].world == 2
         baseline = greedy(layout, prompts)
         layout.group.run("perturb_weights", NOISE, 2)
         try:
@@ -353,7 +353,7 @@ def test_a_tp2_engine_receives_on_every_worker_over_the_collective(layout, promp
     try:
         assert ray.get(engine.device_identities.remote()) == [None, None]  # two loading processes (CPU)
         key = join_device_sync(layout.group, [engine])
-        assert {stage.world for stage in key.stages.values()} == {3}
+        assert [stage.ranks for stage in key.stages.values()] == [((1, 2),)] * 2
         baseline = greedy(tp2, prompts)
         layout.group.run("perturb_weights", NOISE, 3)
         try:
@@ -438,27 +438,30 @@ def test_vocab_padding_is_cut_before_the_merge():
     assert strip_vocab_padding(bound, unpadded, model) is unpadded  # nothing to cut: the shards as they are
 
 
-def test_a_replica_on_the_senders_device_maps_its_buffer_and_the_others_join_its_group():
-    """The device route: colocated (one replica per device, PP2), each stage's sender's own replica reads its
-    buffer in place and the rest take the broadcast with one rank each; separate TP2 engines take two ranks each;
-    on CPU (no device identity) everything goes over the group; a TP2 engine straddling the sender's device is
-    refused (it could do neither)."""
+def test_a_process_on_the_senders_device_maps_its_buffer_and_the_others_join_its_group():
+    """The device route. Colocated, one replica per device, PP2: each stage's sender's own replica maps its buffer,
+    the rest take the broadcast with a rank each. Colocated TP2 replicas: the worker on the sender's device maps,
+    its TP peer on the next device joins the group. Separate TP2 engines: two ranks each. CPU (no identity):
+    everything over the group. Two processes on one device in one group are refused (nccl / hccl would hang)."""
     from mm_rl.sync.driver import plan_route
 
     colocated = plan_route("k", {0: "gpu-a", 1: "gpu-c"}, [["gpu-a"], ["gpu-b"], ["gpu-c"], ["gpu-d"]])
-    assert colocated.stages[0].local == (0,) and colocated.stages[0].group == (1, 2, 3)
-    assert colocated.stages[1].local == (2,) and colocated.stages[1].group == (0, 1, 3)
-    assert colocated.stages[1].world == 4 and colocated.stages[1].first_rank(3) == 3
+    assert colocated.stages[0].ranks == ((None,), (1,), (2,), (3,))
+    assert colocated.stages[1].ranks == ((1,), (2,), (None,), (3,)) and colocated.stages[1].world == 4
+    assert colocated.stages[1].maps(2) and not colocated.stages[1].joins(2) and colocated.stages[1].joins(0)
+
+    tp2 = plan_route("k", {0: "gpu-a", 1: "gpu-b"}, [["gpu-a", "gpu-b"], ["gpu-c", "gpu-d"]])
+    assert tp2.stages[0].ranks == ((None, 1), (2, 3)) and tp2.stages[1].ranks == ((1, None), (2, 3))
+    assert tp2.stages[0].maps(0) and tp2.stages[0].joins(0) and tp2.stages[0].world == 4
 
     separate = plan_route("k", {0: "gpu-a"}, [["gpu-e", "gpu-f"], ["gpu-g", "gpu-h"]]).stages[0]
-    assert separate.local == () and separate.ranks == (2, 2) and separate.world == 5
-    assert [separate.first_rank(r) for r in separate.group] == [1, 3]
+    assert separate.ranks == ((1, 2), (3, 4)) and separate.world == 5 and not separate.maps(0)
 
     cpu = plan_route("k", {0: None}, [[None], [None, None]]).stages[0]
-    assert cpu.local == () and cpu.group == (0, 1) and cpu.world == 4
+    assert cpu.ranks == ((1,), (2, 3)) and cpu.world == 4
 
-    with pytest.raises(ValueError, match="colocated engine must have TP 1"):
-        plan_route("k", {0: "gpu-a"}, [["gpu-a", "gpu-b"]])
+    with pytest.raises(ValueError, match="two engine processes on device gpu-b"):
+        plan_route("k", {0: "gpu-a"}, [["gpu-b"], ["gpu-b"]])
 
 
 def test_ipc_is_offered_only_where_a_device_shares_memory():

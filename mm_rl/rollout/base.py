@@ -343,37 +343,30 @@ class RolloutEngine(abc.ABC):
 
         return [device_identity()]
 
-    def join_sync_group(self, key: str, stage: int, host: str, port: int, first_rank: int, world: int) -> None:
-        """Join ``stage``'s weight-sync group with one rank per :meth:`device_identities` from ``first_rank``."""
+    def join_sync_group(self, key: str, stage: int, host: str, port: int, ranks: list[int | None],
+                        world: int) -> None:
+        """Join ``stage``'s weight-sync group: loading process i as ``ranks[i]`` of ``world`` (None: it sits on the
+        sender's device and maps the sender's buffer instead)."""
         from mm_rl.sync.transport import join_group
 
-        join_group(key, stage, host, port, rank=first_rank, world=world)
+        if ranks[0] is not None:
+            join_group(key, stage, host, port, rank=ranks[0], world=world)
 
-    def receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> int:
-        """Receive one bucket over ``stage``'s sync group (its sender broadcasts as this runs) and load it; returns
-        how many tensors were applied."""
-        count = self._receive_weights(key, stage, layout, nbytes)
+    def receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int,
+                        handle: bytes | None = None) -> int:
+        """Load one bucket of a device sync (:class:`mm_rl.sync.transport.DeviceSink`): broadcast over ``stage``'s
+        group as this runs, or read out of the sender's buffer (``handle``) by a process on its device. Returns
+        how many tensors were applied; the loads are waited for (the sender reuses its buffer afterwards)."""
+        count = self._receive_weights(key, stage, layout, nbytes, handle)
         self.call_log.append(("update_weights", count))
         return count
 
-    def _receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> int:
+    def _receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int,
+                         handle: bytes | None) -> int:
+        from mm_rl.platform.device import current_device, synchronize
         from mm_rl.sync.transport import receive_bucket
 
-        return self._load_weights(receive_bucket(key, stage, layout, nbytes))
-
-    def receive_shared(self, layout: list[TensorLayout], handle: bytes) -> int:
-        """Load one bucket straight out of the sender's buffer on this process's device (``handle``: from
-        :func:`mm_rl.platform.device.export_ipc`); returns how many tensors were applied. The sender reuses the
-        buffer once this returns, so the loads are waited for."""
-        count = self._receive_shared(layout, handle)
-        self.call_log.append(("update_weights", count))
-        return count
-
-    def _receive_shared(self, layout: list[TensorLayout], handle: bytes) -> int:
-        from mm_rl.platform.device import current_device, import_ipc, synchronize
-        from mm_rl.sync.transport import unpack_bucket
-
-        count = self._load_weights(unpack_bucket(layout, import_ipc(handle)))
+        count = self._load_weights(receive_bucket(key, stage, layout, nbytes, handle))
         synchronize(current_device())
         return count
 

@@ -117,18 +117,16 @@ class RolloutWorker:
     def device_identities(self) -> list[str | None]:
         return self.engine.device_identities()
 
-    def receive_shared(self, layout: list[TensorLayout], handle: bytes) -> int:
-        """Load one bucket out of the sender's device buffer (an IPC handle; same device only)."""
-        return self.engine.receive_shared(layout, handle)
+    def join_sync_group(self, key: str, stage: int, host: str, port: int, ranks: list[int | None],
+                        world: int) -> None:
+        """Join the weight-sync group of an actor stage's sender (see mm_rl.sync.transport): the engine's loading
+        process i as ``ranks[i]`` of ``world``."""
+        self.engine.join_sync_group(key, stage, host, port, ranks, world)
 
-    def join_sync_group(self, key: str, stage: int, host: str, port: int, first_rank: int, world: int) -> None:
-        """Join the weight-sync group of an actor stage's sender (see mm_rl.sync.transport) with the engine's
-        ranks (one per loading process) from ``first_rank`` of ``world``."""
-        self.engine.join_sync_group(key, stage, host, port, first_rank, world)
-
-    def receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> int:
-        """Receive one bucket over a sync group (the sender broadcasts it as this call runs) and load it."""
-        return self.engine.receive_weights(key, stage, layout, nbytes)
+    def receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int,
+                        handle: bytes | None = None) -> int:
+        """Load one bucket of a device sync (broadcast as this call runs, or mapped from the sender's buffer)."""
+        return self.engine.receive_weights(key, stage, layout, nbytes, handle)
 
     def reseed(self, seed: int) -> None:
         self.engine.reseed(seed)

@@ -158,38 +158,35 @@ class WeightReceiver:
         random.seed(seed)
         torch.manual_seed(seed)
 
-    def mm_rl_join_sync_group(self, key: str, stage: int, host: str, port: int, first_rank: int, world: int) -> None:
-        """Join an actor stage's weight-sync group as rank ``first_rank`` + this worker's TP rank: every TP rank
-        receives each bucket itself, on its own device (no hop through the engine's host process)."""
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        from mm_rl.sync.transport import join_group
-
-        join_group(key, stage, host, port, rank=first_rank + get_tensor_model_parallel_rank(), world=world)
-
-    def mm_rl_receive_bucket(self, key: str, stage: int, layout: list[Any], nbytes: int, session: bool) -> int:
-        """Receive one broadcast bucket into this worker's device and load it (each TP rank takes its shard of the
-        full HF tensors in ``load_weights``). Inside a session a layer split over two buckets is fine: vLLM's
-        layerwise reload processes a layer only once all of its elements arrived (``load_numel_total``,
-        vllm/model_executor/model_loader/reload/layerwise.py); the senders cut buckets between layers anyway."""
-        from mm_rl.sync.transport import receive_bucket
-
-        bucket = receive_bucket(key, stage, layout, nbytes)
-        self.mm_rl_reload_weights(bucket, session)
-        return len(bucket)
-
     def mm_rl_device_identity(self) -> str | None:
         from mm_rl.platform.device import device_identity
 
         return device_identity()
 
-    def mm_rl_receive_shared(self, layout: list[Any], handle: bytes, session: bool) -> int:
-        """Load one bucket out of the sender's buffer on this worker's device (an IPC handle, same device only),
-        waiting for the copies: the sender packs the next bucket into it once this returns."""
-        from mm_rl.platform.device import current_device, import_ipc, synchronize
-        from mm_rl.sync.transport import unpack_bucket
+    def mm_rl_join_sync_group(self, key: str, stage: int, host: str, port: int, ranks: list[int | None],
+                              world: int) -> None:
+        """Join an actor stage's weight-sync group as ``ranks[TP rank]`` (None: this worker sits on the sender's
+        device and maps its buffer instead): every TP rank receives each bucket itself, on its own device (no hop
+        through the engine's host process)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
 
-        bucket = unpack_bucket(layout, import_ipc(handle))
+        from mm_rl.sync.transport import join_group
+
+        rank = ranks[get_tensor_model_parallel_rank()]
+        if rank is not None:
+            join_group(key, stage, host, port, rank=rank, world=world)
+
+    def mm_rl_receive_bucket(self, key: str, stage: int, layout: list[Any], nbytes: int, handle: bytes | None,
+                             session: bool) -> int:
+        """Receive one bucket on this worker's device (the broadcast, or mapped from the sender's buffer) and load
+        it; each TP rank takes its shard of the full HF tensors in ``load_weights``. Inside a session a layer split
+        over two buckets is fine: vLLM's layerwise reload processes a layer only once all of its elements arrived
+        (``load_numel_total``, vllm/model_executor/model_loader/reload/layerwise.py); the senders cut buckets
+        between layers anyway. Waits for the device: the sender reuses its buffer once this returns."""
+        from mm_rl.platform.device import current_device, synchronize
+        from mm_rl.sync.transport import receive_bucket
+
+        bucket = receive_bucket(key, stage, layout, nbytes, handle)
         self.mm_rl_reload_weights(bucket, session)
         synchronize(current_device())
         return len(bucket)
@@ -509,18 +506,15 @@ class VllmEngine(RolloutEngine):
     def device_identities(self) -> list[str | None]:
         return list(self.llm.collective_rpc("mm_rl_device_identity"))
 
-    def join_sync_group(self, key: str, stage: int, host: str, port: int, first_rank: int, world: int) -> None:
-        """Every vLLM worker joins (one rank per TP rank), so buckets arrive on the workers' devices directly."""
-        self.llm.collective_rpc("mm_rl_join_sync_group", args=(key, stage, host, port, first_rank, world))
+    def join_sync_group(self, key: str, stage: int, host: str, port: int, ranks: list[int | None],
+                        world: int) -> None:
+        """Every vLLM worker joins with its own rank (or maps the sender's buffer: ``ranks[i]`` None)."""
+        self.llm.collective_rpc("mm_rl_join_sync_group", args=(key, stage, host, port, ranks, world))
 
-    def _receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> int:
-        counts = self.llm.collective_rpc("mm_rl_receive_bucket", args=(key, stage, layout, nbytes, self.session))
-        if not self.session:
-            self._reset_caches()
-        return min(counts)
-
-    def _receive_shared(self, layout: list[TensorLayout], handle: bytes) -> int:
-        counts = self.llm.collective_rpc("mm_rl_receive_shared", args=(layout, handle, self.session))
+    def _receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int,
+                         handle: bytes | None) -> int:
+        counts = self.llm.collective_rpc("mm_rl_receive_bucket", args=(key, stage, layout, nbytes, handle,
+                                                                       self.session))
         if not self.session:
             self._reset_caches()
         return min(counts)

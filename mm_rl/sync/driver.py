@@ -63,23 +63,32 @@ def bucket_bytes_of(generate: GenerateConfig) -> int:
 
 
 def plan_route(key: str, senders: dict[int, str | None], replicas: Sequence[Sequence[str | None]]) -> SyncRoute:
-    """Per stage, which replicas map the sender's buffer in place and which receive its broadcast.
+    """Per stage, which loading processes map the sender's buffer in place and which receive its broadcast.
 
     ``senders``: each stage's sender device (:func:`mm_rl.platform.device.device_identity`); ``replicas``: the
-    devices of each replica's loading processes. A replica whose only process sits on the sender's device reads
-    the sender's buffer through an IPC handle: NCCL and HCCL refuse two ranks of a group on one device, and a copy
-    to the same device would be wasted. Every other replica joins the stage's process group, with one rank per
-    process (CPU has no identity: everything there goes over the group)."""
+    devices of each replica's loading processes (a vLLM engine's TP workers). A process on the sender's device
+    reads the sender's buffer through an IPC handle (NCCL and HCCL refuse two ranks of a group on one device, and
+    a copy to the same device would be wasted); every other one takes a rank in the stage's process group. CPU
+    has no identity: everything there goes over the group."""
     stages = {}
     for stage, sender in senders.items():
-        for replica, ids in enumerate(replicas):
-            if sender is not None and sender in ids and len(ids) > 1:
-                raise ValueError(f"engine replica {replica} has a TP worker on stage {stage}'s sender device "
-                                 f"({sender}) and others elsewhere: it can neither map the sender's buffer nor "
-                                 "share a process group with it (a colocated engine must have TP 1)")
-        local = tuple(r for r, ids in enumerate(replicas) if sender is not None and list(ids) == [sender])
-        group = tuple(r for r in range(len(replicas)) if r not in local)
-        stages[stage] = StageRoute(group, tuple(len(replicas[r]) for r in group), local)
+        owners: dict[str, int] = {}
+        ranks, rank = [], 1
+        for replica, identities in enumerate(replicas):
+            row: list[int | None] = []
+            for identity in identities:
+                if sender is not None and identity == sender:
+                    row.append(None)
+                    continue
+                if identity is not None and identity in owners:
+                    raise ValueError(f"two engine processes on device {identity} (replicas {owners[identity]} and "
+                                     f"{replica}) in stage {stage}'s weight-sync group: nccl / hccl refuse that")
+                if identity is not None:
+                    owners[identity] = replica
+                row.append(rank)
+                rank += 1
+            ranks.append(tuple(row))
+        stages[stage] = StageRoute(tuple(ranks))
     return SyncRoute(key, stages)
 
 
@@ -103,10 +112,10 @@ def join_route(group: SenderGroup, rollouts: Sequence[Any], route: SyncRoute) ->
 
     addresses = group.run("rendezvous_address")
     senders = {c.pp_rank: addresses[i] for i, c in enumerate(group.coords) if c.is_sender()}
-    joined = [rollouts[replica].join_sync_group.remote(route.key, stage, *senders[stage],
-                                                       stage_route.first_rank(replica), stage_route.world)
-              for replica in range(len(rollouts)) for stage, stage_route in route.stages.items()
-              if replica in stage_route.group]
+    joined = [rollout.join_sync_group.remote(route.key, stage, *senders[stage], list(stage_route.ranks[replica]),
+                                             stage_route.world)
+              for replica, rollout in enumerate(rollouts) for stage, stage_route in route.stages.items()
+              if stage_route.joins(replica)]
     group.run("join_sync_group", route.key, senders, {stage: r.world for stage, r in route.stages.items()})
     ray.get(joined)
     return route

@@ -146,19 +146,21 @@ class ObjectStoreSink(_Pipelined):
 # ---------------------------------------------------------------------------------------------- device
 @dataclass(frozen=True)
 class StageRoute:
-    """How one stage's buckets reach the engine replicas: broadcast over the stage's process group, or mapped in
-    place by the replicas on the sender's own device."""
+    """How one stage's buckets reach every loading process of every engine replica (a vLLM engine: one per TP
+    worker): its rank in the stage's process group (the sender is rank 0), or None for a process on the sender's
+    own device, which maps the sender's buffer in place through an IPC handle instead."""
 
-    group: tuple[int, ...] = ()  # replicas in the stage's process group, in rank order (the sender is rank 0)
-    ranks: tuple[int, ...] = ()  # how many ranks each of them takes (a vLLM engine: one per TP worker)
-    local: tuple[int, ...] = ()  # replicas on the sender's device: they read its buffer through an IPC handle
+    ranks: tuple[tuple[int | None, ...], ...]  # per replica, per loading process
 
     @property
     def world(self) -> int:
-        return 1 + sum(self.ranks)
+        return 1 + sum(rank is not None for replica in self.ranks for rank in replica)
 
-    def first_rank(self, replica: int) -> int:
-        return 1 + sum(self.ranks[:self.group.index(replica)])
+    def maps(self, replica: int) -> bool:
+        return None in self.ranks[replica]
+
+    def joins(self, replica: int) -> bool:
+        return any(rank is not None for rank in self.ranks[replica])
 
 
 @dataclass(frozen=True)
@@ -265,11 +267,19 @@ def unpack_bucket(layout: list[TensorLayout], flat: torch.Tensor) -> Bucket:
     return [(name, _view(flat, dtype, tuple(shape), start)) for name, dtype, shape, start in layout]
 
 
-def receive_bucket(key: str, stage: int, layout: list[TensorLayout], nbytes: int) -> Bucket:
-    """Engine side of a broadcast: receive one ``nbytes`` bucket from ``stage``'s sender."""
+def receive_bucket(key: str, stage: int, layout: list[TensorLayout], nbytes: int, handle: bytes | None) -> Bucket:
+    """Engine side of a :class:`DeviceSink` bucket, in one loading process: received from the broadcast when this
+    process is in ``stage``'s group, else mapped from the sender's buffer (``handle``, same device). The caller
+    loads it and waits for the device before returning (the sender reuses its buffer afterwards)."""
     import torch
 
-    group = _sync_group(key, stage)
+    from mm_rl.platform.device import import_ipc
+
+    group = _GROUPS.get(group_name(key, stage))
+    if group is None:
+        if handle is None:
+            _sync_group(key, stage)  # raises: this process neither joined the group nor got the buffer
+        return unpack_bucket(layout, import_ipc(handle))  # type: ignore[arg-type]
     flat = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
     group.group.broadcast(flat, 0).wait()
     return unpack_bucket(layout, flat)
@@ -277,10 +287,10 @@ def receive_bucket(key: str, stage: int, layout: list[TensorLayout], nbytes: int
 
 class DeviceSink(_Pipelined):
     """Buckets packed into a device buffer on the sender and delivered per the stage's :class:`StageRoute`: one
-    broadcast to the replicas of its process group (each one's ``receive_weights`` posted first, so the broadcast
-    has its receivers), and an IPC handle of the same buffer to the replicas on the sender's device
-    (``receive_shared``: they copy straight out of it). Where the device cannot share memory between processes
-    (an NPU whose torch_npu lacks it), those replicas get the bucket through the object store instead.
+    broadcast to the processes in its group (every replica's ``receive_weights`` posted first, so the broadcast has
+    its receivers) and, to the processes on the sender's device, an IPC handle of the same buffer (they copy straight
+    out of it). Where the device cannot share memory between processes (an NPU whose torch_npu lacks it), a
+    single-process replica on the sender's device gets the bucket through the object store instead.
 
     The buffers are reused: ``max_in_flight + 1`` of them in turn, so a buffer is packed again only after the
     engines finished the bucket it held (at most ``max_in_flight`` buckets are unfinished after each send)."""
@@ -290,9 +300,14 @@ class DeviceSink(_Pipelined):
 
         super().__init__(rollouts, max_in_flight)
         self.key, self.stage, self.route = route.key, stage, route.stages[stage]
-        self.sync_group = _sync_group(route.key, stage) if self.route.group else None
+        self.sync_group = _sync_group(route.key, stage) if self.route.world > 1 else None
         self.device = self.sync_group.device if self.sync_group else current_device()
         self.shared = ipc_supported(self.device)
+        for replica in range(len(self.rollouts)):
+            if self.route.maps(replica) and self.route.joins(replica) and not self.shared:
+                raise RuntimeError(f"engine replica {replica} has a TP worker on the {self.device} of stage {stage}'s "
+                                   "sender, which cannot share memory with it (torch_npu without storage sharing): "
+                                   "give the engines devices of their own (generate_config.colocate: false)")
         self.buffers: list[torch.Tensor | None] = [None] * (self.max_in_flight + 1)
         self.sent = 0
 
@@ -314,15 +329,13 @@ class DeviceSink(_Pipelined):
         start = time.perf_counter()
         layout, flat = pack_bucket(bucket, self.device, self._buffer(bucket_layout(bucket)[1]))
         synchronize(self.device)  # packed before another process reads it (no stream order across processes)
-        refs: list[Any] = [None] * len(self.rollouts)
-        for replica in self.route.group:
-            refs[replica] = self.rollouts[replica].receive_weights.remote(self.key, self.stage, layout, flat.numel())
-        if self.route.local:
-            shared = export_ipc(flat) if self.shared else ray.put(SharedBucket(bucket))
-            for replica in self.route.local:
-                rollout = self.rollouts[replica]
-                refs[replica] = (rollout.receive_shared.remote(layout, shared) if self.shared
-                                 else rollout.update_weights.remote(shared))
+        mapped = [replica for replica in range(len(self.rollouts)) if self.route.maps(replica)]
+        handle = export_ipc(flat) if mapped and self.shared else None
+        stored = ray.put(SharedBucket(bucket)) if mapped and not self.shared else None
+        refs = [rollout.update_weights.remote(stored) if stored is not None and self.route.maps(replica)
+                else rollout.receive_weights.remote(self.key, self.stage, layout, flat.numel(),
+                                                    handle if self.route.maps(replica) else None)
+                for replica, rollout in enumerate(self.rollouts)]
         if self.sync_group is not None:
             self.sync_group.group.broadcast(flat, 0).wait()
             synchronize(self.device)  # sent before the buffer is packed again

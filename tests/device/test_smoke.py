@@ -105,7 +105,7 @@ def test_colocated_bf16_grpo_steps(widths: str, data_dir: Path, tmp_path: Path) 
     history, memory, route = _run(_job(tmp_path / "out", hf_dir, data_dir))
 
     assert len(history) == STEPS  # every step after the first went through sleep -> wake again
-    assert route.stages[0].local == (0,) and route.stages[0].group == ()  # the engine mapped the sender's buffers
+    assert route.stages[0].ranks == ((None,),)  # the engine mapped the sender's buffers (IPC), no group
     gaps = [step["rollout/logprob_gap_mean"] for step in history]
     assert max(gaps) < GAP_MEAN_BF16, gaps
     parameter_offloads = [(before, after, freed) for before, after, freed in memory if freed]
@@ -128,7 +128,7 @@ def test_two_colocated_engine_replicas_share_the_rollout(data_dir: Path, tmp_pat
     history, _, route = _run(_job(tmp_path / "out", hf_dir, data_dir, devices=2))
     assert len(history) == STEPS
     # replica 0 maps rank 0's buffers in place, replica 1 (on the other device) takes the broadcast
-    assert route.stages[0].local == (0,) and route.stages[0].group == (1,)
+    assert route.stages[0].ranks == ((None,), (1,))
     for step in history:
         assert step["rollout/replicas"] == 2 and step["rollout/replica_prompts_min"] >= 1
         assert step["rollout/logprob_gap_mean"] < GAP_MEAN_BF16
