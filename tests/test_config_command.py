@@ -102,6 +102,21 @@ def test_planner_picks_a_layout_that_fits_or_warns():
     assert (plan.tp, plan.pp) == (1, 1)
 
 
+def test_config_gives_a_colocated_engine_the_tp_its_weights_need():
+    """32B in bf16 (~62 GiB) beside the actor on 64 GiB devices: engine TP 1 would leave its KV cache nothing of its
+    share, so config picks the smallest TP within the node that does; 3B keeps TP 1; where no TP fits, the plan
+    warns."""
+    _, job, plan = create_job("qwen2_5_vl_32b", "x", ClusterSpec(1, 8, "npu"))
+    tp = job.backend_config.generate_config.infer_tensor_parallel_size
+    assert tp > 1 and plan.engine_tp == tp and plan.engine_fits
+    assert plan.engine_weights * tp > 0.9 * plan.engine_share  # the whole model on one device would not fit
+    assert f"colocated engine: TP {tp}" in plan.describe()
+    _, job, plan = create_job("qwen2_5_vl_3b", "x", ClusterSpec(1, 8, "npu"))
+    assert job.backend_config.generate_config.infer_tensor_parallel_size == 1 and plan.engine_fits
+    _, _, plan = create_job("qwen2_5_vl_72b", "x", ClusterSpec(1, 8, "npu", device_memory_gb=16))
+    assert not plan.engine_fits and "the engine's weights leave its KV cache" in plan.describe()
+
+
 def test_bigger_device_memory_needs_less_model_parallelism():
     small = create_job("qwen2_5_vl_32b", "x", ClusterSpec(2, 8, "npu", device_memory_gb=32))[2]
     large = create_job("qwen2_5_vl_32b", "x", ClusterSpec(2, 8, "npu", device_memory_gb=96))[2]

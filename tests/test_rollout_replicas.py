@@ -82,6 +82,7 @@ def test_outputs_come_back_in_request_order_with_their_replica_and_summed_counts
 @pytest.mark.parametrize("overrides, replicas, rollout_devices, world", [
     (("env.DEVICE=npu", "env.NPROC_PER_NODE=8"), 8, 0, 8),  # colocated default: one beside every device
     (("env.DEVICE=npu", "env.NPROC_PER_NODE=8", f"{GEN}.replicas=2"), 2, 0, 8),
+    (("env.DEVICE=cuda", "env.NPROC_PER_NODE=8", f"{GEN}.infer_tensor_parallel_size=2"), 4, 0, 8),  # TP2 pairs
     (("env.DEVICE=cuda", "env.NPROC_PER_NODE=8", f"{GEN}.colocate=false", f"{GEN}.infer_tensor_parallel_size=2",
       f"{GEN}.replicas=2"), 2, 4, 4),  # separate: replicas x engine TP devices of their own
     (("env.DEVICE=cuda", "env.NPROC_PER_NODE=8", f"{GEN}.colocate=false"), 1, 1, 7),
@@ -101,11 +102,29 @@ def test_cpu_replicas_split_the_engine_cores():
 @pytest.mark.parametrize("overrides, key", [
     ((f"{GEN}.replicas=-1",), f"{GEN}.replicas"),
     (("env.DEVICE=npu", "env.NPROC_PER_NODE=4", f"{GEN}.replicas=5"), f"{GEN}.replicas"),
+    (("env.DEVICE=npu", "env.NPROC_PER_NODE=4", f"{GEN}.infer_tensor_parallel_size=2", f"{GEN}.replicas=3"),
+     f"{GEN}.replicas"),  # 3 replicas x 2 devices > 4
+    (("env.DEVICE=cuda", "env.NPROC_PER_NODE=8", f"{GEN}.infer_tensor_parallel_size=3"),
+     f"{GEN}.infer_tensor_parallel_size"),  # a node's 8 devices do not split into colocated TP3 engines
     (("env.DEVICE=npu", "env.NPROC_PER_NODE=4", f"{GEN}.colocate=false", f"{GEN}.replicas=4"), f"{GEN}.colocate"),
 ])
 def test_replicas_that_do_not_fit_are_rejected(overrides, key):
     problems = validate(load_job(None, [f"--{o}" for o in overrides]), check_paths=False)
     assert key in {p.key for p in problems}, problems
+
+
+def test_colocated_tp2_replicas_see_their_actor_ranks_devices():
+    """Colocated engine TP 2 on 4 devices of one node (Ray gave the ranks GPUs 3, 1, 0, 2): replica 0 sees the
+    devices of ranks 0 and 1, replica 1 those of ranks 2 and 3 (so vLLM's two TP workers land beside them); ranks
+    of one replica on two nodes are refused."""
+    from mm_rl.trainer.runtime import engine_visible_devices
+
+    placements = [("node-a", "3"), ("node-a", "1"), ("node-a", "0"), ("node-a", "2")]
+    assert engine_visible_devices(placements, 2, 2, "cuda") == [{"CUDA_VISIBLE_DEVICES": "3,1"},
+                                                                 {"CUDA_VISIBLE_DEVICES": "0,2"}]
+    assert engine_visible_devices(placements[:2], 1, 2, "npu") == [{"ASCEND_RT_VISIBLE_DEVICES": "3,1"}]
+    with pytest.raises(RuntimeError, match="ranks 0..1 on different nodes"):
+        engine_visible_devices([("node-a", "0"), ("node-b", "0")], 1, 2, "cuda")
 
 
 def test_separate_replicas_get_a_bundle_each():

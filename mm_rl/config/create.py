@@ -11,7 +11,14 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from mm_rl.config.loader import ConfigError, Violation, check_job, read_layers, relative_note, to_job
-from mm_rl.config.plan import DEFAULT_DEVICE_MEMORY_GB, ParallelPlan, batch_sizes, current_plan, plan_parallel
+from mm_rl.config.plan import (
+    DEFAULT_DEVICE_MEMORY_GB,
+    ParallelPlan,
+    batch_sizes,
+    colocated_engine_tp,
+    current_plan,
+    plan_parallel,
+)
 from mm_rl.config.presets import BACKENDS, Preset, load_preset, model_names
 from mm_rl.config.schema import JobConfig, defaults
 from mm_rl.config.validate import validate
@@ -113,9 +120,13 @@ def _compose(preset: Preset, exp_name: str, cluster: ClusterSpec, model_path: st
 
 def _apply_plan(node: DictConfig, preset: Preset) -> None:
     """Write the planned TP / PP / stage split and batch sizes into the source keys of ``node``."""
-    job = to_job(node)
+    job, b = to_job(node), node.backend_config
+    engine_tp = colocated_engine_tp(job) if job.env.DEVICE != "cpu" and job.backend_config.generate_config.colocate \
+        else None
+    if engine_tp:  # the smallest engine TP whose weights leave its KV cache room beside the actor
+        b.generate_config.infer_tensor_parallel_size = engine_tp
+        job = to_job(node)
     plan = plan_parallel(job)
-    b = node.backend_config
     b.actor_config.tensor_model_parallel_size = plan.tp
     b.actor_config.pipeline_model_parallel_size = plan.pp
     b.model.image_encoder.vision_encoder.pipeline_num_layers = plan.vit_pp_layers

@@ -69,6 +69,33 @@ def layer_counts(model: ModelConfig) -> LayerCounts:
     )
 
 
+def model_parameters(model: ModelConfig) -> int:
+    """Parameters of the whole model (what a rollout engine holds, split over its TP ranks)."""
+    counts, text, vit = layer_counts(model), model.text_decoder, model.image_encoder.vision_encoder
+    head = counts.output_layer if text.untie_embeddings_and_output_weights else 0
+    return (vit.num_layers * counts.vit_layer + counts.patch_embed + counts.projector
+            + text.num_layers * counts.llm_layer + counts.embedding + head)
+
+
+ENGINE_WEIGHTS_SHARE = 0.9  # at most this much of a colocated engine's memory share may be weights (the rest: KV cache)
+
+
+def engine_weights_gb(cfg: JobConfig) -> float:
+    """GiB of the whole model in the engine's precision (bf16 unless ``generate_config.dtype`` is float32)."""
+    g = cfg.backend_config.generate_config
+    return model_parameters(cfg.backend_config.model) * (4 if g.dtype == "float32" else 2) / 2**30
+
+
+def colocated_engine_tp(cfg: JobConfig) -> int | None:
+    """The smallest engine TP (a divisor of the devices per node) whose weight share per device leaves a KV cache
+    room in a colocated engine's ``gpu_memory_utilization`` share; None when no TP within a node does."""
+    share = cfg.backend_config.generate_config.gpu_memory_utilization * device_memory_gb(cfg)
+    per_node = cfg.env.NPROC_PER_NODE
+    fitting = [tp for tp in range(1, per_node + 1)
+               if per_node % tp == 0 and engine_weights_gb(cfg) / tp <= ENGINE_WEIGHTS_SHARE * share]
+    return fitting[0] if fitting else None
+
+
 def micro_batch_tokens(cfg: JobConfig) -> int:
     """Positions (padding included) one training micro-batch holds on a rank: its token budget, or MBS rows of
     seq-length."""
@@ -253,6 +280,9 @@ class ParallelPlan:
     memory: list[StageMemory]
     device_memory_gb: float
     offload: tuple[str, ...] = ()  # what the actor offloads while a colocated engine generates (offload_train_*)
+    engine_tp: int = 1  # a colocated engine's TP
+    engine_weights: float = 0.0  # GiB of its weights per device (0: no colocated engine)
+    engine_share: float = 0.0  # GiB of its gpu_memory_utilization share of a device
 
     @property
     def peak(self) -> float:
@@ -260,8 +290,13 @@ class ParallelPlan:
         return max(m.total for m in self.memory)
 
     @property
+    def engine_fits(self) -> bool:
+        """A colocated engine's weights leave its KV cache room in its share (vLLM refuses to start otherwise)."""
+        return self.engine_weights <= ENGINE_WEIGHTS_SHARE * self.engine_share
+
+    @property
     def fits(self) -> bool:
-        return self.peak <= self.device_memory_gb
+        return self.peak <= self.device_memory_gb and self.engine_fits
 
     def describe(self) -> str:
         lines = [f"parallel layout: world {self.tp * self.pp * self.dp} = TP {self.tp} x PP {self.pp} x DP {self.dp}"
@@ -274,7 +309,14 @@ class ParallelPlan:
         if self.offload:
             lines.append("colocated rollout: the actor offloads its " + ", ".join(self.offload)
                          + " while the engine generates (actor_config.offload_train_*)")
-        if not self.fits:
+        if self.engine_weights:
+            lines.append(f"colocated engine: TP {self.engine_tp}, {self.engine_weights:.1f} GiB of weights per device "
+                         f"in its {self.engine_share:.1f} GiB share (generate_config.gpu_memory_utilization)")
+        if not self.engine_fits:
+            lines.append(f"WARNING: the engine's weights leave its KV cache less than {1 - ENGINE_WEIGHTS_SHARE:.0%} "
+                         "of its share: raise generate_config.infer_tensor_parallel_size (within a node) or "
+                         "gpu_memory_utilization, or give the engines devices of their own (colocate: false)")
+        if self.peak > self.device_memory_gb:
             lines.append(f"WARNING: the estimate ({self.peak:.1f} GiB) exceeds the device memory "
                          f"({self.device_memory_gb:.0f} GiB): raise TP/PP, enable use-distributed-optimizer, "
                          "lower seq-length or micro_batch_size; in the rollout phase, set actor_config."
@@ -292,9 +334,13 @@ def current_plan(cfg: JobConfig) -> ParallelPlan:
     dp = topology(cfg).dp
     m, actor = cfg.backend_config.model, cfg.backend_config.actor_config
     offload = tuple(kind for kind in OFFLOAD_KINDS if getattr(actor, f"offload_train_{kind}"))
+    g = cfg.backend_config.generate_config
+    colocated = g.colocate and cfg.env.DEVICE != "cpu"
+    engine_tp = max(1, g.infer_tensor_parallel_size)
     return ParallelPlan(tp, pp, dp, list(m.image_encoder.vision_encoder.pipeline_num_layers),
                         list(m.text_decoder.pipeline_num_layers), estimate_memory(cfg), device_memory_gb(cfg),
-                        offload)
+                        offload, engine_tp, engine_weights_gb(cfg) / engine_tp if colocated else 0.0,
+                        g.gpu_memory_utilization * device_memory_gb(cfg) if colocated else 0.0)
 
 
 def with_offload(cfg: JobConfig, kinds: tuple[str, ...]) -> JobConfig:

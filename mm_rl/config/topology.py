@@ -30,7 +30,7 @@ class Topology:
     cp: int = 1
     rollout_devices: int = 0  # the separate engine replicas' whole devices (0: colocated, or on CPU)
     rollout_overlaps: bool = False  # the engine generates while the actor trains (one-step-off-policy)
-    rollout_replicas: int = 1  # engine replicas (colocated: each beside one actor rank)
+    rollout_replicas: int = 1  # engine replicas (colocated: replica r on the devices of actor ranks r*k .. r*k+k-1)
 
     @property
     def world_size(self) -> int:
@@ -79,9 +79,9 @@ def topology(cfg: JobConfig) -> Topology:
 
 
 def engine_replicas(cfg: JobConfig) -> int:
-    """``generate_config.replicas``, its default (0) resolved: colocated on accelerators one engine beside each
-    device (every device generates, as verl's and MindSpeed-RL's rollout workers do), separate one, on CPU one
-    (replicas there only split the same cores)."""
+    """``generate_config.replicas``, its default (0) resolved: colocated on accelerators one engine on every
+    ``infer_tensor_parallel_size`` devices (every device generates, as verl's and MindSpeed-RL's rollout workers
+    do), separate one, on CPU one (replicas there only split the same cores)."""
     g, env = cfg.backend_config.generate_config, cfg.env
     if g.replicas > 0:
         return g.replicas

@@ -93,13 +93,15 @@ def rollout_engine_fits(cfg: JobConfig) -> Iterator[Violation]:
         return
     if env.DEVICE == "cpu" or g.infer_tensor_parallel_size < 1:
         return
-    if g.colocate and g.infer_tensor_parallel_size > 1:
-        yield Violation(key, g.infer_tensor_parallel_size, "a colocated engine replica shares one actor rank's "
-                        "device, so it runs on one device", f"set {GEN}.colocate: false to give the replicas "
-                        "devices of their own, or infer_tensor_parallel_size: 1")
-    elif g.colocate and g.replicas > devices:
-        yield Violation(f"{GEN}.replicas", g.replicas, f"colocated replicas sit one per device, and the job has "
-                        f"{devices}", f"use at most {devices} (0: one per device)")
+    tp = g.infer_tensor_parallel_size
+    if g.colocate and env.NPROC_PER_NODE % tp:
+        yield Violation(key, tp, f"a colocated engine replica spans {tp} devices of one node beside the actor ranks "
+                        f"there, and a node's NPROC_PER_NODE = {env.NPROC_PER_NODE} devices do not split into "
+                        f"groups of {tp}", "use an engine TP that divides NPROC_PER_NODE")
+    elif g.colocate and g.replicas * tp > devices:
+        yield Violation(f"{GEN}.replicas", g.replicas, f"colocated replicas take {tp} device(s) each "
+                        f"(infer_tensor_parallel_size), and the job has {devices}",
+                        f"use at most {devices // tp} (0: every device)")
     elif g.infer_tensor_parallel_size > env.NPROC_PER_NODE:
         yield Violation(key, g.infer_tensor_parallel_size, f"an engine replica runs on one node, which has "
                         f"NPROC_PER_NODE = {env.NPROC_PER_NODE} devices", "use a smaller engine TP")

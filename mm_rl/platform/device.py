@@ -27,6 +27,7 @@ import torch
 DeviceKind = Literal["npu", "cuda", "cpu"]
 
 _BACKENDS: dict[str, str] = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+VISIBLE_DEVICES_ENV: dict[str, str] = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 _setup_done = False
 
 

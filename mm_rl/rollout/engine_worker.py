@@ -75,8 +75,12 @@ class RolloutWorker:
         max_pixels: int,
         backend: str | None = None,
         num_threads: int | None = None,
+        visible_devices: dict[str, str] | None = None,
         **engine_kwargs: Any,
     ) -> None:
+        # first: the device runtime reads its visible devices once, when this process first touches it (a colocated
+        # engine with TP > 1 sees its actor ranks' devices, not only the one of the bundle Ray placed it in)
+        os.environ.update(visible_devices or {})
         self.num_threads = set_thread_budget(num_threads)
         backend = backend or config.backend
         self.engine = build_engine(

@@ -143,12 +143,12 @@ class RayRoles:
         b, res = self.job.backend_config, self.resources
         pre = b.data.dataset_param.preprocess_parameters
         threads = topology(self.job).engine_threads()
-        for replica in range(res.rollout_replicas):  # they start side by side
+        for replica, devices in enumerate(self._engine_devices()):  # they start side by side
             options = self._engine_placement(replica)
             self.engines.actors.append(rollout_worker_actor(
                 num_cpus=ROLLOUT_CPUS if res.device == "cpu" else 0, **options).remote(
                 pre.model_name_or_path, b.generate_config, min_pixels=pre.min_pixels, max_pixels=pre.max_pixels,
-                num_threads=threads, seed=replica_seed(int(b.training.seed), replica)))
+                num_threads=threads, seed=replica_seed(int(b.training.seed), replica), visible_devices=devices))
         for replica, engine in enumerate(self.engines.actors):
             with named(self.engines.name(replica)):  # a start-up failure surfaces here, named
                 ray.get(engine.ready.remote())
@@ -163,13 +163,29 @@ class RayRoles:
         self.report(f"rollout: {count}{b.generate_config.backend} engine ready"
                     + (f" ({threads} threads each)" if count and threads else ""))
 
+    def _colocated_ranks(self, replica: int) -> range:
+        """The actor ranks on whose devices colocated replica ``replica`` runs (one per engine TP rank)."""
+        tp = self.job.backend_config.generate_config.infer_tensor_parallel_size
+        return range(replica * tp, (replica + 1) * tp)
+
     def _engine_bundles(self) -> set[int] | None:
-        """The actor bundles (devices) that hold a colocated engine replica; None when every one does (or none
-        does: the engines have devices, or the host, of their own)."""
+        """The actor bundles (devices) that hold a colocated engine replica's worker; None when every one does (or
+        none does: the engines have devices, or the host, of their own)."""
         res = self.resources
-        if res.device == "cpu" or res.rollout_devices or res.rollout_replicas >= res.world_size:
+        if res.device == "cpu" or res.rollout_devices:
             return None
-        return {self.actor.bundles[replica] for replica in range(res.rollout_replicas)}
+        bundles = {self.actor.bundles[rank] for replica in range(res.rollout_replicas)
+                   for rank in self._colocated_ranks(replica)}
+        return None if len(bundles) >= res.world_size else bundles
+
+    def _engine_devices(self) -> list[dict[str, str]]:
+        """Per replica, the visible-devices variable its process sets first (:func:`engine_visible_devices`)."""
+        from mm_rl.trainer.runtime import engine_visible_devices
+
+        res, tp = self.resources, self.job.backend_config.generate_config.infer_tensor_parallel_size
+        if res.device == "cpu" or res.rollout_devices or tp == 1:
+            return [{}] * res.rollout_replicas
+        return engine_visible_devices(self.actor.run("device_placement"), res.rollout_replicas, tp, res.device)
 
     def _join_sync(self) -> None:
         """On accelerators weights go device to device (mm_rl.sync.driver.join_device_sync): a colocated replica
@@ -183,8 +199,9 @@ class RayRoles:
 
     def _engine_placement(self, replica: int) -> dict[str, Any]:
         """Ray options of engine replica ``replica``'s actor: separate, a bundle of whole devices of its own;
-        colocated, a share of actor rank ``replica``'s device (it sleeps while the actor trains); on CPU, none (it
-        runs beside the ranks)."""
+        colocated, a share of the device of its first actor rank (it sleeps while the actor trains; with engine TP
+        > 1 its other workers use its other ranks' devices, :meth:`_engine_devices`); on CPU, none (it runs beside
+        the ranks)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         res = self.resources
@@ -192,7 +209,7 @@ class RayRoles:
             return {}
         bundle, share = ((res.world_size + replica, res.rollout_devices // res.rollout_replicas)
                          if res.rollout_devices
-                         else (self.actor.bundles[replica], res.device_share_rollout))  # beside actor rank replica
+                         else (self.actor.bundles[self._colocated_ranks(replica)[0]], res.device_share_rollout))
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, bundle),
                 **({"num_gpus": share} if res.device == "cuda" else {"resources": res.worker_resources(share)})}
 

@@ -2,10 +2,11 @@
 
 One placement group holds a bundle per actor device (on CPU a bundle per training process), packed onto as few
 nodes as possible. Actor rank ``i`` runs in bundle ``i``; the reference model, when colocated, takes a share of
-the same bundle (same device), otherwise gets its own group. Rollout engine replica ``r``, colocated, sits beside
-actor rank ``r`` (it sleeps while the actor trains); separate (``generate_config.colocate: false`` on
-accelerators), each replica gets one more bundle of ``infer_tensor_parallel_size`` whole devices, taken from the
-cluster's ``NNODES x NPROC_PER_NODE``. Reward workers take small CPU shares outside the group.
+the same bundle (same device), otherwise gets its own group. Rollout engine replica ``r``, colocated, runs on the
+devices of actor ranks ``r*k .. r*k+k-1`` (``k`` = ``infer_tensor_parallel_size``; its process in rank ``r*k``'s
+bundle, its TP workers one per device; it sleeps while the actor trains); separate (``generate_config.colocate:
+false`` on accelerators), each replica gets one more bundle of ``infer_tensor_parallel_size`` whole devices, taken
+from the cluster's ``NNODES x NPROC_PER_NODE``. Reward workers take small CPU shares outside the group.
 
 Ray: ``env.RAY_ADDRESS`` (or the ``RAY_ADDRESS`` environment variable) joins a running cluster; otherwise a
 local one is started with enough logical CPUs for the roles. Workers run at the driver's priority (Ray's
@@ -35,7 +36,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,26 @@ class Resources:
     def worker_resources(self, share: float) -> dict[str, float]:
         resource = DEVICE_RESOURCE[self.device]
         return {resource: share} if resource else {}
+
+
+def engine_visible_devices(placements: Sequence[tuple[str, str]], replicas: int, tp: int,
+                           device: str) -> list[dict[str, str]]:
+    """What each colocated engine replica with TP ``tp`` > 1 must see: the devices of actor ranks ``r*tp ..
+    r*tp+tp-1`` (``placements``: each rank's node and device id as Ray gave it), as the device's visible-devices
+    variable. Ray makes only the device of the bundle a process sits in visible; vLLM's TP workers then land one
+    on each of those devices, beside the ranks that sleep while it generates. Raises when a replica's ranks are on
+    two nodes."""
+    from mm_rl.platform.device import VISIBLE_DEVICES_ENV
+
+    variables = []
+    for replica in range(replicas):
+        ranks = placements[replica * tp:(replica + 1) * tp]
+        if len({node for node, _ in ranks}) > 1:
+            first = replica * tp
+            raise RuntimeError(f"engine replica {replica} would span actor ranks {first}..{first + tp - 1} on "
+                               "different nodes: an engine's TP group sits in one node")
+        variables.append({VISIBLE_DEVICES_ENV[device]: ",".join(ids for _, ids in ranks)})
+    return variables
 
 
 def plan_resources(job: JobConfig) -> Resources:

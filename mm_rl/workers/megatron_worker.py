@@ -213,6 +213,15 @@ class MegatronWorker:
         return to_host(captured) if keep else None
 
     # ---------------------------------------------------------------------------- weight sync
+    def device_placement(self) -> tuple[str, str]:
+        """This rank's node and the device Ray gave it (as the visible-devices variable names it): where a
+        colocated engine's TP worker beside it must run."""
+        import ray
+
+        context = ray.get_runtime_context()
+        ids = [i for values in context.get_accelerator_ids().values() for i in values]
+        return context.get_node_id(), ",".join(ids)
+
     def device_identity(self) -> str | None:
         """This rank's physical device (mm_rl.platform.device.device_identity): who may map its sync buffers."""
         from mm_rl.platform.device import device_identity
