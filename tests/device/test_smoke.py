@@ -11,7 +11,10 @@ parameters, gradients and Adam state while it generates) -> the checks:
 * the actor's device memory really drops when it offloads (the allocator's count, not the switches' report);
 * all three steps complete (a wake / sleep cycle that broke would fail the second);
 * one line of throughput per case;
-* on 2 or more devices, two colocated engine replicas (one beside each DP rank) share every step's prompts.
+* on 2 or more devices, two colocated engine replicas (one beside each DP rank) share every step's prompts, and
+  one colocated TP2 engine spans both ranks' devices;
+* the weight sync's route: an engine worker on the sender's device maps the sender's buffers (IPC), the others
+  take the broadcast; another process on the device reads an exported buffer.
 
 The models: the embedded tiny model, and one with Qwen2.5-VL-3B widths (hidden 2048, 16 heads, 2 KV groups,
 ViT 1280 wide) and 2 LLM / 2 ViT layers, both random (no warm-up: only numbers and memory are checked here).
@@ -48,7 +51,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_synthetic_geo3k(tmp_path_factory.mktemp("data"), seed=0, templates=DEMO_TEMPLATES)
 
 
-def _job(out: Path, hf_dir: Path, data_dir: Path, devices: int = 1) -> JobConfig:
+def _job(out: Path, hf_dir: Path, data_dir: Path, devices: int = 1, extra: tuple[str, ...] = ()) -> JobConfig:
     """The tiny preset's job on ``devices`` devices of this machine, pointed at ``hf_dir`` with that checkpoint's
     model.json (the keys that follow the model, such as the converters' layer splits, follow it here too)."""
     import dataclasses
@@ -68,7 +71,7 @@ def _job(out: Path, hf_dir: Path, data_dir: Path, devices: int = 1) -> JobConfig
         "backend_config.rl_config.val_freq=0", "backend_config.training.bf16=true",
         "backend_config.generate_config.colocate=true", "backend_config.generate_config.gpu_memory_utilization=0.3",
         f"{actor}.offload_train_param=true", f"{actor}.offload_train_grad=true",
-        f"{actor}.offload_train_optimizer=true"])
+        f"{actor}.offload_train_optimizer=true", *extra])
     model = dataclasses.asdict(model_config_from_hf(hf_dir / "config.json"))
     OmegaConf.update(node, "backend_config.model", model, merge=False)
     return to_job(node)
@@ -134,6 +137,19 @@ def test_two_colocated_engine_replicas_share_the_rollout(data_dir: Path, tmp_pat
         assert step["rollout/logprob_gap_mean"] < GAP_MEAN_BF16
     print(f"device smoke 2 replicas on {device_kind()}: rollout {history[-1]['throughput/rollout_tok_per_s']:,.0f} "
           f"tok/s, slowest / fastest replica {history[-1]['rollout/replica_wall_spread']:.2f}x")
+
+
+@pytest.mark.skipif(device_count() < 2, reason="needs 2 or more devices of one kind")
+def test_a_colocated_tp2_engine_spans_the_devices_of_two_ranks(data_dir: Path, tmp_path: Path) -> None:
+    """Two devices, engine TP 2 colocated: one replica whose two vLLM workers sit beside ranks 0 and 1; the worker on
+    the sender's device maps its buffers, the other takes the broadcast; the engine generates from synced weights."""
+    from mm_rl.models.tiny import build_tiny_checkpoint
+
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", seed=0)
+    extra = ("backend_config.generate_config.infer_tensor_parallel_size=2",)
+    history, _, route = _run(_job(tmp_path / "out", hf_dir, data_dir, devices=2, extra=extra))
+    assert len(history) == STEPS and route.stages[0].ranks == ((None, 1),)
+    assert all(step["rollout/replicas"] == 1 and step["rollout/logprob_gap_mean"] < GAP_MEAN_BF16 for step in history)
 
 
 def test_micro_batch_reaches_the_rank_device_and_results_come_back() -> None:
