@@ -182,8 +182,9 @@ def test_device_generator_state_is_checkpointed() -> None:
 
 def test_llm_core_attention_on_the_device_matches_the_same_attention_in_fp32() -> None:
     """The LLM's core attention in bf16 on the device (on Ascend: npu_fusion_attention's varlen form; on CUDA:
-    SDPA's fused kernels) against SDPA per sequence in fp32 on the same inputs: packed sequences of uneven
-    lengths, grouped-query heads; outputs and input gradients agree to bf16 precision."""
+    flash varlen_attn) against SDPA per sequence in fp32 on the same inputs: packed sequences of uneven
+    lengths, grouped-query heads; outputs and input gradients agree to bf16 precision. On CUDA the bf16 call runs
+    torch's flash varlen kernel (Ampere and newer)."""
     import math
 
     import torch.nn.functional as F

@@ -10,9 +10,11 @@ from the packed positions.
 
 :class:`LLMCoreAttention` never holds S x S scores (megatron's local ``DotProductAttention`` keeps them, and their
 fp32 softmax, for backward: ~0.94 GB per layer at S 4096 and 28 heads): a packed row runs torch's
-``scaled_dot_product_attention``, causal, on each span (flash / memory-efficient kernels on CUDA, the flash kernel
-on CPU), or on Ascend in bf16 / fp16 ``npu_fusion_attention``'s varlen form, all spans in one call (as MindSpeed's
-core attention runs packed sequences); padded rows run SDPA with the causal padding mask. Ulysses CP wraps it.
+``scaled_dot_product_attention``, causal, on each span (the flash kernel on CPU), or in bf16 / fp16 one varlen call
+for all spans: on CUDA (Ampere+) torch's flash-attention ``varlen_attn``, on Ascend ``npu_fusion_attention``'s TND
+form (as MindSpeed's core attention runs packed sequences); padded rows run SDPA with the causal padding mask.
+Ulysses CP wraps it. Transformer Engine's layer spec is not used: its fused norm-linear modules rename the
+parameters (a second checkpoint mapping), and for this attention it would run the same flash kernel.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ class LLMCoreAttention(MegatronModule):
                 raise ValueError(f"a packed micro-batch is one row, got {query.size(1)}")
             if query.device.type == "npu" and query.dtype in (torch.bfloat16, torch.float16):
                 return self._npu_varlen(query, key, value, packed_seq_params)
+            if _cuda_flash_varlen(query):
+                return self._cuda_varlen(query, key, value, packed_seq_params)
             return self._segments(query, key, value, packed_seq_params)
         return self._padded(query, key, value, attention_mask)
 
@@ -134,6 +138,18 @@ class LLMCoreAttention(MegatronModule):
                                              actual_seq_kvlen=ends)[0]
         return out.reshape(-1, 1, q.shape[1] * q.shape[2])
 
+    def _cuda_varlen(self, query: Tensor, key: Tensor, value: Tensor, segments: CausalSegments) -> Tensor:
+        """All spans in one flash-attention varlen call (``torch.nn.attention.varlen.varlen_attn``): [T, heads, d]
+        with the spans' cumulative ends, causal within each sequence (``window_size`` (-1, 0)), grouped-query heads
+        native; one kernel per layer instead of one SDPA call per sequence."""
+        from torch.nn.attention.varlen import varlen_attn
+
+        q, k, v = (t.squeeze(1) for t in (query, key, value))  # [T, heads, d]
+        bounds = segments.cu_seqlens_q.to(device=q.device, dtype=torch.int32)
+        out = varlen_attn(q, k, v, bounds, bounds, segments.max_seqlen_q, segments.max_seqlen_kv,
+                          scale=self.softmax_scale, window_size=(-1, 0), enable_gqa=k.shape[1] != q.shape[1])
+        return out.reshape(-1, 1, q.shape[1] * q.shape[2])
+
     def _padded(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None) -> Tensor:
         """Rows [s, b, ...] with the model's mask ([b, 1, s, s], True = may attend, see
         ``model.padding_attention_mask``; None = plain causal)."""
@@ -150,6 +166,17 @@ def _expand_groups(k: Tensor, v: Tensor, heads: int, dim: int) -> tuple[Tensor, 
     if k.shape[dim] == heads:
         return k, v
     return k.repeat_interleave(heads // k.shape[dim], dim=dim), v.repeat_interleave(heads // v.shape[dim], dim=dim)
+
+
+def _cuda_flash_varlen(query: Tensor) -> bool:
+    """Whether a packed row can take torch's flash varlen kernel: CUDA, half precision, Ampere or newer (flash
+    attention's floor), and a torch that has it (``torch.nn.attention.varlen``, torch 2.10+)."""
+    if not (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    import importlib.util
+
+    return (importlib.util.find_spec("torch.nn.attention.varlen") is not None
+            and torch.cuda.get_device_capability(query.device) >= (8, 0))
 
 
 @functools.cache
