@@ -8,7 +8,10 @@ same HF directory. Then, in one run:
   memcpy   ``dst.copy_(src)`` of the synced byte count in this process (one torch thread);
   sync     ``sync_weights`` from the workers into the engine (``--bucket-mb`` buckets) through Ray's object store,
            timed on the driver;
-  sync_pg  the same over the senders' pair process groups with the engine (gloo here; nccl / hccl on devices);
+  sync_pg  the same device to device (``join_device_sync``): over each stage's process group with the engine's
+           loading processes (gloo here; nccl / hccl, or an IPC handle on the sender's device, on devices). With
+           ``--engine-tp 2`` the engine's two vLLM workers each receive the broadcast, while ``sync`` goes through
+           the engine's host process and a file per bucket to them: the ratio of the two is printed.
   engine   the engine alone: the same HF tensors, bucketed the same way and put in the object store beforehand,
            loaded bucket by bucket through ``update_weights`` (deserialise + vLLM reload + cache resets);
   engine_once  the same inside one weight-update session (``begin_weight_update`` .. ``end_weight_update``, as the
@@ -19,7 +22,7 @@ counts. The sync's time is split per pipeline stage as its sender saw it: TP gat
 put into the object store, waiting for the engine. Target: sync >= 50% of memcpy bandwidth.
 
     python bench/sync.py [--tp 2] [--pp 2] [--hidden 1024] [--ffn 4096] [--layers 4] [--vocab 16384]
-                         [--bucket-mb 64] [--repeat 3] [--dir DIR] [--json OUT]
+                         [--bucket-mb 64] [--engine-tp 1] [--repeat 3] [--dir DIR] [--json OUT]
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--max-in-flight", type=int, default=1)
+    parser.add_argument("--engine-tp", type=int, default=1, help="the vLLM engine's TP (worker processes)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -93,11 +97,11 @@ def convert(hf_dir: Path, root: Path, args: argparse.Namespace) -> tuple[Any, Pa
     return model, mm_dir
 
 
-def start_engine(hf_dir: Path, bucket_mb: int) -> Any:
+def start_engine(hf_dir: Path, bucket_mb: int, tp: int) -> Any:
     from mm_rl.config.schema import GenerateConfig, SamplingConfig, ValSamplingConfig
     from mm_rl.rollout.engine_worker import rollout_worker_actor
 
-    config = GenerateConfig(max_model_len=256, max_num_seqs=2, sync_bucket_mb=bucket_mb,
+    config = GenerateConfig(max_model_len=256, max_num_seqs=2, sync_bucket_mb=bucket_mb, infer_tensor_parallel_size=tp,
                             sampling_config=SamplingConfig(max_tokens=8, n=1),
                             val_sampling_config=ValSamplingConfig(max_tokens=8))
     return rollout_worker_actor(num_cpus=1).remote(str(hf_dir), config, min_pixels=MIN_PIXELS,
@@ -158,6 +162,7 @@ def stage_rows(report: Any) -> list[dict[str, Any]]:
 def print_results(results: dict[str, Any]) -> None:
     nbytes = results["bytes"]
     print(f"\nmodel {nbytes / 1e9:.3f} GB fp32, actor TP{results['tp']} x PP{results['pp']}, "
+          f"engine TP{results['engine_tp']}, "
           f"buckets {results['bucket_mb']} MB, median of {results['repeat']}")
     print(f"{'variant':<12}{'bytes':>12}{'seconds':>10}{'GB/s':>9}{'vs memcpy':>11}")
     memcpy = results["seconds"]["memcpy"]
@@ -166,6 +171,8 @@ def print_results(results: dict[str, Any]) -> None:
         print(f"{name:<12}{nbytes:>12,}{seconds:>10.3f}{gb_per_s(nbytes, seconds):>9.2f}{ratio:>10.1%}")
     once = results["seconds"]["engine"] / results["seconds"]["engine_once"]
     print(f"engine load per sync: set-up once vs per bucket {once:.2f}x faster")
+    device = results["seconds"]["sync"] / results["seconds"]["sync_pg"]
+    print(f"device route vs object store: {device:.2f}x (object-store time / device-route time; gloo on CPU)")
     for name, rows in results["stages"].items():
         print(f"{name}, per stage (sender's view, median run):")
         for row in rows:
@@ -190,7 +197,7 @@ def main(argv: list[str]) -> int:
     bucket_bytes = args.bucket_mb << 20
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        engine = start_engine(hf_dir, args.bucket_mb)
+        engine = start_engine(hf_dir, args.bucket_mb, args.engine_tp)
         group = WorkerGroup(WorkerSpec(model, tp=args.tp, pp=args.pp), cpus_per_worker=0.5)
         group.build(str(mm_dir))
         ray.get(engine.ready.remote())
@@ -214,6 +221,7 @@ def main(argv: list[str]) -> int:
             times["engine_once"].append(engine_seconds(engine, refs, session=True))
         median_runs = {name: sorted(runs, key=lambda r: r.seconds)[len(runs) // 2] for name, runs in reports.items()}
         results = {"bytes": report.bytes, "tensors": report.tensors, "tp": args.tp, "pp": args.pp,
+                   "engine_tp": args.engine_tp,
                    "bucket_mb": args.bucket_mb, "repeat": args.repeat,
                    "seconds": {name: statistics.median(values) for name, values in times.items()},
                    "all_seconds": times, "stages": {name: stage_rows(run) for name, run in median_runs.items()}}
