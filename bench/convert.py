@@ -51,13 +51,14 @@ def generate(hf_dir: Path, vit_layers: int, llm_layers: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from mm_rl.convert.mapping import TABLE, hf_shape, model_dims
+    from mm_rl.convert.mapping import hf_shape, model_dims, model_family
     from mm_rl.convert.model_config import model_config_from_hf
 
     config = published_config(vit_layers, llm_layers)
-    dims = model_dims(model_config_from_hf(config))
+    model = model_config_from_hf(config)
+    dims = model_dims(model)
     shapes: dict[str, tuple[int, ...]] = {}
-    for entry in TABLE:
+    for entry in model_family(model).tensors:
         if entry.duplicate:
             continue
         layers = {"vit_layer": vit_layers, "llm_layer": llm_layers}.get(entry.scope, 1)

@@ -5,9 +5,40 @@ import json
 from pathlib import Path
 
 
-def write_hf_dir(directory: Path, config: dict | None = None) -> Path:
+def hf_config_json(model: dict) -> dict:
+    """The config.json (transformers 5 spelling) of a Qwen2.5-VL checkpoint whose model.json is ``model``."""
+    text, vit = model["text_decoder"], model["image_encoder"]["vision_encoder"]
+    return {
+        "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "image_token_id": model["img_context_token_id"], "vision_start_token_id": model["vision_start_token_id"],
+        "text_config": {
+            "hidden_size": text["hidden_size"], "num_hidden_layers": text["num_layers"],
+            "num_attention_heads": text["num_attention_heads"], "num_key_value_heads": text["num_query_groups"],
+            "intermediate_size": text["ffn_hidden_size"], "vocab_size": text["vocab_size"],
+            "max_position_embeddings": text["max_position_embeddings"],
+            "rope_parameters": {"rope_theta": text["rope_theta"], "mrope_section": text["mrope_section"]},
+            "tie_word_embeddings": not text["untie_embeddings_and_output_weights"]},
+        "vision_config": {"depth": vit["num_layers"], "hidden_size": vit["hidden_size"], "num_heads":
+                          vit["num_attention_heads"], "intermediate_size": vit["ffn_hidden_size"],
+                          "out_hidden_size": text["hidden_size"]},
+    }
+
+
+def merged(base: dict, changes: dict) -> dict:
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def write_hf_dir(directory: Path, changes: dict | None = None, model: str = "tiny") -> Path:
+    """The config.json of preset ``model``'s checkpoint with ``changes`` merged in, and empty weight / processor
+    files."""
+    from mm_rl.config.presets import load_preset
+
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config or {}))
+    config = merged(hf_config_json(load_preset(model).model), changes or {})
+    (directory / "config.json").write_text(json.dumps(config))
     for name in ("model.safetensors", "tokenizer.json", "preprocessor_config.json", "chat_template.jinja"):
         (directory / name).write_text("")
     return directory

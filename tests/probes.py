@@ -55,7 +55,7 @@ class ProbeWorker(TrainingWorker):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 key = WORD_EMBEDDINGS if tied_copy and name == TIED_COPY else name
-                shard = coords.tp_rank if entry_for(name).split is not None else -1
+                shard = coords.tp_rank if entry_for(self.spec.model, name).split is not None else -1
                 generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}|{key}|{shard}".encode()))
                 noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
                 param.add_((scale * param.detach().float().abs().mean() * noise).to(param.dtype))

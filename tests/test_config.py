@@ -267,7 +267,7 @@ def test_error_names_key_value_rule_and_fix():
 
 
 def _paths(tmp_path, **extra):
-    hf = write_hf_dir(tmp_path / "hf")
+    hf = write_hf_dir(tmp_path / "hf", model="qwen2_5_vl_7b")  # the schema's defaults
     data = write_data_dir(tmp_path / "data")
     return job(f"backend_config.megatron_training.tokenizer_name_or_path={hf}",
                f"backend_config.data.dataset_param.basic_parameters.dataset_dir={data}",
@@ -290,7 +290,7 @@ def _hf_config(**text):
     text_config = {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
                    "num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28,
                    "tie_word_embeddings": False} | text
-    return {"image_token_id": 151655, "vision_start_token_id": 151652, "text_config": text_config,
+    return {"model_type": "qwen2_5_vl", "image_token_id": 151655, "vision_start_token_id": 151652, "text_config": text_config,
             "vision_config": {"hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "depth": 32}}
 
 

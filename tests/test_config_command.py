@@ -27,6 +27,7 @@ def paths(tmp_path):
 @pytest.mark.parametrize("model", REAL)
 @pytest.mark.parametrize("nodes", [1, 2, 4])
 def test_config_output_passes_check(model, nodes, tmp_path, paths, capsys):
+    write_hf_dir(tmp_path / "hf", model=model)
     out = tmp_path / "job.yaml"
     argv = ["config", "--backend", "mm_rl", "--af_model_name", model, "--exp_name", "e", "--output_file_path",
             str(out), "--nnodes", str(nodes), "--nproc_per_node", "8", "--device", "npu", *paths,

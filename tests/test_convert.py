@@ -436,3 +436,34 @@ def test_a_conversion_is_reused_only_when_source_model_and_layout_match(tiny_unt
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     (mm_dir / "release" / "mp_rank_01_001").rename(mm_dir / "release" / "gone")
     assert "mp_rank_01_001" in reusable_conversion(cfg, model)
+
+
+# ------------------------------------------------------------------------------------------- Qwen2-VL
+@pytest.fixture(scope="module")
+def tiny_qwen2_vl(tmp_path_factory):
+    built = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen2_vl", seed=2, family="qwen2vl")
+    return randomize(built, tmp_path_factory.mktemp("hf") / "qwen2_vl", seed=12)
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2pp2", "vit_split_llm_late"])
+def test_qwen2_vl_round_trip_is_bit_exact(tiny_qwen2_vl, layout, tmp_path):
+    tp, vit, llm = LAYOUTS[layout]
+    mm_dir = to_mg(tiny_qwen2_vl, tmp_path / "mm", tp, vit, llm)
+    out = to_hf(tiny_qwen2_vl, mm_dir, tmp_path / "hf", tp, vit, llm)
+    assert_same_tensors(hf_tensors(tiny_qwen2_vl), hf_tensors(out))
+
+
+def test_qwen2_vl_layout_is_mindspeed_mms(tiny_qwen2_vl, tmp_path):
+    """MindSpeed-MM's qwen2vl names: the ViT norms and merger norm keep their biases, ``fc1`` / ``fc2`` become
+    ``linear_fc1`` (rows split over TP) / ``linear_fc2`` (columns split)."""
+    hf = hf_tensors(tiny_qwen2_vl)
+    mm_dir = to_mg(tiny_qwen2_vl, tmp_path / "mm", 2, [2], [4])
+    ranks = [rank_state(mm_dir, r, 0, 1)["model"] for r in range(2)]
+    vit = "image_encoder.encoder.blocks.layers.1."
+    for mg, name in (("input_layernorm.bias", "norm1.bias"), ("pre_mlp_layernorm.weight", "norm2.weight")):
+        assert torch.equal(ranks[1][vit + mg], hf[f"visual.blocks.1.{name}"])
+    fc1, fc2 = hf["visual.blocks.1.mlp.fc1.weight"], hf["visual.blocks.1.mlp.fc2.weight"]
+    assert torch.equal(torch.cat([r[vit + "mlp.linear_fc1.weight"] for r in ranks]), fc1)
+    assert torch.equal(torch.cat([r[vit + "mlp.linear_fc2.weight"] for r in ranks], 1), fc2)
+    assert torch.equal(ranks[0]["image_encoder.projector.layernorm.bias"], hf["visual.merger.ln_q.bias"])
+    assert not any("gate" in name for name in ranks[0])

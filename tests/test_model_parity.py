@@ -162,9 +162,9 @@ HF_GRAD_NAMES = {
 def hf_reference(hf_dir: Path, batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     """transformers' logits per micro-batch, the label log-probs / entropy computed from them, and the
     gradients of the test loss (summed over micro-batches / their number, as megatron's schedule does)."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
     outputs = []
     for batch in batches:
         extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
@@ -203,9 +203,10 @@ def _build_and_load(data: dict[str, Any], mm_dir: str | None, actor: Any = None,
     from megatron.core import parallel_state
 
     from mm_rl.convert.layout import rank_file
-    from mm_rl.models.qwen2_5_vl.model import build_model
+    from mm_rl.models.family import family_of
 
-    model = build_model(load_model_config(data), actor=actor, remove_padding=remove_padding)
+    model_cfg = load_model_config(data)
+    model = family_of(model_cfg).megatron_module().build_model(model_cfg, actor=actor, remove_padding=remove_padding)
     if mm_dir is not None:
         path = rank_file(Path(mm_dir) / "release", parallel_state.get_tensor_model_parallel_rank(),
                          parallel_state.get_pipeline_model_parallel_rank(),
@@ -291,9 +292,11 @@ def _init(rank: int, world: int, port: int, data: dict[str, Any], tp: int = 1, p
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
     setup_process(num_threads=1)
-    from mm_rl.models.qwen2_5_vl.model import embedding_ranks
+    from mm_rl.models.family import family_of
 
-    init_megatron(rank, world, port, tp=tp, pp=pp, cp=cp, embedding_ranks=embedding_ranks(load_model_config(data)))
+    model_cfg = load_model_config(data)
+    embedding_ranks = family_of(model_cfg).megatron_module().embedding_ranks(model_cfg)
+    init_megatron(rank, world, port, tp=tp, pp=pp, cp=cp, embedding_ranks=embedding_ranks)
 
 
 def _parallel_worker(rank: int, world: int, port: int, case: dict[str, Any], shared: str, out_dir: str) -> None:

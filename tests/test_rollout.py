@@ -111,7 +111,7 @@ def engine(request):
 # ----------------------------------------------------------------------------------------------------- helpers
 def recompute(reference, request, response_ids, temperature):
     """Log-probs of ``response_ids`` after the prompt, from one full forward pass (logits / temperature)."""
-    from mm_rl.models.qwen2_5_vl.rope_index import hf_token_types
+    from mm_rl.models.family import hf_token_types
 
     ids = torch.tensor([request.prompt_ids + list(response_ids)])
     with torch.no_grad():

@@ -424,12 +424,12 @@ def test_vocab_padding_is_cut_before_the_merge():
     from mm_rl.convert.mapping import Bound, entry_for
     from mm_rl.convert.model_config import model_config_from_hf
 
-    model = model_config_from_hf({"vision_config": {"depth": 1, "hidden_size": 8, "intermediate_size": 8,
+    model = model_config_from_hf({"model_type": "qwen2_5_vl", "vision_config": {"depth": 1, "hidden_size": 8, "intermediate_size": 8,
                                                     "num_heads": 2},
                                   "hidden_size": 4, "num_hidden_layers": 1, "intermediate_size": 8,
                                   "num_attention_heads": 2, "vocab_size": 10})
     name = "text_decoder.embedding.word_embeddings.weight"
-    bound = Bound(entry_for(name), name, ("model.embed_tokens.weight",))
+    bound = Bound(entry_for(model, name), name, ("model.embed_tokens.weight",))
     full = torch.arange(10 * 4, dtype=torch.float32).view(10, 4)
     padded = torch.cat([full, torch.full((2, 4), -1.0)])  # vocab 10 padded to 12 for TP2: 6 rows per rank
     shards = strip_vocab_padding(bound, list(padded.chunk(2)), model)

@@ -67,7 +67,7 @@ class VisionEncoderConfig:
     patch_size: int = opt(14, "spatial patch size")
     temporal_patch_size: int = opt(2, "frames per patch (an image is repeated to fill it)")
     spatial_merge_size: int = opt(2, "patch merger window: merge^2 patches become one LLM token")
-    window_size: int = opt(112, "window attention size in pixels")
+    window_size: int = opt(112, "window attention size in pixels; 0: none, every block attends to whole images")
     fullatt_block_indexes: list[int] = opt([7, 15, 23, 31], "blocks that use full instead of window attention")
     normalization: Literal["RMSNorm", "LayerNorm", "FusedLayerNorm"] = opt("RMSNorm", "norm layer")
     activation_func: Literal["silu", "gelu", "relu", "quick_gelu"] = opt("silu", "MLP activation")
@@ -125,7 +125,7 @@ class TextDecoderConfig:
 
 @dataclass
 class ModelConfig:
-    model_id: str = opt("qwen2_5vl", "model family")
+    model_id: str = opt("qwen2_5vl", "model family: qwen2_5vl (Qwen2.5-VL) or qwen2vl (Qwen2-VL)")
     img_context_token_id: int = opt(151655, "<|image_pad|> id; fixed by the tokenizer, never change")
     vision_start_token_id: int = opt(151652, "<|vision_start|> id; fixed by the tokenizer, never change")
     image_encoder: ImageEncoderConfig = section(ImageEncoderConfig, "vision encoder and projector")

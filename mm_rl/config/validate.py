@@ -17,6 +17,7 @@ from mm_rl.config.loader import Violation, relative_note, source_of
 from mm_rl.config.plan import sharded_sizes, tp_choices
 from mm_rl.config.schema import LLM_PP_LAYERS, PP, TP, VIT_PP_LAYERS, JobConfig
 from mm_rl.config.topology import topology
+from mm_rl.models.family import HfConfigError, UnknownFamily, families, family_for_hf, family_of
 from mm_rl.rollout.base import GREEDY_BELOW
 
 Rule = Callable[[JobConfig], Iterator[Violation]]
@@ -305,6 +306,20 @@ def conversion_matches(cfg: JobConfig) -> Iterator[Violation]:
 
 
 # ---------------------------------------------------------------------------------- model shape
+@rule
+def model_family(cfg: JobConfig) -> Iterator[Violation]:
+    """model_id names a family mm_rl has; the fields its checkpoints fix keep their values."""
+    model = cfg.backend_config.model
+    try:
+        family = family_of(model)
+    except UnknownFamily:
+        known = ", ".join(f"{f.model_id} ({f.label})" for f in families())
+        yield Violation(f"{MODEL}.model_id", model.model_id, "is not a model family mm_rl knows", f"use one of {known}")
+        return
+    for key, value, why, fix in family.findings(model):
+        yield Violation(f"{MODEL}.{key}", value, why, fix)
+
+
 @rule
 def mrope_sum(cfg: JobConfig) -> Iterator[Violation]:
     section = cfg.backend_config.model.text_decoder.mrope_section
@@ -653,32 +668,35 @@ def hf_checkpoint_matches(cfg: JobConfig) -> Iterator[Violation]:
     hf = _read_json(config_file) if config_file.is_file() else None
     if hf is None:
         return  # hf_checkpoint_files / paths_exist report it
-    text_hf, vit_hf = hf.get("text_config", hf), hf.get("vision_config", {})
     m = cfg.backend_config.model
+    try:
+        checkpoint_family = family_for_hf(hf)
+        want = checkpoint_family.model_json(hf)
+    except (UnknownFamily, HfConfigError) as err:
+        yield Violation(f"{HF2MG}.hf_config.hf_dir", str(config_file.parent), str(err),
+                        "point it at a checkpoint of a family mm_rl trains")
+        return
+    if checkpoint_family.model_id != m.model_id:
+        yield Violation(f"{MODEL}.model_id", m.model_id, f"the checkpoint {config_file} is {checkpoint_family.label}",
+                        f"set it to {checkpoint_family.model_id} (config --af_model_name writes the whole model.json)")
+        return
     text, vit = m.text_decoder, m.image_encoder.vision_encoder
-    same = [
-        (f"{MODEL}.img_context_token_id", m.img_context_token_id, hf.get("image_token_id")),
-        (f"{MODEL}.vision_start_token_id", m.vision_start_token_id, hf.get("vision_start_token_id")),
-        (f"{TEXT}.vocab_size", text.vocab_size, text_hf.get("vocab_size")),
-        (f"{TEXT}.hidden_size", text.hidden_size, text_hf.get("hidden_size")),
-        (f"{TEXT}.ffn_hidden_size", text.ffn_hidden_size, text_hf.get("intermediate_size")),
-        (f"{TEXT}.num_attention_heads", text.num_attention_heads, text_hf.get("num_attention_heads")),
-        (f"{TEXT}.num_query_groups", _query_groups(cfg), text_hf.get("num_key_value_heads")),
-        (f"{VIT}.hidden_size", vit.hidden_size, vit_hf.get("hidden_size")),
-        (f"{VIT}.ffn_hidden_size", vit.ffn_hidden_size, vit_hf.get("intermediate_size")),
-        (f"{VIT}.num_attention_heads", vit.num_attention_heads, vit_hf.get("num_heads")),
-    ]
-    tied = text_hf.get("tie_word_embeddings", hf.get("tie_word_embeddings"))
-    if tied is not None:
-        same.append((f"{TEXT}.untie_embeddings_and_output_weights", text.untie_embeddings_and_output_weights,
-                     not tied))
+    text_hf, vit_hf = want["text_decoder"], want["image_encoder"]["vision_encoder"]
+    same = [(f"{MODEL}.{key}", getattr(m, key), want.get(key))
+            for key in ("img_context_token_id", "vision_start_token_id")]
+    same += [(f"{TEXT}.{key}", getattr(text, key), text_hf.get(key))
+             for key in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                         "untie_embeddings_and_output_weights")]
+    same.append((f"{TEXT}.num_query_groups", _query_groups(cfg), text_hf.get("num_query_groups")))
+    same += [(f"{VIT}.{key}", getattr(vit, key), vit_hf.get(key))
+             for key in ("hidden_size", "ffn_hidden_size", "num_attention_heads")]
     for key, ours, theirs in same:
         if theirs is not None and ours != theirs:
             yield Violation(key, ours, f"must match the checkpoint's {config_file} ({theirs})", f"set it to {theirs}")
     layers, positions = "layers may be removed, never added", "positions beyond it were never trained"
     for key, ours, theirs, why in (
-            (f"{TEXT}.num_layers", text.num_layers, text_hf.get("num_hidden_layers"), layers),
-            (f"{VIT}.num_layers", vit.num_layers, vit_hf.get("depth"), layers),
+            (f"{TEXT}.num_layers", text.num_layers, text_hf.get("num_layers"), layers),
+            (f"{VIT}.num_layers", vit.num_layers, vit_hf.get("num_layers"), layers),
             (f"{TEXT}.max_position_embeddings", text.max_position_embeddings, text_hf.get("max_position_embeddings"),
              positions)):
         if theirs is not None and ours > theirs:

@@ -32,7 +32,15 @@ from mm_rl.convert.layout import (
     staged_dir,
     write_latest,
 )
-from mm_rl.convert.mapping import Bound, hf_layer_index, hf_shape, model_dims, shard_from_hf, stage_tensors
+from mm_rl.convert.mapping import (
+    Bound,
+    hf_layer_index,
+    hf_shape,
+    model_dims,
+    published_name,
+    shard_from_hf,
+    stage_tensors,
+)
 from mm_rl.convert.stages import Pipeline, plan_pipeline
 
 SOURCE_RECORD = "hf2mg_source.json"  # in release/: what it was converted from, to reuse it only when that matches
@@ -49,7 +57,7 @@ def hf2mg(cfg: Hf2MgCfg, model: ModelConfig, zip_crc32: bool = False) -> Path:
     if mm_dir.resolve() == hf_dir.resolve():
         raise ConfigError([Violation("cfg.mm_dir", cfg.mm_dir, "is the HuggingFace checkpoint directory itself",
                                      "write the Megatron shards to another directory")])
-    reader = HfReader(hf_dir)
+    reader = HfReader(hf_dir, lambda name: published_name(model, name))
     plan = [stage_tensors(model, stage) for stage in pipeline.stages]
     check_checkpoint(reader, model, [b for stage in plan for b in stage])
     write_release(reader, model, pipeline, plan, mm_dir, zip_crc32, source_record(cfg, model))
@@ -128,7 +136,7 @@ def _compact(tensor: torch.Tensor) -> torch.Tensor:
 def _check_layer_counts(reader: HfReader, model: ModelConfig) -> None:
     have = {"vit_layer": 0, "llm_layer": 0}
     for name in reader.names:
-        found = hf_layer_index(name)
+        found = hf_layer_index(model, name)
         if found:
             have[found[0]] = max(have[found[0]], found[1] + 1)
     want = {"vit_layer": model.image_encoder.vision_encoder.num_layers, "llm_layer": model.text_decoder.num_layers}
@@ -141,7 +149,7 @@ def _check_layer_counts(reader: HfReader, model: ModelConfig) -> None:
 
 def _dropped_layer(name: str, model: ModelConfig) -> bool:
     """A tensor of a layer past model.json's num_layers: left out on purpose (the bottom layers are kept)."""
-    found = hf_layer_index(name)
+    found = hf_layer_index(model, name)
     if found is None:
         return False
     kept = model.image_encoder.vision_encoder.num_layers if found[0] == "vit_layer" else model.text_decoder.num_layers

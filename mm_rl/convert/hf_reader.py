@@ -10,6 +10,7 @@ conversion needs for input is at most one input file, however large the checkpoi
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,25 +18,18 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from mm_rl.convert.errors import ConversionError, listing
-from mm_rl.convert.mapping import HF_ALIASES
 from mm_rl.convert.pages import prefault
 
 INDEX = "model.safetensors.index.json"
 
 
-def canonical(name: str) -> str:
-    """The published HF name of a tensor stored under another spelling (``HF_ALIASES``)."""
-    for alias, published in HF_ALIASES:
-        if name.startswith(alias):
-            return published + name[len(alias):]
-    return name
-
-
 class HfReader:
     """Shapes, dtypes and slices of the tensors of one HF checkpoint directory, by published name."""
 
-    def __init__(self, hf_dir: str | Path) -> None:
+    def __init__(self, hf_dir: str | Path, canonical: Callable[[str], str] = str) -> None:
+        """``canonical``: a stored tensor name -> its published name (the family's other spellings)."""
         self.dir = Path(hf_dir)
+        self.canonical = canonical
         self.file: dict[str, str] = {}  # published name -> file name
         self.stored: dict[str, str] = {}  # published name -> name in the file
         self.shape: dict[str, tuple[int, ...]] = {}
@@ -81,7 +75,7 @@ class HfReader:
             raise ConversionError(f"{self.dir / INDEX} places tensors in {file_name} that it does not hold:\n"
                                   + listing(sorted(expected - stored)))
         for name in sorted(expected if expected is not None else stored):
-            published = canonical(name)
+            published = self.canonical(name)
             if published in self.file:
                 raise ConversionError(f"{published} is stored twice: in {self.file[published]} and {file_name}")
             self.file[published], self.stored[published] = file_name, name

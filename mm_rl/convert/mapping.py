@@ -1,21 +1,16 @@
-"""THE mapping between HuggingFace Qwen2.5-VL tensors and Megatron (MindSpeed-MM) tensors.
+"""The rules that turn a model family's tensor table into hf2mg / mg2hf / weight-sync operations.
 
-``TABLE`` is the single source of every rule: for each Megatron tensor, the pipeline part that holds it
-(``scope``, see ``stages``), its Megatron name (``{i}``: the layer index local to the stage), the HF tensors it
-is made of (``{i}``: the global layer index) with their shapes in model dimensions, how those parts are laid out
-in it (``layout``) and which dimension tensor parallelism splits (``split``; None: every rank holds a copy).
-hf2mg, mg2hf and the weight sync into vLLM all go through the functions below; no other module names a tensor.
+A family's ``tensors`` (``mm_rl.models.family.Entry``, one per Megatron tensor) give, for each Megatron tensor,
+the pipeline part that holds it (``scope``, see ``stages``), its Megatron name (``{i}``: the layer index local
+to the stage), the HF tensors it is made of (``{i}``: the global layer index) with their shapes in model
+dimensions, how those parts are laid out in it (``layout``) and which dimension tensor parallelism splits
+(``split``; None: every rank holds a copy). hf2mg, mg2hf and the weight sync into vLLM all go through the
+functions below; no other module names a tensor.
 
 Every layout is expressed as *pieces*: TP rank r's shard of a Megatron tensor is the concatenation, along the
 split dimension, of row (or column) ranges of its HF parts. hf2mg reads exactly those ranges from disk; mg2hf
-and ``merge_tp_shards`` run the same pieces backwards. Layouts:
-
-- ``plain``: one HF tensor, rank r holds the r-th contiguous chunk along ``split`` (or all of it).
-- ``glu``: ``linear_fc1`` = cat(gate, up); rank r holds cat(gate_r, up_r), so each rank can apply
-  activation(gate) * up on its own. The TP-merged (full) tensor is cat(gate, up), not cat of the shards.
-- ``qkv``: the LLM's separate q/k/v become one tensor interleaved per query group, [q heads of group g, k_g, v_g]
-  for g = 0..G-1, so a contiguous chunk gives each rank whole groups.
-- ``fused_qkv``: the ViT's fused [Q; K; V] is re-laid per head, [q_h, k_h, v_h] (the ViT has one group per head).
+and ``merge_tp_shards`` run the same pieces backwards. The layouts are described with the Qwen2.5-VL table
+(``mm_rl.models.qwen2_5_vl.family``).
 """
 
 from __future__ import annotations
@@ -24,125 +19,27 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Literal
 
 import torch
 
 from mm_rl.config.schema import ModelConfig
 from mm_rl.convert.errors import ConversionError
 from mm_rl.convert.stages import Pipeline, Stage
-
-Scope = Literal["patch_embed", "vit_layer", "merger", "embedding", "llm_layer", "final_norm", "output_layer"]
-Layout = Literal["plain", "glu", "qkv", "fused_qkv"]
-Shape = tuple[str, ...]
-SCOPES: tuple[Scope, ...] = ("patch_embed", "vit_layer", "merger", "embedding", "llm_layer", "final_norm",
-                             "output_layer")
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One Megatron tensor and the HF tensors it is made of; see the module docstring."""
-
-    scope: Scope
-    mg: str
-    hf: tuple[str, ...]
-    shapes: tuple[Shape, ...]  # per HF part, in the dimension names of ``model_dims``
-    layout: Layout = "plain"
-    split: int | None = None  # the TP split dimension of the Megatron tensor; None = replicated
-    heads: tuple[str, str, str] = ("", "", "")  # qkv layouts: dimension names of (heads, groups, head_dim)
-    when: str | None = None  # a ``model_flags`` key: the tensor exists only when that flag is true
-    duplicate: bool = False  # a Megatron-only copy of another entry's HF tensor (tied output layer)
-
-    @property
-    def component(self) -> Literal["vit", "merger", "llm"]:
-        if self.scope in ("patch_embed", "vit_layer"):
-            return "vit"
-        return "merger" if self.scope == "merger" else "llm"
-
-
-_V, _VH = "image_encoder.encoder.blocks.layers.{i}.", "visual.blocks.{i}."
-_L, _LH = "text_decoder.decoder.layers.{i}.", "model.layers.{i}."
-_P, _PH = "image_encoder.projector.", "visual.merger."
-_VIT_HEADS = ("vheads", "vheads", "vhd")
-_LLM_HEADS = ("heads", "groups", "hd")
-_VLIN, _VQKV, _LQKV = "vit_linear_bias", "vit_qkv_bias", "llm_qkv_bias"
-
-TABLE: tuple[Entry, ...] = (
-    Entry("patch_embed", "image_encoder.encoder.patch_embed.proj.weight", ("visual.patch_embed.proj.weight",),
-          (("vh", "cin", "tps", "ps", "ps"),)),
-    Entry("vit_layer", _V + "input_layernorm.weight", (_VH + "norm1.weight",), (("vh",),)),
-    Entry("vit_layer", _V + "self_attention.linear_qkv.weight", (_VH + "attn.qkv.weight",), (("vqkv", "vh"),),
-          "fused_qkv", 0, _VIT_HEADS),
-    Entry("vit_layer", _V + "self_attention.linear_qkv.bias", (_VH + "attn.qkv.bias",), (("vqkv",),),
-          "fused_qkv", 0, _VIT_HEADS, when=_VQKV),
-    Entry("vit_layer", _V + "self_attention.linear_proj.weight", (_VH + "attn.proj.weight",), (("vh", "vattn"),),
-          split=1),
-    Entry("vit_layer", _V + "self_attention.linear_proj.bias", (_VH + "attn.proj.bias",), (("vh",),), when=_VLIN),
-    Entry("vit_layer", _V + "pre_mlp_layernorm.weight", (_VH + "norm2.weight",), (("vh",),)),
-    Entry("vit_layer", _V + "mlp.linear_fc1.weight", (_VH + "mlp.gate_proj.weight", _VH + "mlp.up_proj.weight"),
-          (("vffn", "vh"), ("vffn", "vh")), "glu", 0),
-    Entry("vit_layer", _V + "mlp.linear_fc1.bias", (_VH + "mlp.gate_proj.bias", _VH + "mlp.up_proj.bias"),
-          (("vffn",), ("vffn",)), "glu", 0, when=_VLIN),
-    Entry("vit_layer", _V + "mlp.linear_fc2.weight", (_VH + "mlp.down_proj.weight",), (("vh", "vffn"),), split=1),
-    Entry("vit_layer", _V + "mlp.linear_fc2.bias", (_VH + "mlp.down_proj.bias",), (("vh",),), when=_VLIN),
-    Entry("merger", _P + "layernorm.weight", (_PH + "ln_q.weight",), (("pin",),)),
-    Entry("merger", _P + "encoder.linear_fc1.weight", (_PH + "mlp.0.weight",), (("pffn", "pcat"),), split=0),
-    Entry("merger", _P + "encoder.linear_fc1.bias", (_PH + "mlp.0.bias",), (("pffn",),), split=0),
-    Entry("merger", _P + "encoder.linear_fc2.weight", (_PH + "mlp.2.weight",), (("ph", "pffn"),), split=1),
-    Entry("merger", _P + "encoder.linear_fc2.bias", (_PH + "mlp.2.bias",), (("ph",),)),
-    Entry("embedding", "text_decoder.embedding.word_embeddings.weight", ("model.embed_tokens.weight",),
-          (("vocab", "h"),), split=0),
-    Entry("llm_layer", _L + "input_layernorm.weight", (_LH + "input_layernorm.weight",), (("h",),)),
-    Entry("llm_layer", _L + "self_attention.linear_qkv.weight",
-          (_LH + "self_attn.q_proj.weight", _LH + "self_attn.k_proj.weight", _LH + "self_attn.v_proj.weight"),
-          (("q", "h"), ("kv", "h"), ("kv", "h")), "qkv", 0, _LLM_HEADS),
-    Entry("llm_layer", _L + "self_attention.linear_qkv.bias",
-          (_LH + "self_attn.q_proj.bias", _LH + "self_attn.k_proj.bias", _LH + "self_attn.v_proj.bias"),
-          (("q",), ("kv",), ("kv",)), "qkv", 0, _LLM_HEADS, when=_LQKV),
-    Entry("llm_layer", _L + "self_attention.linear_proj.weight", (_LH + "self_attn.o_proj.weight",), (("h", "q"),),
-          split=1),
-    Entry("llm_layer", _L + "pre_mlp_layernorm.weight", (_LH + "post_attention_layernorm.weight",), (("h",),)),
-    Entry("llm_layer", _L + "mlp.linear_fc1.weight", (_LH + "mlp.gate_proj.weight", _LH + "mlp.up_proj.weight"),
-          (("ffn", "h"), ("ffn", "h")), "glu", 0),
-    Entry("llm_layer", _L + "mlp.linear_fc2.weight", (_LH + "mlp.down_proj.weight",), (("h", "ffn"),), split=1),
-    Entry("final_norm", "text_decoder.decoder.final_layernorm.weight", ("model.norm.weight",), (("h",),)),
-    Entry("output_layer", "text_decoder.output_layer.weight", ("lm_head.weight",), (("vocab", "h"),), split=0,
-          when="untied"),
-    Entry("output_layer", "text_decoder.output_layer.weight", ("model.embed_tokens.weight",), (("vocab", "h"),),
-          split=0, when="tied", duplicate=True),
-)
-
-# Other spellings of the published HF names, mapped to the published ones when reading (newer transformers
-# releases nest the LLM and the ViT under ``model.``). Output is always written with the published names.
-HF_ALIASES: tuple[tuple[str, str], ...] = (("model.language_model.", "model."), ("model.visual.", "visual."))
+from mm_rl.models.family import SCOPES, Entry, ModelFamily, Scope, UnknownFamily, family_of
 
 
 # ------------------------------------------------------------------------------------------ model sizes
+def model_family(model: ModelConfig) -> ModelFamily:
+    """The family of model.json, an unknown ``model_id`` as a conversion error."""
+    try:
+        return family_of(model)
+    except UnknownFamily as err:
+        raise ConversionError(str(err)) from None
+
+
 def model_dims(model: ModelConfig) -> dict[str, int]:
     """The dimension names used in ``Entry.shapes``, from model.json."""
-    text, vit = model.text_decoder, model.image_encoder.vision_encoder
-    proj = model.image_encoder.vision_projector
-    groups = text.num_query_groups if text.group_query_attention else text.num_attention_heads
-    hd = text.kv_channels or text.hidden_size // text.num_attention_heads
-    vhd = vit.hidden_size // vit.num_attention_heads
-    return {
-        "vocab": text.vocab_size, "h": text.hidden_size, "ffn": text.ffn_hidden_size,
-        "heads": text.num_attention_heads, "groups": groups, "hd": hd,
-        "q": text.num_attention_heads * hd, "kv": groups * hd,
-        "vh": vit.hidden_size, "vffn": vit.ffn_hidden_size, "vheads": vit.num_attention_heads, "vhd": vhd,
-        "vattn": vit.num_attention_heads * vhd, "vqkv": 3 * vit.num_attention_heads * vhd,
-        "cin": vit.in_channels, "tps": vit.temporal_patch_size, "ps": vit.patch_size,
-        "pin": proj.input_size, "pcat": proj.input_size * vit.spatial_merge_size ** 2,
-        "pffn": proj.ffn_hidden_size, "ph": proj.hidden_size,
-    }
-
-
-def model_flags(model: ModelConfig) -> dict[str, bool]:
-    """The switches named by ``Entry.when``."""
-    text, vit = model.text_decoder, model.image_encoder.vision_encoder
-    return {"vit_qkv_bias": vit.add_qkv_bias, "vit_linear_bias": vit.add_bias_linear,
-            "llm_qkv_bias": text.add_qkv_bias, "untied": text.untie_embeddings_and_output_weights,
-            "tied": not text.untie_embeddings_and_output_weights}
+    return model_family(model).model_dims(model)
 
 
 def hf_shape(entry: Entry, part: int, dims: Mapping[str, int]) -> tuple[int, ...]:
@@ -161,24 +58,25 @@ class Bound:
 
 def stage_tensors(model: ModelConfig, stage: Stage) -> list[Bound]:
     """Every Megatron tensor of ``stage`` in a fixed order (layer by layer), with its HF names."""
-    flags = model_flags(model)
+    family = model_family(model)
+    flags = family.model_flags(model)
     out: list[Bound] = []
     for scope in SCOPES:
-        entries = [e for e in TABLE if e.scope == scope and (e.when is None or flags[e.when])]
+        entries = [e for e in family.tensors if e.scope == scope and (e.when is None or flags[e.when])]
         for local, index in stage.layers(scope):
             out += [Bound(e, e.mg.format(i=local), tuple(h.format(i=index) for h in e.hf)) for e in entries]
     return out
 
 
 @cache
-def _hf_layer_patterns() -> tuple[tuple[re.Pattern[str], Scope], ...]:
+def _hf_layer_patterns(family: ModelFamily) -> tuple[tuple[re.Pattern[str], Scope], ...]:
     return tuple((re.compile(re.escape(h).replace(r"\{i\}", r"(\d+)") + "$"), e.scope)
-                 for e in TABLE if e.scope in ("vit_layer", "llm_layer") for h in e.hf)
+                 for e in family.tensors if e.scope in ("vit_layer", "llm_layer") for h in e.hf)
 
 
-def hf_layer_index(name: str) -> tuple[Scope, int] | None:
+def hf_layer_index(model: ModelConfig, name: str) -> tuple[Scope, int] | None:
     """(scope, global layer) of an HF layer tensor name; None for other names."""
-    for pattern, scope in _hf_layer_patterns():
+    for pattern, scope in _hf_layer_patterns(model_family(model)):
         match = pattern.match(name)
         if match:
             return scope, int(match.group(1))
@@ -186,16 +84,25 @@ def hf_layer_index(name: str) -> tuple[Scope, int] | None:
 
 
 @cache
-def _mg_patterns() -> tuple[tuple[re.Pattern[str], Entry], ...]:
-    return tuple((re.compile(re.escape(e.mg).replace(r"\{i\}", r"\d+") + "$"), e) for e in TABLE)
+def _mg_patterns(family: ModelFamily) -> tuple[tuple[re.Pattern[str], Entry], ...]:
+    return tuple((re.compile(re.escape(e.mg).replace(r"\{i\}", r"\d+") + "$"), e) for e in family.tensors)
 
 
-def entry_for(mg_name: str) -> Entry:
+def entry_for(model: ModelConfig, mg_name: str) -> Entry:
     """The table entry of a Megatron tensor name (any layer index)."""
-    for pattern, entry in _mg_patterns():
+    family = model_family(model)
+    for pattern, entry in _mg_patterns(family):
         if pattern.match(mg_name):
             return entry
-    raise ConversionError(f"{mg_name} is not a Qwen2.5-VL Megatron tensor name known to mm_rl.convert.mapping")
+    raise ConversionError(f"{mg_name} is not a {family.label} Megatron tensor name known to mm_rl")
+
+
+def published_name(model: ModelConfig, name: str) -> str:
+    """The published HF name of a tensor stored under another spelling (the family's ``hf_aliases``)."""
+    for alias, published in model_family(model).hf_aliases:
+        if name.startswith(alias):
+            return published + name[len(alias):]
+    return name
 
 
 # -------------------------------------------------------------------------------------------- pieces
@@ -330,7 +237,7 @@ def _offsets(plan: list[Piece]) -> list[tuple[Piece, int]]:
 def merge_tp_shards(mg_name: str, shards: Sequence[torch.Tensor], model: ModelConfig) -> torch.Tensor:
     """The TP shards of one Megatron tensor (rank order) -> the full tensor in the TP-independent layout (the
     layout at TP = 1), which ``megatron_to_hf`` maps to HF tensors. For the weight sync into vLLM."""
-    entry, dims = entry_for(mg_name), model_dims(model)
+    entry, dims = entry_for(model, mg_name), model_dims(model)
     bound = Bound(entry, mg_name, entry.hf)
     parts = hf_from_shards(bound, dims, shards)
     if len(shards) == 1 or entry.split is None:

@@ -1,17 +1,17 @@
-"""A tiny Qwen2.5-VL checkpoint, built offline and deterministically, for tests and CPU runs.
+"""A tiny checkpoint of a model family, built offline and deterministically, for tests and CPU runs.
 
-``build_tiny_checkpoint(out_dir, seed)`` writes a complete HuggingFace checkpoint directory (config, safetensors
-weights, byte-level BPE tokenizer, chat template, image processor, generation config) that transformers'
-``AutoProcessor`` / ``Qwen2_5_VLForConditionalGeneration`` and vLLM load like a published Qwen2.5-VL. Nothing is
-downloaded: the tokenizer is trained here on a small embedded geometry corpus and the weights are random.
+``build_tiny_checkpoint(out_dir, seed, family=...)`` writes a complete HuggingFace checkpoint directory (config,
+safetensors weights, byte-level BPE tokenizer, chat template, image processor, generation config) that
+transformers' ``AutoProcessor`` / the family's ``...ForConditionalGeneration`` and vLLM load like a published
+checkpoint. Nothing is downloaded: the tokenizer is trained here on a small embedded geometry corpus and the
+weights are random. The family's ``tiny`` module gives its HF config class and sizes (the Qwen2.5-VL default:
+``mm_rl.models.qwen2_5_vl.tiny``); the tokenizer, chat template and special-token ids are shared.
 
 Why these sizes (the real architecture, shrunk so every code path still runs):
 - Text: head_dim = 128 / 4 = 32, and mrope_section [4, 6, 6] sums to head_dim / 2 as mRoPE requires (temporal,
   height and width sections of the rotary frequencies).
 - 4 query heads in 2 KV groups (GQA): TP=2 gives each rank one whole group, as the interleaved qkv layout needs;
   4 layers split over PP=2 or PP=4.
-- ViT: 2 blocks with block 1 full attention, so both window attention (window 112 = 8 patches of 14) and the
-  full-attention path, the 2D vision rotary and the 2x2 patch merger all run.
 - Vocabulary 1024 (1000 learned BPE ids + 11 fixed tokens, padded to a multiple of 128 like Qwen's 151936): the
   vocab-parallel log-prob and the output layer are cheap on CPU, and 1024 splits evenly for TP=2/4.
 
@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from mm_rl.files import replace_dir
+from mm_rl.models.family import ModelFamily
+from mm_rl.models.family import family as model_family
 
 # Fixed token ids (the learned BPE vocabulary is ids 0..999).
 NUM_LEARNED_TOKENS = 1000
@@ -62,37 +64,8 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 )
 ADDED_TOKENS: tuple[str, ...] = ("<think>", "</think>", "\\boxed{")
 
-VISION_CONFIG: dict[str, Any] = {
-    "depth": 2,
-    "hidden_size": 64,
-    "num_heads": 4,
-    "intermediate_size": 128,
-    "patch_size": 14,
-    "temporal_patch_size": 2,
-    "spatial_merge_size": 2,
-    "window_size": 112,
-    "fullatt_block_indexes": [1],
-    "out_hidden_size": 128,
-    "in_channels": 3,
-    "hidden_act": "silu",
-    "tokens_per_second": 2,
-}
-TEXT_CONFIG: dict[str, Any] = {
-    "hidden_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 256,
-    "rope_theta": 1e6,
-    "mrope_section": [4, 6, 6],
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 4096,
-    "vocab_size": VOCAB_SIZE,
-    "hidden_act": "silu",
-}
 IMAGE_PROCESSOR_CONFIG: dict[str, Any] = {
     "image_processor_type": "Qwen2VLImageProcessor",
-    "processor_class": "Qwen2_5_VLProcessor",
     "do_resize": True,
     "do_rescale": True,
     "rescale_factor": 1 / 255,
@@ -224,36 +197,28 @@ def _train_tokenizer() -> Any:
     return tokenizer
 
 
-def _model_config(tie_word_embeddings: bool, overrides: dict[str, Any]) -> Any:
-    """Qwen2_5_VLConfig; flat overrides change text fields, ``vision_config={...}`` changes vision fields."""
-    from transformers import Qwen2_5_VLConfig
-
+def _model_config(family: ModelFamily, tie_word_embeddings: bool, overrides: dict[str, Any]) -> Any:
+    """The family's HF config; flat overrides change text fields, ``vision_config={...}`` changes vision fields."""
+    module = family.tiny_module()
     overrides = dict(overrides)
-    vision = {**VISION_CONFIG, **overrides.pop("vision_config", {})}
-    text = {**TEXT_CONFIG, **overrides}
-    unknown = sorted((set(text) - set(TEXT_CONFIG)) | (set(vision) - set(VISION_CONFIG)))
+    vision = {**module.VISION_CONFIG, **overrides.pop("vision_config", {})}
+    text = {**module.TEXT_CONFIG, **overrides}
+    unknown = sorted((set(text) - set(module.TEXT_CONFIG)) | (set(vision) - set(module.VISION_CONFIG)))
     if unknown:
-        raise TypeError(
-            f"unknown tiny-model overrides {unknown}; fields: {sorted(TEXT_CONFIG)}, {sorted(VISION_CONFIG)}"
-        )
-    head_dim = text["hidden_size"] // text["num_attention_heads"]
+        raise TypeError(f"unknown tiny-model overrides {unknown}; fields: {sorted(module.TEXT_CONFIG)}, "
+                        f"{sorted(module.VISION_CONFIG)}")
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     if sum(text["mrope_section"]) * 2 != head_dim:
         raise ValueError(f"mrope_section {text['mrope_section']} must sum to head_dim / 2 = {head_dim // 2}")
     if text["num_attention_heads"] % text["num_key_value_heads"]:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     if text["vocab_size"] <= BOXED_TOKEN_ID:
         raise ValueError(f"vocab_size must exceed {BOXED_TOKEN_ID}")
+    ids = {"bos_token_id": ENDOFTEXT_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID}
     rope = {"rope_type": "default", "rope_theta": text.pop("rope_theta"), "mrope_section": text.pop("mrope_section")}
-    text_config = {
-        **text,
-        "rope_parameters": rope,
-        "bos_token_id": ENDOFTEXT_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-        "pad_token_id": PAD_TOKEN_ID,
-        "tie_word_embeddings": tie_word_embeddings,
-        "dtype": "float32",
-    }
-    return Qwen2_5_VLConfig(
+    text_config = {**text, **ids, "rope_parameters": rope, "tie_word_embeddings": tie_word_embeddings,
+                   "dtype": "float32"}
+    return module.hf_config(
         text_config=text_config,
         vision_config=vision,
         image_token_id=IMAGE_TOKEN_ID,
@@ -261,10 +226,8 @@ def _model_config(tie_word_embeddings: bool, overrides: dict[str, Any]) -> Any:
         vision_start_token_id=VISION_START_TOKEN_ID,
         vision_end_token_id=VISION_END_TOKEN_ID,
         tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=ENDOFTEXT_TOKEN_ID,
-        eos_token_id=EOS_TOKEN_ID,
-        pad_token_id=PAD_TOKEN_ID,
         dtype="float32",
+        **ids,
     )
 
 
@@ -284,17 +247,19 @@ def _init_tensor(seed: int, name: str, like: Any, std: float = 0.02) -> Any:
     return (torch.randn(like.shape, generator=generator, dtype=torch.float32) * std).to(like.dtype)
 
 
-def _write_checkpoint(directory: Path, seed: int, tie_word_embeddings: bool, overrides: dict[str, Any]) -> None:
+def _write_checkpoint(directory: Path, family: ModelFamily, seed: int, tie_word_embeddings: bool,
+                      overrides: dict[str, Any]) -> None:
     from mm_rl.platform import cpu_wheels
 
     cpu_wheels.install()  # transformers' image utilities import torchvision when it is installed
     import torch
+    import transformers
     from safetensors.torch import load_file, save_file
-    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import GenerationConfig
 
-    config = _model_config(tie_word_embeddings, overrides)
+    config = _model_config(family, tie_word_embeddings, overrides)
     with torch.random.fork_rng(devices=[]):  # transformers' own init draws from (and would move) the global RNG
-        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+        model = getattr(transformers, family.hf_architecture)(config).to(torch.float32)
     # save_pretrained gives the published key names (model.layers.*, visual.*, lm_head unless tied); the values
     # are then redrawn per key name, so they depend only on (seed, name, shape), not on transformers' internals.
     model.save_pretrained(directory, safe_serialization=True)
@@ -321,11 +286,13 @@ def _write_checkpoint(directory: Path, seed: int, tie_word_embeddings: bool, ove
         "errors": "replace",
         "split_special_tokens": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": TEXT_CONFIG["max_position_embeddings"],
-        "processor_class": "Qwen2_5_VLProcessor",
+        "model_max_length": config.get_text_config().max_position_embeddings,
+        "processor_class": family.tiny_module().PROCESSOR_CLASS,
     }
     _write_json(directory / "tokenizer_config.json", tokenizer_config)
-    _write_json(directory / "preprocessor_config.json", IMAGE_PROCESSOR_CONFIG)
+    processor = {**IMAGE_PROCESSOR_CONFIG, **family.tiny_module().IMAGE_PROCESSOR,
+                 "processor_class": tokenizer_config["processor_class"]}
+    _write_json(directory / "preprocessor_config.json", processor)
     (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
 
@@ -333,8 +300,8 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _build_args(seed: int, tie_word_embeddings: bool, overrides: dict[str, Any]) -> dict[str, Any]:
-    args = {"version": _BUILDER_VERSION, "seed": seed, "tie_word_embeddings": tie_word_embeddings}
+def _build_args(family: str, seed: int, tie_word_embeddings: bool, overrides: dict[str, Any]) -> dict[str, Any]:
+    args = {"version": _BUILDER_VERSION, "family": family, "seed": seed, "tie_word_embeddings": tie_word_embeddings}
     # A JSON round trip normalises the arguments (tuples become lists) as they will be read back from the marker.
     return json.loads(json.dumps({**args, "config_overrides": overrides}, sort_keys=True))
 
@@ -350,16 +317,18 @@ def _is_complete(directory: Path, args: dict[str, Any]) -> bool:
 
 
 def build_tiny_checkpoint(
-    out_dir: str | Path, seed: int = 0, tie_word_embeddings: bool = False, **config_overrides: Any
+    out_dir: str | Path, seed: int = 0, tie_word_embeddings: bool = False, family: str = "qwen2_5vl",
+    **config_overrides: Any
 ) -> Path:
-    """Build (or reuse) the tiny Qwen2.5-VL checkpoint in ``out_dir`` and return its path.
+    """Build (or reuse) the tiny checkpoint of model family ``family`` (a model.json ``model_id``) in ``out_dir``
+    and return its path.
 
     ``config_overrides`` change text-model fields (e.g. ``num_hidden_layers=2``); ``vision_config={...}`` changes
     vision fields. An existing ``out_dir`` built with the same arguments is reused as is; one built by this
     function with other arguments is replaced; any other non-empty ``out_dir`` is an error.
     """
     out_dir = Path(out_dir).absolute()
-    args = _build_args(seed, tie_word_embeddings, config_overrides)
+    args = _build_args(family, seed, tie_word_embeddings, config_overrides)
     if _is_complete(out_dir, args):
         return out_dir
     if out_dir.exists() and not (out_dir / _MARKER).is_file() and any(out_dir.iterdir()):
@@ -367,7 +336,7 @@ def build_tiny_checkpoint(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
     try:
-        _write_checkpoint(staging, seed, tie_word_embeddings, config_overrides)
+        _write_checkpoint(staging, model_family(family), seed, tie_word_embeddings, config_overrides)
         _write_json(staging / _MARKER, args)  # written last: its presence means the directory is complete
         for path in staging.iterdir():  # some writers create 0600 files; mkdtemp creates the directory 0700
             path.chmod(0o644)

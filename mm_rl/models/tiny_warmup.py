@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from mm_rl.files import atomic_path, write_atomic
 from mm_rl.models import tiny
-from mm_rl.models.qwen2_5_vl.rope_index import hf_token_types
+from mm_rl.models.family import hf_token_types
 
 if TYPE_CHECKING:
     import torch

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mm_rl.config.schema import GenerateConfig
-from mm_rl.models.qwen2_5_vl.rope_index import hf_token_types
+from mm_rl.models.family import hf_token_types
 from mm_rl.platform.device import current_device
 from mm_rl.rollout.base import RolloutEngine, RolloutRequest, RolloutSample, SamplingSpec, engine_dtype
 from mm_rl.rollout.bounds import image_runs, policy_from_config

@@ -11,22 +11,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from mm_rl.models.family import QWEN_VISION_TOKENS, family_of
+
 if TYPE_CHECKING:
     from mm_rl.config.schema import JobConfig
     from mm_rl.data.dataset import PromptItem
     from mm_rl.rollout.base import RolloutRequest
 
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-
 
 class PromptSource:
     """The job's prompts: ``next_indices`` draws a rollout batch, ``requests`` turns rows into engine requests."""
 
-    def __init__(self, processor: Any, train_set: Any, val_set: Any | None, sampler: Any, num_workers: int = 0) -> None:
+    def __init__(self, processor: Any, train_set: Any, val_set: Any | None, sampler: Any, num_workers: int = 0,
+                 vision_tokens: tuple[str, ...] = QWEN_VISION_TOKENS) -> None:
         self.processor, self.train_set, self.val_set, self.sampler = processor, train_set, val_set, sampler
         self.num_workers = num_workers
         self.pad_id = int(processor.tokenizer.pad_token_id or 0)
-        self.vision_token_ids = vision_token_ids(processor.tokenizer)
+        self.vision_token_ids = vision_token_ids(processor.tokenizer, vision_tokens)
         self.cached: dict[int, PromptItem] = {}  # data-set index -> processed train row, for this step
 
     @classmethod
@@ -42,7 +43,8 @@ class PromptSource:
         val_set = PromptDataset.from_config(b.data, "val", processor) if b.rl_config.validates else None
         sampler = PromptSampler(len(train_set), b.rl_config.rollout_batch_size, int(b.training.seed),
                                 shuffle=b.data.shuffle)
-        return cls(processor, train_set, val_set, sampler, b.training.num_workers)
+        return cls(processor, train_set, val_set, sampler, b.training.num_workers,
+                   family_of(b.model).vision_tokens)
 
     def next_indices(self) -> list[int]:
         """The data-set indices of the next rollout batch (the sampler's order is a function of seed and epoch)."""
@@ -101,8 +103,9 @@ class PromptSource:
             return list(pool.map(dataset.__getitem__, indices))
 
 
-def vision_token_ids(tokenizer: Any) -> frozenset[int]:
-    """Ids of the vision special tokens the tokenizer knows (a response must not carry them, see the trainer)."""
+def vision_token_ids(tokenizer: Any, tokens: tuple[str, ...]) -> frozenset[int]:
+    """Ids of the family's vision special tokens the tokenizer knows (a response must not carry them, see the
+    trainer)."""
     unknown = tokenizer.unk_token_id
-    ids = (tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS)
+    ids = (tokenizer.convert_tokens_to_ids(token) for token in tokens)
     return frozenset(int(i) for i in ids if i is not None and i != unknown)

@@ -121,7 +121,7 @@ class MegatronWorker:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        from mm_rl.models.qwen2_5_vl.model import embedding_ranks
+        from mm_rl.models.family import family_of
         from mm_rl.platform.device import dist_backend
 
         spec = self.spec
@@ -130,7 +130,8 @@ class MegatronWorker:
             world_size=spec.world_size, timeout=timedelta(seconds=spec.init_timeout_s))
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
-            context_parallel_size=spec.cp, get_embedding_ranks=embedding_ranks(spec.model))
+            context_parallel_size=spec.cp,
+            get_embedding_ranks=family_of(spec.model).megatron_module().embedding_ranks(spec.model))
         model_parallel_cuda_manual_seed(spec.seed)
         self.coords = RankCoords(self.rank, parallel_state.get_tensor_model_parallel_rank(),
                                  parallel_state.get_pipeline_model_parallel_rank(),
@@ -142,10 +143,11 @@ class MegatronWorker:
         """Build this rank's stage; load its mp_rank file from ``mm_dir`` (latest iteration unless given)."""
         import torch
 
-        from mm_rl.models.qwen2_5_vl.model import build_model
+        from mm_rl.models.family import family_of
         from mm_rl.platform.device import current_device
 
         dtype = torch.bfloat16 if self.spec.bf16 else torch.float32
+        build_model = family_of(self.spec.model).megatron_module().build_model
         self.model = build_model(self.spec.model, self.spec.flags, self.spec.actor, params_dtype=dtype,
                                  remove_padding=self.spec.remove_padding)
         # megatron's layers create their weights on the current device, plain torch modules (the ViT's patch

@@ -82,12 +82,3 @@ def get_rope_index(
     if grids:
         raise ValueError(f"image_grid_thw describes {len(grids)} more image(s) than the image tokens hold")
     return positions.to(input_ids.device), deltas.to(input_ids.device)
-
-
-def hf_token_types(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
-    """transformers' ``mm_token_type_ids`` for Qwen2.5-VL (1 on image tokens, 0 elsewhere).
-
-    transformers 5 computes the 3D positions only from these types: a forward or ``generate`` call without them
-    gives every token a 1D text position, a different model input from the one vLLM and the actor see (measured
-    on the tiny model: log-prob gaps of up to 12 nats on the same tokens). Pass them on every call."""
-    return (input_ids == image_token_id).int()

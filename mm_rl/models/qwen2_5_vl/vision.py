@@ -27,7 +27,8 @@ What Qwen2.5-VL adds to a plain ViT, and where it lives here:
   (:func:`vision_rotary`), handed to megatron's own ``apply_rotary_pos_emb`` (non-interleaved, rotate-half),
   which is exactly the Qwen2.5-VL formula.
 * Attention restricted to windows, or to whole images in ``fullatt_block_indexes`` blocks: a custom core
-  attention (:mod:`.vision_attention`) reading the segments from ``packed_seq_params``.
+  attention (:mod:`.vision_attention`) reading the segments from ``packed_seq_params``. ``window_size`` 0 is
+  Qwen2-VL's ViT: no windows, every block attends to whole images.
 
 Pipeline parallelism: a stage is built with ``num_layers`` ViT blocks starting at global block
 ``layer_offset``; ``pre_process`` (it holds the patch embedding) and ``post_process`` (it holds the merger).
@@ -286,8 +287,11 @@ class VisionBatch:
     @classmethod
     def build(cls, grid_thw: Tensor, encoder: VisionEncoderConfig, device: torch.device) -> VisionBatch:
         merge = encoder.spatial_merge_size
-        window_units = encoder.window_size // merge // encoder.patch_size
-        unit_order, cu_window = window_order(grid_thw, merge, window_units)
+        if encoder.window_size:
+            unit_order, cu_window = window_order(grid_thw, merge, encoder.window_size // merge // encoder.patch_size)
+        else:  # no window attention (Qwen2-VL): the processor's order, every block attends to whole images
+            unit_order = torch.arange(int(grid_thw.prod(-1).sum()) // merge**2)
+            cu_window = image_cu_seqlens(grid_thw)
         head_dim = encoder.hidden_size // encoder.num_attention_heads
         rotary = vision_rotary(patch_positions(grid_thw, merge), head_dim)
         rotary = _to_window_order(rotary, unit_order, merge**2)
@@ -338,7 +342,7 @@ class VisionEncoder(MegatronModule):
         super().__init__(config=config)
         self.patch_embed = PatchEmbed(encoder, config.params_dtype) if pre_process else None
         full = set(encoder.fullatt_block_indexes)
-        specs = [vision_layer_spec(layer_offset + i in full) for i in range(num_layers)]
+        specs = [vision_layer_spec(not encoder.window_size or layer_offset + i in full) for i in range(num_layers)]
         self.blocks = (
             TransformerBlock(
                 config=config,

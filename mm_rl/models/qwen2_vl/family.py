@@ -1,0 +1,97 @@
+"""Qwen2-VL as a model family (MindSpeed-MM's ``qwen2vl`` layout: ``fc1`` / ``fc2`` become ``linear_fc1`` /
+``linear_fc2`` split by rows / columns, the norms keep their biases)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from mm_rl.models.family import Entry, ModelFamily, ModelFinding
+from mm_rl.models.qwen2_5_vl.family import (
+    HF_ALIASES,
+    MERGER_MLP,
+    PATCH_EMBED,
+    PH,
+    TEXT,
+    VH,
+    VIT_ATTENTION,
+    VLIN,
+    P,
+    V,
+    fixed_fields,
+    model_dims,
+    model_flags,
+    need,
+    text_decoder_json,
+    token_ids_json,
+    vision_json,
+)
+
+if TYPE_CHECKING:
+    from mm_rl.config.schema import ModelConfig
+
+LABEL, MODEL_ID = "Qwen2-VL", "qwen2vl"
+
+
+def _norm(mg: str, hf: str, scope: Any = "vit_layer", dim: str = "vh") -> tuple[Entry, Entry]:
+    return (Entry(scope, mg + ".weight", (hf + ".weight",), ((dim,),)),
+            Entry(scope, mg + ".bias", (hf + ".bias",), ((dim,),)))
+
+
+TENSORS: tuple[Entry, ...] = (
+    PATCH_EMBED,
+    *_norm(V + "input_layernorm", VH + "norm1"),
+    *VIT_ATTENTION,
+    *_norm(V + "pre_mlp_layernorm", VH + "norm2"),
+    Entry("vit_layer", V + "mlp.linear_fc1.weight", (VH + "mlp.fc1.weight",), (("vffn", "vh"),), split=0),
+    Entry("vit_layer", V + "mlp.linear_fc1.bias", (VH + "mlp.fc1.bias",), (("vffn",),), split=0, when=VLIN),
+    Entry("vit_layer", V + "mlp.linear_fc2.weight", (VH + "mlp.fc2.weight",), (("vh", "vffn"),), split=1),
+    Entry("vit_layer", V + "mlp.linear_fc2.bias", (VH + "mlp.fc2.bias",), (("vh",),), when=VLIN),
+    *_norm(P + "layernorm", PH + "ln_q", "merger", "pin"),
+    *MERGER_MLP,
+    *TEXT,
+)
+
+
+def model_json(config: Mapping[str, Any]) -> dict[str, Any]:
+    """model.json content from a Qwen2-VL config.json (``embed_dim`` is the ViT width, ``hidden_size`` the
+    merger's output)."""
+    vision = vision_json(config, LABEL)
+    depth, width = need(vision, "depth", LABEL), need(vision, "embed_dim", LABEL)
+    merge = vision.get("spatial_merge_size", 2)
+    decoder = text_decoder_json(config, LABEL)
+    heads = need(vision, "num_heads", LABEL)
+    encoder = {
+        "num_layers": depth, "pipeline_num_layers": [depth], "hidden_size": width,
+        "ffn_hidden_size": int(width * vision.get("mlp_ratio", 4)), "num_attention_heads": heads,
+        "num_query_groups": heads, "in_channels": vision.get("in_channels", vision.get("in_chans", 3)),
+        "patch_size": vision.get("patch_size", 14), "temporal_patch_size": vision.get("temporal_patch_size", 2),
+        "spatial_merge_size": merge, **_VISION_FIXED,
+    }
+    projector = {"model_id": "lnmlp", "input_size": width,
+                 "hidden_size": vision.get("hidden_size", decoder["hidden_size"]),
+                 "ffn_hidden_size": width * merge ** 2, "normalization": "LayerNorm"}
+    return {"model_id": MODEL_ID, **token_ids_json(config),
+            "image_encoder": {"vision_encoder": encoder, "vision_projector": projector}, "text_decoder": decoder}
+
+
+# The ViT's structure: no windows, LayerNorm, plain quick-GELU MLP, biases everywhere.
+_VISION_FIXED: dict[str, Any] = {
+    "window_size": 0, "fullatt_block_indexes": [], "normalization": "LayerNorm", "activation_func": "quick_gelu",
+    "swiglu": False, "add_qkv_bias": True, "add_bias_linear": True,
+}
+_FIXED = {**{f"image_encoder.vision_encoder.{key}": value for key, value in _VISION_FIXED.items()
+             if key != "fullatt_block_indexes"},
+          "image_encoder.vision_projector.normalization": "LayerNorm", "text_decoder.swiglu": True}
+
+
+def rules(model: ModelConfig) -> Iterator[ModelFinding]:
+    yield from fixed_fields(model, _FIXED, LABEL)
+
+
+FAMILY = ModelFamily(
+    name="qwen2_vl", label=LABEL, model_id=MODEL_ID, hf_model_types=("qwen2_vl",),
+    hf_architecture="Qwen2VLForConditionalGeneration", tensors=TENSORS, model_dims=model_dims,
+    model_flags=model_flags, model_json=model_json, megatron="mm_rl.models.qwen2_5_vl.model",
+    tiny="mm_rl.models.qwen2_vl.tiny", rules=rules, hf_aliases=HF_ALIASES,
+)

@@ -1,0 +1,147 @@
+"""Model families other than Qwen2.5-VL on megatron-core match transformers: logits, log-probs, entropy (fp32)
+and gradients, at TP1, TP2 and PP2, through the same hf2mg conversion and megatron schedule as
+``test_model_parity`` (whose harness this reuses).
+
+Each family's tiny checkpoint has every tensor redrawn (matrices scaled by fan-in, norms around 1, biases around
+0), and the test first checks that its logits are far from uniform, so a mapping mistake cannot hide in a flat
+distribution. Outputs vs transformers <= 1e-4; TP2 / PP2 gradients (merged into TP1 names by the family's
+tensor table) vs TP1 <= 1e-5; TP1 gradients of a few tensors vs transformers' <= 1e-5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mp_utils import load_rank_results, save_rank_result, shutdown, spawn
+from test_model_parity import (
+    GRAD_TOL,
+    HF_GRAD_NAMES,
+    LOGIT_TOL,
+    _build_and_load,
+    _init,
+    _parallel_worker,
+    _report,
+    convert,
+    hf_reference,
+    make_micro_batches,
+    output_diffs,
+    run_schedule,
+    tp1_grads,
+)
+
+FAMILIES = ["qwen2vl"]
+CASES = {"tp2": (2, 1, {}), "pp2": (1, 2, {"llm_pp": [1, 3], "vit_pp": [2, 0]})}
+MIN_LOGIT_STD = 1.0  # over the vocabulary, averaged over tokens: far from a uniform distribution
+
+
+def build_checkpoint(root: Path, family: str) -> Path:
+    """The family's tiny checkpoint with every tensor redrawn (seeded)."""
+    from transformers import AutoModelForImageTextToText
+
+    from mm_rl.models.tiny import build_tiny_checkpoint
+
+    source = build_tiny_checkpoint(root / "source", seed=0, family=family)
+    model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator)
+            if param.dim() == 1:
+                param.copy_(0.2 * noise if name.endswith(".bias") else 1.0 + 0.2 * noise)
+            else:
+                param.copy_(noise * 1.5 / param[0].numel() ** 0.5)
+    model.save_pretrained(root / "hf")
+    return root / "hf"
+
+
+def model_json(hf_dir: Path, llm_pp: list[int] | None = None, vit_pp: list[int] | None = None) -> dict[str, Any]:
+    from mm_rl.convert.model_config import model_config_from_hf
+
+    data = dataclasses.asdict(model_config_from_hf(hf_dir))
+    if llm_pp:
+        data["text_decoder"]["pipeline_num_layers"] = llm_pp
+    if vit_pp:
+        data["image_encoder"]["vision_encoder"]["pipeline_num_layers"] = vit_pp
+    return data
+
+
+def _tp1_worker(rank: int, world: int, port: int, case: dict[str, Any], shared: str, out_dir: str) -> None:
+    """TP1 vs transformers; its outputs and TP1-named gradients are the parallel layouts' reference."""
+    _init(rank, world, port, case["json"])
+    from mm_rl.config.schema import ActorConfig
+
+    inputs = torch.load(Path(shared) / "inputs.pt", weights_only=False)
+    batches, reference = inputs["batches"], inputs["reference"][case["hf"]]
+    model = _build_and_load(case["json"], case["mm_dir"], ActorConfig(unfreeze_vision_encoder=True))
+    captured = run_schedule(model, batches)
+    grads = tp1_grads(model)
+    torch.save(captured, Path(shared) / f"outputs_{case['hf']}.pt")
+    torch.save(grads, Path(shared) / f"grads_{case['hf']}.pt")
+    save_rank_result(out_dir, rank, {
+        "outputs": output_diffs(captured, reference["outputs"], batches),
+        "grads_vs_hf": {name: (grads[name] - grad).abs().max().item() for name, grad in reference["grads"].items()},
+        "zero_grads": [name for name, grad in grads.items() if not grad.abs().max() > 1e-7],
+    })
+    shutdown()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    family = request.param
+    root = tmp_path_factory.mktemp(f"parity_{family}")
+    hf_dir = build_checkpoint(root, family)
+    batches = make_micro_batches()
+    reference = hf_reference(hf_dir, batches)
+    torch.save({"batches": batches, "reference": {family: reference}}, root / "inputs.pt")
+    tp1 = {"json": model_json(hf_dir), "hf": family}
+    tp1["mm_dir"] = str(convert(hf_dir, root / "mm_tp1", tp1["json"], 1))
+    out = root / "tp1"
+    out.mkdir()
+    spawn(_tp1_worker, 1, tp1, str(root), str(out))
+    cases = {}
+    for name, (tp, pp, kwargs) in CASES.items():
+        data = model_json(hf_dir, **kwargs)
+        cases[name] = {"tp": tp, "pp": pp, "cp": 1, "hf": family, "json": data,
+                       "mm_dir": str(convert(hf_dir, root / f"mm_{name}", data, tp))}
+    return {"family": family, "root": root, "reference": reference, "batches": batches, "cases": cases,
+            "tp1": load_rank_results(out, 1)[0]}
+
+
+def test_logits_are_far_from_uniform(setup: dict[str, Any]) -> None:
+    spread = [out["logits"].std(-1)[batch["attention_mask"].bool()].mean().item()
+              for out, batch in zip(setup["reference"]["outputs"], setup["batches"], strict=True)]
+    print(f"\n{setup['family']}: logit std over the vocabulary {spread}")
+    assert min(spread) >= MIN_LOGIT_STD
+
+
+def test_tp1_matches_transformers(setup: dict[str, Any]) -> None:
+    result = setup["tp1"]
+    _report(f"{setup['family']} tp1", result["outputs"])
+    _report(f"{setup['family']} tp1 grads vs transformers", result["grads_vs_hf"])
+    assert max(result["outputs"].values()) <= LOGIT_TOL
+    assert len(result["grads_vs_hf"]) == len(HF_GRAD_NAMES) and max(result["grads_vs_hf"].values()) <= GRAD_TOL
+    assert not result["zero_grads"]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_parallel_matches_transformers_and_tp1(setup: dict[str, Any], name: str, tmp_path: Path) -> None:
+    case = setup["cases"][name]
+    world = case["tp"] * case["pp"]
+    started = time.perf_counter()
+    spawn(_parallel_worker, world, case, str(setup["root"]), str(tmp_path))
+    results = load_rank_results(tmp_path, world)
+    outputs = [r["outputs"] for r in results if r["outputs"]]
+    grads = {key: diff for r in results for key, diff in r["grads"].items()}
+    reference_names = torch.load(setup["root"] / f"grads_{case['hf']}.pt", weights_only=True).keys()
+    print(f"\n{setup['family']} {name}: {time.perf_counter() - started:.1f}s; max grad diff vs TP1 "
+          f"{max(grads.values()):.2e}")
+    for output in outputs:
+        _report(f"{setup['family']} {name} vs transformers", output)
+    assert len(outputs) == case["tp"] and set(grads) == set(reference_names)
+    assert max(max(o.values()) for o in outputs) <= LOGIT_TOL
+    assert max(grads.values()) <= GRAD_TOL
