@@ -290,7 +290,8 @@ def _hf_config(**text):
     text_config = {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
                    "num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28,
                    "tie_word_embeddings": False} | text
-    return {"model_type": "qwen2_5_vl", "image_token_id": 151655, "vision_start_token_id": 151652, "text_config": text_config,
+    return {"model_type": "qwen2_5_vl", "image_token_id": 151655, "vision_start_token_id": 151652,
+            "text_config": text_config,
             "vision_config": {"hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "depth": 32}}
 
 

@@ -424,7 +424,8 @@ def test_vocab_padding_is_cut_before_the_merge():
     from mm_rl.convert.mapping import Bound, entry_for
     from mm_rl.convert.model_config import model_config_from_hf
 
-    model = model_config_from_hf({"model_type": "qwen2_5_vl", "vision_config": {"depth": 1, "hidden_size": 8, "intermediate_size": 8,
+    model = model_config_from_hf({"model_type": "qwen2_5_vl",
+                                  "vision_config": {"depth": 1, "hidden_size": 8, "intermediate_size": 8,
                                                     "num_heads": 2},
                                   "hidden_size": 4, "num_hidden_layers": 1, "intermediate_size": 8,
                                   "num_attention_heads": 2, "vocab_size": 10})
