@@ -3,7 +3,9 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mm_rl-installed
-DEMO := output/tiny_grpo
+# The embedded model of `make demo`: tiny (Qwen2.5-VL) or tiny_qwen2_vl.
+MODEL ?= tiny
+DEMO := output/$(MODEL)_grpo
 # Extra pip arguments for torch, e.g. the CPU wheel index on machines without the wheel on disk.
 TORCH_PIP_ARGS ?=
 
@@ -21,7 +23,7 @@ $(STAMP): setup.py
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/ascendfactory-cli config --af_model_name tiny --exp_name tiny_grpo --output_file_path $(DEMO)/job.yaml
+	$(BIN)/ascendfactory-cli config --af_model_name $(MODEL) --exp_name $(MODEL)_grpo --output_file_path $(DEMO)/job.yaml
 	$(BIN)/ascendfactory-cli check $(DEMO)/job.yaml
 	$(BIN)/ascendfactory-cli train $(DEMO)/job.yaml
 

@@ -33,7 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _add_config(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("config", help="write a job yaml for a model and a cluster", epilog=EPILOG)
     p.add_argument("--backend", default="mm_rl", help="training backend (mm_rl)")
-    p.add_argument("--af_model_name", required=True, help="qwen2_5_vl_3b, _7b, _32b, _72b or tiny")
+    p.add_argument("--af_model_name", required=True,
+                   help="qwen2_5_vl_3b|7b|32b|72b, qwen2_vl_2b|7b|72b, tiny or tiny_qwen2_vl")
     p.add_argument("--exp_name", default="mm_rl", help="experiment name")
     p.add_argument("--output_file_path", default="job.yaml", help="where to write the yaml")
     p.add_argument("--nnodes", type=int, default=1, help="machines in the cluster")
@@ -50,9 +51,10 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
 
 def _run_config(args: argparse.Namespace, overrides: list[str]) -> int:
     from mm_rl.config.create import ClusterSpec, create_job, write_job
-    from mm_rl.config.presets import load_preset
+    from mm_rl.config.presets import load_preset, model_names
 
-    device = args.device or ("cpu" if args.af_model_name == "tiny" else "npu")
+    embedded = args.af_model_name in model_names() and load_preset(args.af_model_name).embedded
+    device = args.device or ("cpu" if embedded else "npu")
     nproc = args.nproc_per_node if args.nproc_per_node is not None else (1 if device == "cpu" else 8)
     cluster = ClusterSpec(args.nnodes, nproc, device, args.device_memory_gb)
     node, job, plan = create_job(args.af_model_name, args.exp_name, cluster, args.model_path, args.dataset_dir,
@@ -77,7 +79,7 @@ def _materialise_embedded(job: JobConfig) -> None:
     from mm_rl.models.tiny_warmup import warm_up_format
 
     b = job.backend_config
-    hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir)
+    hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir, family=b.model.model_id)
     data_dir = write_synthetic_geo3k(b.data.dataset_param.basic_parameters.dataset_dir, seed=b.training.seed,
                                      templates=DEMO_TEMPLATES)
     print(f"embedded synthetic geo3k data: {data_dir}")
@@ -85,7 +87,7 @@ def _materialise_embedded(job: JobConfig) -> None:
         warm = warm_up_format(hf_dir, data_dir)
     except ValueError:  # warmed up by another mm_rl version: the tiny checkpoint is derived data, rebuild it
         _start_over(job)
-        hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir)
+        hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir, family=b.model.model_id)
         warm = warm_up_format(hf_dir, data_dir)
     print(f"embedded tiny model: {hf_dir} (format warm-up: format rate {warm['before']['format']:.2f} -> "
           f"{warm['after']['format']:.2f}, accuracy {warm['after']['accuracy']:.2f})")

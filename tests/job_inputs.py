@@ -6,10 +6,18 @@ from pathlib import Path
 
 
 def hf_config_json(model: dict) -> dict:
-    """The config.json (transformers 5 spelling) of a Qwen2.5-VL checkpoint whose model.json is ``model``."""
+    """The config.json (transformers 5 spelling) of a Qwen2.5-VL or Qwen2-VL checkpoint whose model.json is
+    ``model``."""
     text, vit = model["text_decoder"], model["image_encoder"]["vision_encoder"]
+    vision = {"depth": vit["num_layers"], "hidden_size": vit["hidden_size"], "num_heads": vit["num_attention_heads"],
+              "intermediate_size": vit["ffn_hidden_size"], "out_hidden_size": text["hidden_size"]}
+    model_type, architecture = "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"
+    if model["model_id"] == "qwen2vl":
+        model_type, architecture = "qwen2_vl", "Qwen2VLForConditionalGeneration"
+        vision = {"depth": vit["num_layers"], "embed_dim": vit["hidden_size"], "hidden_size": text["hidden_size"],
+                  "num_heads": vit["num_attention_heads"], "mlp_ratio": vit["ffn_hidden_size"] // vit["hidden_size"]}
     return {
-        "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": model_type, "architectures": [architecture],
         "image_token_id": model["img_context_token_id"], "vision_start_token_id": model["vision_start_token_id"],
         "text_config": {
             "hidden_size": text["hidden_size"], "num_hidden_layers": text["num_layers"],
@@ -18,9 +26,7 @@ def hf_config_json(model: dict) -> dict:
             "max_position_embeddings": text["max_position_embeddings"],
             "rope_parameters": {"rope_theta": text["rope_theta"], "mrope_section": text["mrope_section"]},
             "tie_word_embeddings": not text["untie_embeddings_and_output_weights"]},
-        "vision_config": {"depth": vit["num_layers"], "hidden_size": vit["hidden_size"], "num_heads":
-                          vit["num_attention_heads"], "intermediate_size": vit["ffn_hidden_size"],
-                          "out_hidden_size": text["hidden_size"]},
+        "vision_config": vision,
     }
 
 

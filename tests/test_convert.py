@@ -467,3 +467,16 @@ def test_qwen2_vl_layout_is_mindspeed_mms(tiny_qwen2_vl, tmp_path):
     assert torch.equal(torch.cat([r[vit + "mlp.linear_fc2.weight"] for r in ranks], 1), fc2)
     assert torch.equal(ranks[0]["image_encoder.projector.layernorm.bias"], hf["visual.merger.ln_q.bias"])
     assert not any("gate" in name for name in ranks[0])
+
+
+def test_model_config_from_a_published_qwen2_vl_config_is_the_preset():
+    published_7b = {  # the published Qwen2-VL-7B-Instruct config.json
+        "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "vocab_size": 152064,
+        "tie_word_embeddings": False, "image_token_id": 151655, "vision_start_token_id": 151652,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                          "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}}
+    preset = json.loads((MODEL_DIR / "qwen2_vl_7b.json").read_text())
+    assert model_config_from_hf(published_7b) == load_section(ModelConfig, preset)

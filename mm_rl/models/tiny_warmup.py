@@ -320,7 +320,7 @@ def _run(hf_dir: Path, data_dir: Path, args: WarmupArgs) -> dict[str, Any]:
     from mm_rl.platform import cpu_wheels
 
     cpu_wheels.install()  # transformers' image utilities import torchvision when it is installed
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from mm_rl.data.dataset import PromptProcessor
 
@@ -329,7 +329,7 @@ def _run(hf_dir: Path, data_dir: Path, args: WarmupArgs) -> dict[str, Any]:
         processor = PromptProcessor(hf_dir, args.min_pixels, args.max_pixels)
         train = _load_items(data_dir, "train", args.train_prompts, processor, args)
         test = _load_items(data_dir, "test", args.eval_prompts, processor, args)
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype="float32").eval()
+        model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype="float32").eval()
         before = _seeded(args.seed + 1, lambda: evaluate(model, test, processor, args))
         losses = _seeded(args.seed, lambda: _train(model, train, processor, args))
         after = _seeded(args.seed + 1, lambda: evaluate(model, test, processor, args))  # same seed as before
