@@ -123,7 +123,7 @@ def _padded(rows: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tens
     return ids, mask
 
 
-def make_micro_batches() -> list[dict[str, torch.Tensor]]:
+def make_micro_batches(patch_dim: int = PATCH_DIM) -> list[dict[str, torch.Tensor]]:
     """Right-padded [one image + text, two images + text] and [text, shorter text], then a left-padded
     [image + text, text + image + text] (explicit padding mask); labels are the next tokens."""
     g = torch.Generator().manual_seed(3)
@@ -140,7 +140,7 @@ def make_micro_batches() -> list[dict[str, torch.Tensor]]:
         batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.roll(ids, -1, dims=1)}
         if grids:
             patches = sum(t * h * w for t, h, w in grids)
-            batch["pixel_values"] = torch.randn(patches, PATCH_DIM, generator=g)
+            batch["pixel_values"] = torch.randn(patches, patch_dim, generator=g)
             batch["image_grid_thw"] = torch.tensor(grids)
         batches.append(batch)
     return batches
@@ -159,7 +159,8 @@ HF_GRAD_NAMES = {
 }
 
 
-def hf_reference(hf_dir: Path, batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+def hf_reference(hf_dir: Path, batches: list[dict[str, torch.Tensor]],
+                 grad_names: dict[str, str] = HF_GRAD_NAMES) -> dict[str, Any]:
     """transformers' logits per micro-batch, the label log-probs / entropy computed from them, and the
     gradients of the test loss (summed over micro-batches / their number, as megatron's schedule does)."""
     from transformers import AutoModelForImageTextToText
@@ -179,7 +180,7 @@ def hf_reference(hf_dir: Path, batches: list[dict[str, torch.Tensor]]) -> dict[s
         (_loss(output, batch["attention_mask"]) / len(batches)).backward()
         outputs.append({key: value.detach() for key, value in output.items()})
     params = dict(model.named_parameters())
-    grads = {mg: params[hf].grad.clone() for mg, hf in HF_GRAD_NAMES.items() if hf in params}
+    grads = {mg: params[hf].grad.clone() for mg, hf in grad_names.items() if hf in params}
     return {"outputs": outputs, "grads": grads}
 
 
@@ -275,6 +276,9 @@ def tp1_grads(model: Any) -> dict[str, torch.Tensor]:
         name = ("text_decoder.embedding.word_embeddings.weight" if layout.has_embedding
                 else "text_decoder.output_layer.weight")
         torch.distributed.all_reduce(grads[name], group=parallel_state.get_embedding_group())
+    for name, grad in grads.items():  # what finalize_model_grads does with qk_layernorm: each rank saw its heads
+        if "q_layernorm" in name or "k_layernorm" in name:
+            torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
     cp = parallel_state.get_context_parallel_world_size()
     if cp > 1:  # what megatron's DP x CP gradient averaging does (the schedule scaled the loss by cp)
         for grad in grads.values():

@@ -70,8 +70,15 @@ class VisionEncoderConfig:
     window_size: int = opt(112, "window attention size in pixels; 0: none, every block attends to whole images")
     fullatt_block_indexes: list[int] = opt([7, 15, 23, 31], "blocks that use full instead of window attention")
     normalization: Literal["RMSNorm", "LayerNorm", "FusedLayerNorm"] = opt("RMSNorm", "norm layer")
-    activation_func: Literal["silu", "gelu", "relu", "quick_gelu"] = opt("silu", "MLP activation")
+    activation_func: Literal["silu", "gelu", "relu", "quick_gelu", "gelu_pytorch_tanh"] = opt("silu",
+                                                                                             "MLP activation")
     swiglu: bool = opt(True, "gated MLP (activation(gate) * up)")
+    patch_embed_bias: bool = opt(False, "bias on the patch embedding (Qwen3-VL)")
+    num_position_embeddings: int = opt(
+        0, "learned position table of side^2 entries, interpolated to each image's grid (Qwen3-VL); 0: none")
+    deepstack_visual_indexes: list[int] = opt(
+        [], "ViT blocks whose outputs, merged, are added to the first LLM layers' image positions (Qwen3-VL "
+        "DeepStack: block k's go to LLM layer k's output)")
     add_qkv_bias: bool = opt(True, "bias on the qkv projection")
     add_bias_linear: bool = opt(True, "bias on the other linear layers")
     layernorm_epsilon: float = opt(1e-6, "norm epsilon")
@@ -118,6 +125,10 @@ class TextDecoderConfig:
     activation_func: Literal["silu", "gelu", "relu", "quick_gelu"] = opt("silu", "MLP activation")
     swiglu: bool = opt(True, "gated MLP")
     add_qkv_bias: bool = opt(True, "bias on the qkv projection")
+    qk_layernorm: bool = opt(False, "RMSNorm on every query and key head before the rotary (Qwen3)")
+    mrope_interleaved: bool = opt(
+        False, "interleaved mRoPE: frequency j rotates by (t, h, w)[j mod 3] within the sections (Qwen3-VL); "
+        "false: contiguous sections")
     disable_bias_linear: bool = opt(True, "no bias on the other linear layers")
     untie_embeddings_and_output_weights: bool = opt(True, "separate output layer (false: tied to embeddings)")
     layernorm_epsilon: float = opt(1e-6, "norm epsilon")
@@ -125,7 +136,7 @@ class TextDecoderConfig:
 
 @dataclass
 class ModelConfig:
-    model_id: str = opt("qwen2_5vl", "model family: qwen2_5vl (Qwen2.5-VL) or qwen2vl (Qwen2-VL)")
+    model_id: str = opt("qwen2_5vl", "model family: qwen2_5vl (Qwen2.5-VL), qwen2vl (Qwen2-VL), qwen3vl (Qwen3-VL)")
     img_context_token_id: int = opt(151655, "<|image_pad|> id; fixed by the tokenizer, never change")
     vision_start_token_id: int = opt(151652, "<|vision_start|> id; fixed by the tokenizer, never change")
     image_encoder: ImageEncoderConfig = section(ImageEncoderConfig, "vision encoder and projector")

@@ -1,4 +1,4 @@
-"""Which pipeline stage holds which part of Qwen2.5-VL, following MindSpeed-MM.
+"""Which pipeline stage holds which part of a model, following MindSpeed-MM.
 
 The ViT comes first, then the LLM, split by ``vit_pp_layers`` / ``llm_pp_layers`` (one entry per stage); a stage
 may hold the end of the ViT and the start of the LLM. The patch embedding sits with the first ViT block, the
@@ -29,6 +29,7 @@ class Stage:
     vit: range
     llm: range
     holds: frozenset[str]
+    deepstack: tuple[int, ...] = ()  # global ViT blocks that hold a DeepStack merger (Qwen3-VL)
 
     def layers(self, scope: str) -> list[tuple[int, int]]:
         """(index on this stage, global index) of the layers of ``scope``; ``[(0, 0)]`` for a part it holds.
@@ -37,6 +38,8 @@ class Stage:
         if scope in LAYER_SCOPES:
             span = self.vit if scope == "vit_layer" else self.llm
             return list(enumerate(span))
+        if scope == "deepstack":  # (block on this stage, the merger's place in deepstack_visual_indexes)
+            return [(block - self.vit.start, k) for k, block in enumerate(self.deepstack) if block in self.vit]
         return [(0, 0)] if scope in self.holds else []
 
 
@@ -70,7 +73,8 @@ def plan_pipeline(model: ModelConfig, parallel: ParallelConfig) -> Pipeline:
         if tied and rank == first_llm:
             holds.discard("output_layer")  # the output layer shares the embedding weight on the same stage
         stages.append(Stage(rank, range(sum(vit[:rank]), sum(vit[:rank + 1])),
-                            range(sum(llm[:rank]), sum(llm[:rank + 1])), frozenset(holds)))
+                            range(sum(llm[:rank]), sum(llm[:rank + 1])), frozenset(holds),
+                            tuple(model.image_encoder.vision_encoder.deepstack_visual_indexes)))
     return Pipeline(parallel.tp_size, tuple(stages))
 
 

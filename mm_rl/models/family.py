@@ -22,11 +22,13 @@ if TYPE_CHECKING:
 
     from mm_rl.config.schema import ModelConfig
 
-Scope = Literal["patch_embed", "vit_layer", "merger", "embedding", "llm_layer", "final_norm", "output_layer"]
+# deepstack: a DeepStack merger, held by its ViT block (``{i}``: the block on its stage, HF: its place in the list)
+Scope = Literal["patch_embed", "vit_layer", "merger", "deepstack", "embedding", "llm_layer", "final_norm",
+                "output_layer"]
 Layout = Literal["plain", "glu", "qkv", "fused_qkv"]
 Shape = tuple[str, ...]
-SCOPES: tuple[Scope, ...] = ("patch_embed", "vit_layer", "merger", "embedding", "llm_layer", "final_norm",
-                             "output_layer")
+SCOPES: tuple[Scope, ...] = ("patch_embed", "vit_layer", "merger", "deepstack", "embedding", "llm_layer",
+                             "final_norm", "output_layer")
 
 # The special tokens of Qwen's vision-language tokenizers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL share them).
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -45,12 +47,6 @@ class Entry:
     heads: tuple[str, str, str] = ("", "", "")  # qkv layouts: dimension names of (heads, groups, head_dim)
     when: str | None = None  # a ``model_flags`` key: the tensor exists only when that flag is true
     duplicate: bool = False  # a Megatron-only copy of another entry's HF tensor (tied output layer)
-
-    @property
-    def component(self) -> Literal["vit", "merger", "llm"]:
-        if self.scope in ("patch_embed", "vit_layer"):
-            return "vit"
-        return "merger" if self.scope == "merger" else "llm"
 
 
 # A model rule's finding: (model.json key below ``model``, value, rule, fix).
@@ -124,7 +120,7 @@ class HfConfigError(ValueError):
 
 
 # Packages whose ``family`` module defines ``FAMILY``.
-_PACKAGES = ("qwen2_5_vl", "qwen2_vl")
+_PACKAGES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
 
 @cache

@@ -112,6 +112,8 @@ def text_decoder_config(
         "activation_func": ACTIVATIONS[text.activation_func],
         "gated_linear_unit": text.swiglu,
         "add_qkv_bias": text.add_qkv_bias,
+        # megatron's finalize_model_grads sums the per-head q / k norms' gradients over TP (each rank's heads)
+        "qk_layernorm": text.qk_layernorm,
         "add_bias_linear": not text.disable_bias_linear,
         "mrope_section": list(text.mrope_section),  # GPTModel takes the type ("mrope") and rope_theta itself
         "hidden_dropout": 0.0,

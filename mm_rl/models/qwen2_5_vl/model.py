@@ -50,6 +50,7 @@ get_embedding_ranks=embedding_ranks(model_cfg))``)::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -387,6 +388,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
         self.layout = layout
         self.vocab_size = model_cfg.text_decoder.vocab_size
         self.received: Tensor | None = None
+        self.deepstack: list[Tensor] = []  # this micro-batch's DeepStack additions, [S, B, H] per early LLM layer
         self.cp = _context_parallel()
         if image_encoder is not None:
             self.image_encoder = image_encoder
@@ -400,7 +402,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
         from megatron.core.models.gpt import GPTModel
 
         text = self.model_cfg.text_decoder
-        spec = llm_layer_spec(text.normalization, ulysses=self.cp is not None)
+        spec = llm_layer_spec(text.normalization, ulysses=self.cp is not None, qk_layernorm=text.qk_layernorm)
         decoder = GPTModel(
             config=self.config,
             transformer_layer_spec=spec,
@@ -413,11 +415,36 @@ class Qwen2_5_VLModel(torch.nn.Module):
             position_embedding_type="mrope",
             rotary_base=text.rope_theta,  # type: ignore[arg-type]  # megatron annotates int; rope_theta is float
         )
+        if text.mrope_interleaved:
+            from mm_rl.models.qwen2_5_vl.rotary import InterleavedMultimodalRotaryEmbedding
+
+            decoder.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(
+                kv_channels=self.config.kv_channels, rotary_percent=1.0, rotary_base=text.rope_theta)
         if self.cp is not None:
             # positions arrive already cut to this rank's contiguous chunk: megatron must not re-slice the
             # rotary table for its own (load-balanced) CP layout
             decoder.rotary_pos_emb.cp_group = None
+        for local, layer in enumerate(decoder.decoder.layers):
+            index = self.layout.llm_layers.start + local
+            if index < self.deepstack_layers:
+                if not self.layout.has_embedding:
+                    raise ValueError(f"LLM layer {index} takes DeepStack features: it must be on the stage holding "
+                                     "the word embeddings (the first LLM stage)")
+                layer.register_forward_hook(functools.partial(self._add_deepstack, index))
         return decoder
+
+    @property
+    def deepstack_layers(self) -> int:
+        """How many first LLM layers get DeepStack features added to their output (0: none)."""
+        return len(self.model_cfg.image_encoder.vision_encoder.deepstack_visual_indexes)
+
+    def _add_deepstack(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        """LLM layer ``layer``'s output plus its DeepStack features at the image positions (set per forward)."""
+        if not self.deepstack:
+            return output
+        hidden, context = output if isinstance(output, tuple) else (output, None)
+        hidden = hidden + self.deepstack[layer]
+        return (hidden, context) if isinstance(output, tuple) else hidden
 
     # ------------------------------------------------------------------ what megatron looks up on a chunk
     @property
@@ -482,8 +509,8 @@ class Qwen2_5_VLModel(torch.nn.Module):
         """What a stage holding only ViT blocks sends on: ViT hidden states or image embeddings [N, 1, H];
         a one-row zero placeholder for a micro-batch without images (the schedule sends something every time)."""
         if images is None:
-            width = self.model_cfg.text_decoder.hidden_size if self.layout.has_merger else (
-                self.model_cfg.image_encoder.vision_encoder.hidden_size)
+            width = self.model_cfg.text_decoder.hidden_size * (1 + self.deepstack_layers) if self.layout.has_merger \
+                else self.model_cfg.image_encoder.vision_encoder.hidden_size
             images = torch.zeros(1, 1, width, dtype=self.config.params_dtype, device=current_device())
         elif self.layout.has_merger:
             images = images.unsqueeze(1)
@@ -495,12 +522,17 @@ class Qwen2_5_VLModel(torch.nn.Module):
         ``image_slots``, ``images`` are those of the encoded images (``encoded_grid_thw``), copied into every slot
         they fill first."""
         embeddings = self.text_decoder.embedding(input_ids=input_ids, position_ids=None)
+        self.deepstack = []
         if images is not None:
             if image_slots is not None:
                 assert encoded_grid_thw is not None  # _images refuses pixel values without their grids
                 merge = self.model_cfg.image_encoder.vision_encoder.spatial_merge_size
                 images = images.index_select(0, image_token_rows(encoded_grid_thw, image_slots, merge))
-            embeddings = splice_image_embeddings(embeddings, input_ids, images, self.model_cfg.img_context_token_id)
+            image_token = self.model_cfg.img_context_token_id
+            images, *deepstack = images.split(embeddings.size(-1), dim=-1)
+            self.deepstack = [splice_image_embeddings(torch.zeros_like(embeddings), input_ids, features, image_token)
+                              for features in deepstack]
+            embeddings = splice_image_embeddings(embeddings, input_ids, images, image_token)
         return keep_in_graph(embeddings, self.received) if self.layout.received != "none" else embeddings
 
     def _images(self, pixel_values: Tensor | None, image_grid_thw: Tensor | None,
@@ -576,6 +608,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
         if self.cp is not None:  # this rank's tokens; the attention mask stays whole (Ulysses sees all tokens)
             position_ids = self.cp.local(position_ids, dim=2)
             decoder_input = self.cp.local(decoder_input, dim=0) if decoder_input is not None else None
+            self.deepstack = [self.cp.local(features, dim=0) for features in self.deepstack]
             labels = self.cp.local(labels, dim=1) if labels is not None else None
         output = self.text_decoder(
             input_ids=input_ids,
@@ -641,14 +674,15 @@ def _build_image_encoder(
     )
 
 
-def llm_layer_spec(normalization: str, ulysses: bool) -> Any:
+def llm_layer_spec(normalization: str, ulysses: bool, qk_layernorm: bool = False) -> Any:
     """The LLM layer: megatron's local spec with :class:`LLMCoreAttention` (fused attention without S x S scores,
-    packed rows per sequence), wrapped for Ulysses CP."""
+    packed rows per sequence), wrapped for Ulysses CP; ``qk_layernorm``: megatron's per-head query / key norm
+    (applied before the rotary, as Qwen3's q_norm / k_norm)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from mm_rl.models.qwen2_5_vl.llm_attention import LLMCoreAttention
 
-    spec = get_gpt_layer_local_spec(normalization=megatron_normalization(normalization))
+    spec = get_gpt_layer_local_spec(normalization=megatron_normalization(normalization), qk_layernorm=qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = UlyssesAttention if ulysses else LLMCoreAttention
     return spec
 

@@ -76,6 +76,7 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,  # exact (erf) GELU, as transformers' "gelu" and the merger's nn.GELU()
     "relu": F.relu,
     "quick_gelu": quick_gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),  # transformers' name (Qwen3-VL's ViT)
 }
 
 # Settings taken over from the LLM's config (precision, initialisation, fusions that work everywhere).
@@ -319,13 +320,26 @@ class PatchEmbed(torch.nn.Module):
     def __init__(self, encoder: VisionEncoderConfig, dtype: torch.dtype) -> None:
         super().__init__()
         kernel = (encoder.temporal_patch_size, encoder.patch_size, encoder.patch_size)
-        self.proj = torch.nn.Conv3d(
-            encoder.in_channels, encoder.hidden_size, kernel_size=kernel, stride=kernel, bias=False, dtype=dtype
-        )
+        self.proj = torch.nn.Conv3d(encoder.in_channels, encoder.hidden_size, kernel_size=kernel, stride=kernel,
+                                    bias=encoder.patch_embed_bias, dtype=dtype)
 
     def forward(self, pixel_values: Tensor) -> Tensor:
         weight = self.proj.weight
-        return F.linear(pixel_values.to(weight.dtype), weight.reshape(weight.size(0), -1))
+        return F.linear(pixel_values.to(weight.dtype), weight.reshape(weight.size(0), -1), self.proj.bias)
+
+
+def interpolated_positions(table: Tensor, grid_thw: Tensor, merge: int) -> Tensor:
+    """Qwen3-VL's learned positions [N_patches, hidden]: the square table (side x side entries) resized
+    bilinearly (corners aligned) to each image's patch grid, in the processor's merge-block-major patch order,
+    repeated per frame."""
+    side = math.isqrt(table.size(0))
+    square = table.t().reshape(1, -1, side, side)
+    out = []
+    for t, h, w in grid_thw.tolist():
+        grid = F.interpolate(square, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
+        blocks = grid.reshape(h // merge, merge, w // merge, merge, -1).permute(0, 2, 1, 3, 4)
+        out.append(blocks.reshape(h * w, -1).repeat(t, 1))
+    return torch.cat(out)
 
 
 class VisionEncoder(MegatronModule):
@@ -341,6 +355,9 @@ class VisionEncoder(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         self.patch_embed = PatchEmbed(encoder, config.params_dtype) if pre_process else None
+        if pre_process and encoder.num_position_embeddings:
+            self.pos_embed = torch.nn.Embedding(encoder.num_position_embeddings, encoder.hidden_size,
+                                                dtype=config.params_dtype)
         full = set(encoder.fullatt_block_indexes)
         specs = [vision_layer_spec(not encoder.window_size or layer_offset + i in full) for i in range(num_layers)]
         self.blocks = (
@@ -370,10 +387,13 @@ class VisionEncoder(MegatronModule):
 class VisionProjector(MegatronModule):
     """The patch merger: norm each patch, concatenate each merge unit's patches, MLP into the LLM width."""
 
-    def __init__(self, projector: VisionProjectorConfig, encoder: VisionEncoderConfig, config: TransformerConfig):
+    def __init__(self, projector: VisionProjectorConfig, encoder: VisionEncoderConfig, config: TransformerConfig,
+                 postshuffle: bool = False):
         super().__init__(config=config)
         self.unit = encoder.spatial_merge_size**2
-        self.layernorm = WrappedTorchNorm(config, projector.input_size, eps=config.layernorm_epsilon)
+        self.postshuffle = postshuffle  # norm the concatenated unit (Qwen3-VL's DeepStack mergers), not each patch
+        width = projector.input_size * (self.unit if postshuffle else 1)
+        self.layernorm = WrappedTorchNorm(config, width, eps=config.layernorm_epsilon)
         self.encoder = MLP(
             config,
             MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
@@ -383,7 +403,10 @@ class VisionProjector(MegatronModule):
 
     def forward(self, patches: Tensor) -> Tensor:
         """[N, input_size] patches (original order) -> [N / merge^2, llm_hidden]."""
-        units = self.layernorm(patches).reshape(-1, 1, patches.size(-1) * self.unit)
+        if self.postshuffle:
+            units = self.layernorm(patches.reshape(-1, 1, patches.size(-1) * self.unit))
+        else:
+            units = self.layernorm(patches).reshape(-1, 1, patches.size(-1) * self.unit)
         out, bias = self.encoder(units)
         out = out.squeeze(1)
         return out if bias is None else out + bias
@@ -445,6 +468,15 @@ class Qwen2_5VisionModel(MegatronModule):
             projector_tc = vision_projector_transformer_config(projector_config, encoder_config, base_config)
             self.projector = VisionProjector(projector_config, encoder_config, projector_tc)
             self.projector.requires_grad_(not freeze_projector)
+        self.deepstack: list[VisionProjector] = []  # DeepStack mergers, held by their blocks (MindSpeed-MM's names)
+        self._captured: list[Tensor] = []
+        for index in encoder_config.deepstack_visual_indexes:
+            assert self.encoder is not None and self.encoder.blocks is not None and post_process
+            layer = self.encoder.blocks.layers[index - layer_offset]
+            layer.deepstack_layer = VisionProjector(projector_config, encoder_config, projector_tc, postshuffle=True)
+            layer.deepstack_layer.requires_grad_(not freeze_projector)
+            layer.register_forward_hook(self._capture)
+            self.deepstack.append(layer.deepstack_layer)
 
     def set_input_tensor(self, input_tensor: Tensor | list[Tensor] | None) -> None:
         """For megatron's pipeline schedules: the hidden state received from the previous stage."""
@@ -456,7 +488,7 @@ class Qwen2_5VisionModel(MegatronModule):
     def caches(self) -> bool:
         """Whether this stage keeps its ViT output per image: the whole ViT here, frozen, and a cache set."""
         return (self.cache is not None and self.freeze_encoder and self.pre_process and self.post_process
-                and self.encoder is not None)
+                and self.encoder is not None and not self.deepstack)
 
     def forward(
         self, pixel_values: Tensor | None, grid_thw: Tensor, hidden_states: Tensor | None = None,
@@ -484,7 +516,16 @@ class Qwen2_5VisionModel(MegatronModule):
         if not self.post_process:
             return hidden
         assert self.projector is not None
-        return self.projector(self._original_order(hidden, batch))
+        embeddings = self.projector(self._original_order(hidden, batch))
+        if not self.deepstack:
+            return embeddings
+        features = [merger(self._original_order(block_output, batch))
+                    for merger, block_output in zip(self.deepstack, self._captured, strict=True)]
+        return torch.cat([embeddings, *features], dim=-1)
+
+    def _capture(self, module: torch.nn.Module, args: object, output: Tensor | tuple[Tensor, ...]) -> None:
+        """A DeepStack block's output (window order), for its merger after the stage's blocks ran."""
+        self._captured.append(output[0] if isinstance(output, tuple) else output)
 
     def _encode(self, pixel_values: Tensor | None, grid_thw: Tensor,
                 hidden_states: Tensor | None) -> tuple[Tensor, VisionBatch]:
@@ -492,12 +533,16 @@ class Qwen2_5VisionModel(MegatronModule):
         vit_hidden] in window order, and the batch layout they follow."""
         device = pixel_values.device if pixel_values is not None else self._stage_input(hidden_states).device
         batch = VisionBatch.build(grid_thw, self.encoder_config, device)
+        self._captured = []
         with torch.no_grad() if self.freeze_encoder else nullcontext():
             if self.pre_process:
                 if pixel_values is None:
                     raise ValueError("the stage holding the patch embedding needs pixel_values")
                 assert self.encoder is not None and self.encoder.patch_embed is not None
                 embedded = self.encoder.patch_embed(pixel_values)
+                if self.encoder_config.num_position_embeddings:
+                    embedded = embedded + interpolated_positions(self.encoder.pos_embed.weight, grid_thw.cpu(),
+                                                                 self.encoder_config.spatial_merge_size)
                 hidden = _to_window_order(embedded, batch.unit_order, self._unit).unsqueeze(1)
             else:
                 hidden = self._stage_input(hidden_states)
@@ -551,5 +596,7 @@ def _check(
         raise ValueError(f"vision_projector.input_size {projector.input_size} != ViT hidden {encoder.hidden_size}")
     if encoder.hidden_size % encoder.num_attention_heads or (encoder.hidden_size // encoder.num_attention_heads) % 4:
         raise ValueError("ViT head_dim must be an integer multiple of 4 (2D rotary over row and column)")
+    if encoder.deepstack_visual_indexes and (layer_offset or num_layers != encoder.num_layers):
+        raise ValueError("DeepStack (deepstack_visual_indexes) needs the whole ViT on one pipeline stage")
     if num_layers < 0 or layer_offset < 0 or layer_offset + num_layers > encoder.num_layers:
         raise ValueError(f"blocks {layer_offset}..{layer_offset + num_layers - 1} not in 0..{encoder.num_layers - 1}")
