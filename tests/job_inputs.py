@@ -12,6 +12,11 @@ def hf_config_json(model: dict) -> dict:
     vision = {"depth": vit["num_layers"], "hidden_size": vit["hidden_size"], "num_heads": vit["num_attention_heads"],
               "intermediate_size": vit["ffn_hidden_size"], "out_hidden_size": text["hidden_size"]}
     model_type, architecture = "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"
+    if model["model_id"] == "qwen3_vl":
+        model_type, architecture = "qwen3_vl", "Qwen3VLForConditionalGeneration"
+        vision = {"depth": vit["num_layers"], "hidden_size": vit["hidden_size"], "num_heads": vit["num_attention_heads"],
+                  "intermediate_size": vit["ffn_hidden_size"], "out_hidden_size": text["hidden_size"],
+                  "deepstack_visual_indexes": vit["deepstack_visual_indexes"]}
     if model["model_id"] == "qwen2vl":
         model_type, architecture = "qwen2_vl", "Qwen2VLForConditionalGeneration"
         vision = {"depth": vit["num_layers"], "embed_dim": vit["hidden_size"], "hidden_size": text["hidden_size"],
@@ -24,7 +29,9 @@ def hf_config_json(model: dict) -> dict:
             "num_attention_heads": text["num_attention_heads"], "num_key_value_heads": text["num_query_groups"],
             "intermediate_size": text["ffn_hidden_size"], "vocab_size": text["vocab_size"],
             "max_position_embeddings": text["max_position_embeddings"],
-            "rope_parameters": {"rope_theta": text["rope_theta"], "mrope_section": text["mrope_section"]},
+            "rope_parameters": {"rope_theta": text["rope_theta"], "mrope_section": text["mrope_section"],
+                                "mrope_interleaved": text.get("mrope_interleaved", False)},
+            "head_dim": text.get("kv_channels") or text["hidden_size"] // text["num_attention_heads"],
             "tie_word_embeddings": not text["untie_embeddings_and_output_weights"]},
         "vision_config": vision,
     }

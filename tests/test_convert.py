@@ -480,3 +480,53 @@ def test_model_config_from_a_published_qwen2_vl_config_is_the_preset():
                           "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}}
     preset = json.loads((MODEL_DIR / "qwen2_vl_7b.json").read_text())
     assert model_config_from_hf(published_7b) == load_section(ModelConfig, preset)
+
+
+# ------------------------------------------------------------------------------------------- Qwen3-VL
+@pytest.fixture(scope="module")
+def tiny_qwen3_vl(tmp_path_factory):
+    built = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen3_vl", seed=3, family="qwen3_vl")
+    return randomize(built, tmp_path_factory.mktemp("hf") / "qwen3_vl", seed=13)
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2pp2"])
+def test_qwen3_vl_round_trip_is_bit_exact(tiny_qwen3_vl, layout, tmp_path):
+    tp, _, llm = LAYOUTS[layout]
+    vit = [3] + [0] * (len(llm) - 1)  # DeepStack keeps the ViT on one stage
+    mm_dir = to_mg(tiny_qwen3_vl, tmp_path / "mm", tp, vit, llm)
+    out = to_hf(tiny_qwen3_vl, mm_dir, tmp_path / "hf", tp, vit, llm)
+    assert_same_tensors(hf_tensors(tiny_qwen3_vl), hf_tensors(out))
+
+
+def test_qwen3_vl_layout_is_mindspeed_mms(tiny_qwen3_vl, tmp_path):
+    """MindSpeed-MM's qwen3vl names: the position table beside the patch embedding, DeepStack merger k under
+    ViT block deepstack_visual_indexes[k], q / k norms as q_layernorm / k_layernorm, fc1 split by rows."""
+    hf = hf_tensors(tiny_qwen3_vl)
+    mm_dir = to_mg(tiny_qwen3_vl, tmp_path / "mm", 2, [3], [4])
+    ranks = [rank_state(mm_dir, r, 0, 1)["model"] for r in range(2)]
+    assert torch.equal(ranks[1]["image_encoder.encoder.pos_embed.weight"], hf["model.visual.pos_embed.weight"])
+    deep = "image_encoder.encoder.blocks.layers.1.deepstack_layer."
+    assert torch.equal(ranks[0][deep + "layernorm.weight"], hf["model.visual.deepstack_merger_list.1.norm.weight"])
+    fc1 = hf["model.visual.deepstack_merger_list.1.linear_fc1.weight"]
+    assert torch.equal(torch.cat([r[deep + "encoder.linear_fc1.weight"] for r in ranks]), fc1)
+    assert not any("blocks.layers.2.deepstack" in name for name in ranks[0])  # block 2 feeds no LLM layer
+    q_norm = hf["model.language_model.layers.3.self_attn.q_norm.weight"]
+    assert torch.equal(ranks[1]["text_decoder.decoder.layers.3.self_attention.q_layernorm.weight"], q_norm)
+    assert "text_decoder.decoder.layers.0.self_attention.linear_qkv.bias" not in ranks[0]
+
+
+def test_model_config_from_a_qwen3_vl_config_is_the_preset():
+    """The Qwen3-VL-8B-Instruct config.json (transformers' spelling) gives the qwen3_vl_8b preset."""
+    config = {
+        "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "image_token_id": 151655,
+        "vision_start_token_id": 151652, "tie_word_embeddings": False,
+        "text_config": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                        "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 5000000, "mrope_interleaved": True,
+                                            "mrope_section": [24, 20, 20]}},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                          "patch_size": 16, "out_hidden_size": 4096, "num_position_embeddings": 2304,
+                          "deepstack_visual_indexes": [8, 16, 24], "hidden_act": "gelu_pytorch_tanh"}}
+    preset = json.loads((MODEL_DIR / "qwen3_vl_8b.json").read_text())
+    assert model_config_from_hf(config) == load_section(ModelConfig, preset)

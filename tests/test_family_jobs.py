@@ -19,7 +19,7 @@ from trainer_utils import REPO
 GAP_TOL = 1e-3  # engine vs actor log-probs of the sampled tokens, fp32 on CPU
 
 
-@pytest.mark.parametrize(("preset", "family"), [("tiny_qwen2_vl", "qwen2vl")])
+@pytest.mark.parametrize(("preset", "family"), [("tiny_qwen2_vl", "qwen2vl"), ("tiny_qwen3_vl", "qwen3_vl")])
 def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: Path, preset: str, family: str):
     from omegaconf import OmegaConf
 

@@ -34,11 +34,11 @@ from test_model_parity import (
     tp1_grads,
 )
 
-FAMILIES = {"qwen2vl": 14, "qwen3vl": 16}  # model_id: ViT patch size
+FAMILIES = {"qwen2vl": 14, "qwen3_vl": 16}  # model_id: ViT patch size
 _V = "model.visual."
 GRAD_NAMES = {  # model_id: megatron name -> transformers' parameter name, for the TP1 gradient spot checks
     "qwen2vl": HF_GRAD_NAMES,
-    "qwen3vl": {**{mg: hf for mg, hf in HF_GRAD_NAMES.items() if "merger" not in hf},
+    "qwen3_vl": {**{mg: hf for mg, hf in HF_GRAD_NAMES.items() if "merger" not in hf},
                 "image_encoder.projector.encoder.linear_fc2.weight": _V + "merger.linear_fc2.weight",
                 "image_encoder.encoder.pos_embed.weight": _V + "pos_embed.weight",
                 "image_encoder.encoder.blocks.layers.1.deepstack_layer.encoder.linear_fc2.weight":

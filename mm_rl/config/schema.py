@@ -136,7 +136,7 @@ class TextDecoderConfig:
 
 @dataclass
 class ModelConfig:
-    model_id: str = opt("qwen2_5vl", "model family: qwen2_5vl (Qwen2.5-VL), qwen2vl (Qwen2-VL), qwen3vl (Qwen3-VL)")
+    model_id: str = opt("qwen2_5vl", "model family: qwen2_5vl (Qwen2.5-VL), qwen2vl (Qwen2-VL), qwen3_vl (Qwen3-VL)")
     img_context_token_id: int = opt(151655, "<|image_pad|> id; fixed by the tokenizer, never change")
     vision_start_token_id: int = opt(151652, "<|vision_start|> id; fixed by the tokenizer, never change")
     image_encoder: ImageEncoderConfig = section(ImageEncoderConfig, "vision encoder and projector")

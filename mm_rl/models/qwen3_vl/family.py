@@ -26,7 +26,7 @@ from mm_rl.models.qwen2_5_vl.family import (
 if TYPE_CHECKING:
     from mm_rl.config.schema import ModelConfig
 
-LABEL, MODEL_ID = "Qwen3-VL", "qwen3vl"
+LABEL, MODEL_ID = "Qwen3-VL", "qwen3_vl"
 VH, PH, DH = "model.visual.blocks.{i}.", "model.visual.merger.", "model.visual.deepstack_merger_list.{i}."
 L, LH = "text_decoder.decoder.layers.{i}.", "model.language_model.layers.{i}."
 D = V + "deepstack_layer."
@@ -110,13 +110,13 @@ def model_json(config: Mapping[str, Any]) -> dict[str, Any]:
     vision = vision_json(config, LABEL)
     depth, width = need(vision, "depth", LABEL), need(vision, "hidden_size", LABEL)
     heads, merge = need(vision, "num_heads", LABEL), vision.get("spatial_merge_size", 2)
-    decoder = {**text_decoder_json(config, LABEL), **_TEXT_FIXED}
+    decoder = {**text_decoder_json(config, LABEL), **_TEXT_FIXED, "model_id": "qwen3_lm"}
     text = config.get("text_config") or config
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     decoder["mrope_section"] = list(rope.get("mrope_section", [24, 20, 20]))
     decoder["mrope_interleaved"] = bool(rope.get("mrope_interleaved", True))
     encoder = {
-        "num_layers": depth, "pipeline_num_layers": [depth], "hidden_size": width,
+        "model_id": "qwen3vit", "num_layers": depth, "pipeline_num_layers": [depth], "hidden_size": width,
         "ffn_hidden_size": need(vision, "intermediate_size", LABEL), "num_attention_heads": heads,
         "num_query_groups": heads, "in_channels": vision.get("in_channels", 3),
         "patch_size": vision.get("patch_size", 16), "temporal_patch_size": vision.get("temporal_patch_size", 2),
