@@ -14,9 +14,7 @@ def hf_config_json(model: dict) -> dict:
     model_type, architecture = "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"
     if model["model_id"] == "qwen3_vl":
         model_type, architecture = "qwen3_vl", "Qwen3VLForConditionalGeneration"
-        vision = {"depth": vit["num_layers"], "hidden_size": vit["hidden_size"], "num_heads": vit["num_attention_heads"],
-                  "intermediate_size": vit["ffn_hidden_size"], "out_hidden_size": text["hidden_size"],
-                  "deepstack_visual_indexes": vit["deepstack_visual_indexes"]}
+        vision = {**vision, "deepstack_visual_indexes": vit["deepstack_visual_indexes"]}
     if model["model_id"] == "qwen2vl":
         model_type, architecture = "qwen2_vl", "Qwen2VLForConditionalGeneration"
         vision = {"depth": vit["num_layers"], "embed_dim": vit["hidden_size"], "hidden_size": text["hidden_size"],

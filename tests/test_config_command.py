@@ -10,8 +10,8 @@ from mm_rl.config.presets import load_preset
 from mm_rl.config.schema import ModelConfig
 from mm_rl_cli.main import main
 
-REAL = ["qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b", "qwen2_vl_2b", "qwen2_vl_72b", "qwen3_vl_2b",
-        "qwen3_vl_32b"]
+REAL = ["qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b", "qwen2_vl_2b", "qwen2_vl_72b",
+        "qwen3_vl_2b", "qwen3_vl_32b"]
 
 
 def preset_model(name):
