@@ -149,3 +149,15 @@ def test_tiny_config_builds_its_model_and_data_and_passes_check(tiny_base, capsy
     assert "world 1 = TP 1 x PP 1 x DP 1" in capsys.readouterr().out
     cfg = load_job(out)
     assert cfg.env.DEVICE == "cpu" and cfg.backend_config.model.text_decoder.vocab_size == 1024
+
+
+@pytest.mark.parametrize(("model", "billions"), [
+    ("qwen2_5_vl_3b", 3.75), ("qwen2_5_vl_7b", 8.29), ("qwen2_5_vl_72b", 73.4), ("qwen2_vl_2b", 2.21),
+    ("qwen2_vl_7b", 8.29), ("qwen2_vl_72b", 73.4), ("qwen3_vl_2b", 2.13), ("qwen3_vl_4b", 4.44),
+    ("qwen3_vl_8b", 8.77), ("qwen3_vl_32b", 33.4)])
+def test_presets_have_the_published_parameter_counts(model, billions):
+    """The planner's parameter count of each preset matches the model card's (safetensors total), so the presets'
+    shapes and the memory estimates built on them are those of the published checkpoints."""
+    from mm_rl.config.plan import model_parameters
+
+    assert model_parameters(preset_model(model)) / 1e9 == pytest.approx(billions, rel=0.01)

@@ -62,10 +62,12 @@ def layer_counts(model: ModelConfig) -> LayerCounts:
     return LayerCounts(
         vit_layer=vit_layer,
         llm_layer=llm,
-        projector=merged * merged + merged * proj.hidden_size,
+        # the merger, and as many DeepStack mergers of its size (Qwen3-VL) on the same stage
+        projector=(merged * merged + merged * proj.hidden_size) * (1 + len(vit.deepstack_visual_indexes)),
         embedding=text.vocab_size * h,
         output_layer=text.vocab_size * h,
-        patch_embed=vit.in_channels * vit.temporal_patch_size * vit.patch_size**2 * hv,
+        patch_embed=vit.in_channels * vit.temporal_patch_size * vit.patch_size**2 * hv
+        + vit.num_position_embeddings * hv,
     )
 
 
