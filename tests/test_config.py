@@ -356,3 +356,44 @@ def test_algorithm_choices_load_with_their_defaults():
     assert (off.grpo_std, off.policy_loss) == ("biased", "cispo")
     with pytest.raises(ConfigError, match="rollout_is"):
         job(f"{RL}.rollout_correction.rollout_is=off")  # yaml reads off as false: null is the way to turn it off
+
+
+def _preset_job(name, *overrides):
+    """A job whose model section is preset ``name``'s model.json."""
+    from mm_rl.config.presets import load_preset
+
+    model = load_preset(name).model
+    flat = [f"backend_config.model.{key}={json.dumps(value)}" for key, value in _flatten(model)]
+    return job(*flat, *overrides)
+
+
+def _flatten(tree, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def test_model_family_rules():
+    """An unknown model_id, a field the family's checkpoints fix, and DeepStack's placement rules are each
+    reported on their key with a fix."""
+    (problem,) = validate(job("backend_config.model.model_id=llava"), check_paths=False)
+    assert problem.key == "backend_config.model.model_id" and "qwen3_vl (Qwen3-VL)" in problem.fix
+    vit = "backend_config.model.image_encoder.vision_encoder"
+    (problem,) = validate(job(f"{vit}.swiglu=false"), check_paths=False)
+    assert problem.key == f"{vit}.swiglu" and "Qwen2.5-VL checkpoints have True" in problem.rule
+    assert validate(_preset_job("qwen3_vl_8b"), check_paths=False) == []
+    problems = validate(_preset_job("qwen3_vl_8b", f"{vit}.deepstack_visual_indexes=[8,16,40]"), check_paths=False)
+    assert [p.key for p in problems] == [f"{vit}.deepstack_visual_indexes"]
+    split = validate(_preset_job("qwen3_vl_8b", f"{TEXT}.pipeline_num_layers=[2,34]",
+                                 f"{vit}.pipeline_num_layers=[27,0]",
+                                 "backend_config.actor_config.pipeline_model_parallel_size=2"), check_paths=False)
+    assert f"{TEXT}.pipeline_num_layers" in {p.key for p in split}
+
+
+def test_a_checkpoint_of_another_family_is_refused(tmp_path):
+    hf = write_hf_dir(tmp_path / "qwen2_vl", model="qwen2_vl_7b")
+    cfg = _paths(tmp_path, **{"backend_config.megatron_training.tokenizer_name_or_path": hf})
+    problems = [p for p in validate(cfg) if p.key == "backend_config.model.model_id"]
+    assert len(problems) == 1 and "Qwen2-VL" in problems[0].rule and "qwen2vl" in problems[0].fix

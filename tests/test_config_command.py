@@ -161,3 +161,13 @@ def test_presets_have_the_published_parameter_counts(model, billions):
     from mm_rl.config.plan import model_parameters
 
     assert model_parameters(preset_model(model)) / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_the_planner_keeps_deepstack_layers_with_the_vit():
+    """Qwen3-VL's first 3 LLM layers take DeepStack features: whatever the PP size, they share the ViT's stage."""
+    from mm_rl.config.plan import split_layers
+
+    model = preset_model("qwen3_vl_8b")
+    for pp in (2, 4, 8):
+        vit, llm = split_layers(model, pp, seq_length=2048, image_tokens=4096)
+        assert vit[0] == 27 and not any(vit[1:]) and llm[0] >= 3, (pp, vit, llm)

@@ -122,7 +122,9 @@ def split_layers(model: ModelConfig, pp: int, seq_length: int, image_tokens: int
     llm_cost = counts.llm_layer * seq_length
     costs = [float(vit_cost)] * n_vit + [float(llm_cost)] * n_llm
     costs[-1] += counts.output_layer * seq_length
-    cuts = _min_max_partition(costs, pp, first_allowed=n_vit + 1)
+    # the ViT's stage holds at least one LLM layer, and every LLM layer that takes DeepStack features
+    deepstack = len(model.image_encoder.vision_encoder.deepstack_visual_indexes)
+    cuts = _min_max_partition(costs, pp, first_allowed=n_vit + max(1, deepstack))
     bounds = [0, *cuts, len(costs)]
     vit_split = [max(0, min(b, n_vit) - min(a, n_vit)) for a, b in zip(bounds, bounds[1:], strict=False)]
     llm_split = [(b - a) - v for (a, b), v in zip(zip(bounds, bounds[1:], strict=False), vit_split, strict=True)]
@@ -132,7 +134,8 @@ def split_layers(model: ModelConfig, pp: int, seq_length: int, image_tokens: int
 def _min_max_partition(costs: list[float], parts: int, first_allowed: int) -> list[int]:
     """Cut points splitting ``costs`` into ``parts`` contiguous runs, each holding at least one LLM layer.
 
-    The first cut may not come before ``first_allowed`` (the ViT blocks plus one LLM layer); every run after
+    The first cut may not come before ``first_allowed`` (the ViT blocks plus the LLM layers the first stage must
+    hold); every run after
     it holds at least one item. Classic dynamic programme over prefix sums: O(parts x n^2), n <= a few hundred.
     """
     n = len(costs)
