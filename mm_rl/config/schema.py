@@ -120,7 +120,7 @@ class TextDecoderConfig:
     vocab_size: int = opt(152064, "embedding rows; fixed by the checkpoint, never change")
     rope_theta: float = opt(1000000.0, "rotary base")
     mrope_section: list[int] = opt([16, 24, 24], "rotary pairs for (time, height, width); sums to head_dim / 2")
-    position_embedding_type: Literal["mrope"] = opt("mrope", "multimodal rotary; fixed for Qwen2.5-VL")
+    position_embedding_type: Literal["mrope"] = opt("mrope", "multimodal rotary; fixed for the Qwen VL families")
     normalization: Literal["RMSNorm", "LayerNorm", "FusedLayerNorm"] = opt("RMSNorm", "norm layer")
     activation_func: Literal["silu", "gelu", "relu", "quick_gelu"] = opt("silu", "MLP activation")
     swiglu: bool = opt(True, "gated MLP")

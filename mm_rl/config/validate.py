@@ -647,7 +647,7 @@ def hf_checkpoint_files(cfg: JobConfig) -> Iterator[Violation]:
         if missing:
             yield Violation(key, directory, f"is not a complete HuggingFace checkpoint: it lacks {', '.join(missing)}; "
                             f"{use}", f"point {MT}.tokenizer_name_or_path (which it follows unless set) at the "
-                            "directory of a downloaded Qwen2.5-VL checkpoint")
+                            "directory of a downloaded checkpoint of a family mm_rl trains")
     config_file = Path(hf_dir or ".") / "config.json"
     if hf_dir and config_file.is_file() and _read_json(config_file) is None:
         yield Violation(f"{HF2MG}.hf_config.hf_dir", hf_dir, f"{config_file} is not a JSON object",

@@ -1,6 +1,7 @@
-"""Checkpoint conversion between HuggingFace Qwen2.5-VL and Megatron shards in MindSpeed-MM's layout.
+"""Checkpoint conversion between HuggingFace checkpoints and Megatron shards in MindSpeed-MM's layout.
 
-- ``mapping``: the one table of tensor names, layouts and tensor-parallel split rules (also used by weight sync).
+- ``mapping``: the rules that apply a model family's tensor table (names, layouts, tensor-parallel splits; also
+  used by the weight sync).
 - ``stages``: which pipeline stage holds which layers and tensors.
 - ``hf_reader`` / ``hf_writer``: HuggingFace safetensors checkpoints, read by slices and written by streaming.
 - ``layout``: MindSpeed-MM's directory layout, the latest-iteration file, rank files and atomic directories.

@@ -1,4 +1,4 @@
-"""HuggingFace Qwen2.5-VL -> Megatron shards in MindSpeed-MM's layout (``mm_dir/release/mp_rank_*``).
+"""HuggingFace checkpoint -> Megatron shards in MindSpeed-MM's layout (``mm_dir/release/mp_rank_*``).
 
 Everything is checked before anything is written: the pipeline split and TP size (ConfigError), then every
 tensor the split needs against the checkpoint (missing, unexpected, misshapen: ConversionError naming the file

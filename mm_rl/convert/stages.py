@@ -125,5 +125,5 @@ def _tp_problems(model: ModelConfig, tp: int) -> Iterator[Violation]:
                             f"use a TP among {[d for d in range(1, size + 1) if size % d == 0][:12]}")
     if vit.num_query_groups != vit.num_attention_heads:
         yield Violation(f"{MODEL_KEY}.image_encoder.vision_encoder.num_query_groups", vit.num_query_groups,
-                        f"the Qwen2.5-VL ViT has full multi-head attention: must equal num_attention_heads "
+                        f"the ViT has full multi-head attention: must equal num_attention_heads "
                         f"= {vit.num_attention_heads}", f"set it to {vit.num_attention_heads}")
