@@ -76,11 +76,12 @@ def _materialise_embedded(job: JobConfig) -> None:
     right and accuracy at chance.
     """
     from mm_rl.data.synthetic import DEMO_TEMPLATES, write_synthetic_geo3k
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.models.tiny import build_tiny_checkpoint, tiny_overrides
     from mm_rl.models.tiny_warmup import warm_up_format
 
     b = job.backend_config
-    hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir, family=b.model.model_id)
+    variant = tiny_overrides(b.model)
+    hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir, family=b.model.model_id, **variant)
     data_dir = write_synthetic_geo3k(b.data.dataset_param.basic_parameters.dataset_dir, seed=b.training.seed,
                                      templates=DEMO_TEMPLATES)
     print(f"embedded synthetic geo3k data: {data_dir}")
@@ -88,7 +89,8 @@ def _materialise_embedded(job: JobConfig) -> None:
         warm = warm_up_format(hf_dir, data_dir)
     except ValueError:  # warmed up by another mm_rl version: the tiny checkpoint is derived data, rebuild it
         _start_over(job)
-        hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir, family=b.model.model_id)
+        hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir, family=b.model.model_id,
+                                       **variant)
         warm = warm_up_format(hf_dir, data_dir)
     print(f"embedded tiny model: {hf_dir} (format warm-up: format rate {warm['before']['format']:.2f} -> "
           f"{warm['after']['format']:.2f}, accuracy {warm['after']['accuracy']:.2f})")

@@ -39,6 +39,7 @@ def init_megatron(
     tp: int = 1,
     pp: int = 1,
     cp: int = 1,
+    ep: int = 1,
     seed: int = 1234,
     embedding_ranks: Callable[..., list[int]] | None = None,
 ) -> None:
@@ -66,6 +67,7 @@ def init_megatron(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
         get_embedding_ranks=embedding_ranks,
     )
     model_parallel_cuda_manual_seed(seed)

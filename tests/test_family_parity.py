@@ -1,5 +1,6 @@
 """Model families other than Qwen2.5-VL on megatron-core match transformers: logits, log-probs, entropy (fp32)
-and gradients, at TP1, TP2 and PP2, through the same hf2mg conversion and megatron schedule as
+and gradients, at TP1, TP2 and PP2 (and EP2 for the MoE, each rank holding two of the four experts, tokens
+exchanged by megatron's all-to-all dispatcher), through the same hf2mg conversion and megatron schedule as
 ``test_model_parity`` (whose harness this reuses).
 
 Each family's tiny checkpoint has every tensor redrawn (matrices scaled by fan-in, norms around 1, biases around
@@ -34,7 +35,11 @@ from test_model_parity import (
     tp1_grads,
 )
 
-FAMILIES = {"qwen2vl": 14, "qwen3_vl": 16}  # model_id: ViT patch size
+# case name: (model_id, ViT patch size, tiny-builder overrides)
+FAMILIES = {"qwen2vl": ("qwen2vl", 14, {}), "qwen3_vl": ("qwen3_vl", 16, {}),
+            "qwen3_vl_moe": ("qwen3_vl", 16, {"num_experts": 4})}
+_L1 = "text_decoder.decoder.layers.1.mlp."
+_HL1 = "model.language_model.layers.1.mlp."
 _V = "model.visual."
 GRAD_NAMES = {  # model_id: megatron name -> transformers' parameter name, for the TP1 gradient spot checks
     "qwen2vl": HF_GRAD_NAMES,
@@ -48,17 +53,29 @@ GRAD_NAMES = {  # model_id: megatron name -> transformers' parameter name, for t
                 "text_decoder.decoder.layers.2.self_attention.q_layernorm.weight":
                     "model.language_model.layers.2.self_attn.q_norm.weight"},
 }
-CASES = {"tp2": (2, 1, {}), "pp2": (1, 2, {"llm_pp": [2, 2], "vit_pp": None})}  # vit_pp None: all on stage 0
+GRAD_NAMES["qwen3_vl_moe"] = {
+    **{mg: hf for mg, hf in GRAD_NAMES["qwen3_vl"].items() if ".mlp." not in mg},
+    _L1 + "router.weight": _HL1 + "gate.weight",
+    _L1 + "experts.local_experts.3.linear_fc1.weight": _HL1 + "experts.gate_up_proj#3",
+    _L1 + "experts.local_experts.0.linear_fc2.weight": _HL1 + "experts.down_proj#0",
+}
+# name: (TP, PP, EP, model.json changes); vit_pp None: the ViT all on stage 0
+CASES = {"tp2": (2, 1, 1, {}), "pp2": (1, 2, 1, {"llm_pp": [2, 2], "vit_pp": None})}
+# MoE: no TP (megatron's MoE layer refuses TP without sequence parallelism in training, which mm_rl's model
+# does not have); EP2, and PP2 with EP2
+MOE_CASES = {"pp2": CASES["pp2"], "ep2": (1, 1, 2, {}), "pp2ep2": (1, 2, 2, CASES["pp2"][3])}
 MIN_LOGIT_STD = 1.0  # over the vocabulary, averaged over tokens: far from a uniform distribution
 
 
 def build_checkpoint(root: Path, family: str) -> Path:
-    """The family's tiny checkpoint with every tensor redrawn (seeded)."""
+    """The family's tiny checkpoint with every tensor redrawn (seeded; fan-in scaled, a fused experts tensor by
+    one expert's fan-in)."""
     from transformers import AutoModelForImageTextToText
 
     from mm_rl.models.tiny import build_tiny_checkpoint
 
-    source = build_tiny_checkpoint(root / "source", seed=0, family=family)
+    model_id, _, overrides = FAMILIES[family]
+    source = build_tiny_checkpoint(root / "source", seed=0, family=model_id, **overrides)
     model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32)
     generator = torch.Generator().manual_seed(11)
     with torch.no_grad():
@@ -67,7 +84,8 @@ def build_checkpoint(root: Path, family: str) -> Path:
             if param.dim() == 1:
                 param.copy_(0.2 * noise if name.endswith(".bias") else 1.0 + 0.2 * noise)
             else:
-                param.copy_(noise * 1.5 / param[0].numel() ** 0.5)
+                fan_in = param.shape[-1] if param.dim() == 3 else param[0].numel()
+                param.copy_(noise * 1.5 / fan_in ** 0.5)
     model.save_pretrained(root / "hf")
     return root / "hf"
 
@@ -106,12 +124,16 @@ def _tp1_worker(rank: int, world: int, port: int, case: dict[str, Any], shared: 
     shutdown()
 
 
+def _cases(family: str) -> dict[str, tuple[int, int, int, dict[str, Any]]]:
+    return MOE_CASES if FAMILIES[family][2].get("num_experts") else CASES
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     family = request.param
     root = tmp_path_factory.mktemp(f"parity_{family}")
     hf_dir = build_checkpoint(root, family)
-    batches = make_micro_batches(3 * 2 * FAMILIES[family] ** 2)
+    batches = make_micro_batches(3 * 2 * FAMILIES[family][1] ** 2)
     reference = hf_reference(hf_dir, batches, GRAD_NAMES[family])
     torch.save({"batches": batches, "reference": {family: reference}}, root / "inputs.pt")
     tp1 = {"json": model_json(hf_dir), "hf": family}
@@ -120,10 +142,10 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     out.mkdir()
     spawn(_tp1_worker, 1, tp1, str(root), str(out))
     cases = {}
-    for name, (tp, pp, kwargs) in CASES.items():
+    for name, (tp, pp, ep, kwargs) in _cases(family).items():
         data = model_json(hf_dir, **kwargs)
-        cases[name] = {"tp": tp, "pp": pp, "cp": 1, "hf": family, "json": data,
-                       "mm_dir": str(convert(hf_dir, root / f"mm_{name}", data, tp))}
+        cases[name] = {"tp": tp, "pp": pp, "cp": 1, "ep": ep, "hf": family, "json": data,
+                       "mm_dir": str(convert(hf_dir, root / f"mm_{name}", data, tp, ep))}
     return {"family": family, "root": root, "reference": reference, "batches": batches, "cases": cases,
             "tp1": load_rank_results(out, 1)[0]}
 
@@ -145,10 +167,12 @@ def test_tp1_matches_transformers(setup: dict[str, Any]) -> None:
     assert not result["zero_grads"]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted({*CASES, *MOE_CASES}))
 def test_parallel_matches_transformers_and_tp1(setup: dict[str, Any], name: str, tmp_path: Path) -> None:
+    if name not in setup["cases"]:
+        pytest.skip(f"{name}: {'MoE only' if name in MOE_CASES else 'not with MoE (no TP)'}")
     case = setup["cases"][name]
-    world = case["tp"] * case["pp"]
+    world = case["tp"] * case["pp"] * case["ep"]  # DP = EP: the experts spread over the data-parallel ranks
     started = time.perf_counter()
     spawn(_parallel_worker, world, case, str(setup["root"]), str(tmp_path))
     results = load_rank_results(tmp_path, world)
@@ -159,6 +183,6 @@ def test_parallel_matches_transformers_and_tp1(setup: dict[str, Any], name: str,
           f"{max(grads.values()):.2e}")
     for output in outputs:
         _report(f"{setup['family']} {name} vs transformers", output)
-    assert len(outputs) == case["tp"] and set(grads) == set(reference_names)
+    assert len(outputs) == case["tp"] * case["ep"] and set(grads) == set(reference_names)
     assert max(max(o.values()) for o in outputs) <= LOGIT_TOL
     assert max(grads.values()) <= GRAD_TOL

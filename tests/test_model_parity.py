@@ -91,12 +91,12 @@ def build_hf_checkpoint(directory: Path, tied: bool, **overrides: Any) -> Path:
     return target
 
 
-def convert(hf_dir: Path, mm_dir: Path, data: dict[str, Any], tp: int) -> Path:
+def convert(hf_dir: Path, mm_dir: Path, data: dict[str, Any], tp: int, ep: int = 1) -> Path:
     from mm_rl.config.schema import Hf2MgCfg, HfConfig, ParallelConfig
     from mm_rl.convert.hf2mg import hf2mg
 
     model = load_model_config(data)
-    parallel = ParallelConfig(tp_size=tp, llm_pp_layers=list(model.text_decoder.pipeline_num_layers),
+    parallel = ParallelConfig(tp_size=tp, ep_size=ep, llm_pp_layers=list(model.text_decoder.pipeline_num_layers),
                               vit_pp_layers=list(model.image_encoder.vision_encoder.pipeline_num_layers))
     return hf2mg(Hf2MgCfg(mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel),
                  model)
@@ -159,6 +159,15 @@ HF_GRAD_NAMES = {
 }
 
 
+def _hf_grad(params: dict[str, torch.nn.Parameter], name: str) -> torch.Tensor:
+    """The gradient of transformers' parameter ``name``; ``name#e``: expert e's slice of a fused experts tensor
+    (in memory [E, 2F, H] / [E, H, F], each slice an expert's megatron linear_fc1 / linear_fc2 as it is)."""
+    base, _, expert = name.partition("#")
+    grad = params[base].grad
+    assert grad is not None
+    return (grad[int(expert)] if expert else grad).clone()
+
+
 def hf_reference(hf_dir: Path, batches: list[dict[str, torch.Tensor]],
                  grad_names: dict[str, str] = HF_GRAD_NAMES) -> dict[str, Any]:
     """transformers' logits per micro-batch, the label log-probs / entropy computed from them, and the
@@ -180,23 +189,26 @@ def hf_reference(hf_dir: Path, batches: list[dict[str, torch.Tensor]],
         (_loss(output, batch["attention_mask"]) / len(batches)).backward()
         outputs.append({key: value.detach() for key, value in output.items()})
     params = dict(model.named_parameters())
-    grads = {mg: params[hf].grad.clone() for mg, hf in grad_names.items() if hf in params}
+    grads = {mg: _hf_grad(params, hf) for mg, hf in grad_names.items() if hf.partition("#")[0] in params}
     return {"outputs": outputs, "grads": grads}
 
 
 # ------------------------------------------------------------------- TP shards and PP names (for grads)
+_EXPERT = re.compile(r"local_experts\.(\d+)\.")
 _LAYER = re.compile(r"^(text_decoder\.decoder\.layers|image_encoder\.encoder\.blocks\.layers)\.(\d+)\.")
 
 
-def tp1_name(name: str, layout: Any, tied_copy: bool) -> str:
-    """A stage-local parameter name as the TP1 / PP1 model names it (layer indices restart on each stage)."""
+def tp1_name(name: str, layout: Any, tied_copy: bool, first_expert: int = 0) -> str:
+    """A stage-local parameter name as the TP1 / PP1 / EP1 model names it (layer indices restart on each stage,
+    expert indices on each EP rank)."""
     if tied_copy and name == "text_decoder.output_layer.weight":
         return "text_decoder.embedding.word_embeddings.weight"
     match = _LAYER.match(name)
     if match is None:
         return name
     offset = layout.llm_layers.start if match.group(1).startswith("text") else layout.vit_layers.start
-    return f"{match.group(1)}.{int(match.group(2)) + offset}.{name[match.end():]}"
+    rest = _EXPERT.sub(lambda m: f"local_experts.{int(m.group(1)) + first_expert}.", name[match.end():])
+    return f"{match.group(1)}.{int(match.group(2)) + offset}.{rest}"
 
 
 # ------------------------------------------------------------------------------- in the spawned ranks
@@ -211,7 +223,9 @@ def _build_and_load(data: dict[str, Any], mm_dir: str | None, actor: Any = None,
     if mm_dir is not None:
         path = rank_file(Path(mm_dir) / "release", parallel_state.get_tensor_model_parallel_rank(),
                          parallel_state.get_pipeline_model_parallel_rank(),
-                         parallel_state.get_pipeline_model_parallel_world_size())
+                         parallel_state.get_pipeline_model_parallel_world_size(),
+                         parallel_state.get_expert_model_parallel_rank(),
+                         parallel_state.get_expert_model_parallel_world_size())
         model.load_state_dict(torch.load(path, weights_only=True)["model"])
     return model
 
@@ -279,17 +293,34 @@ def tp1_grads(model: Any) -> dict[str, torch.Tensor]:
     for name, grad in grads.items():  # what finalize_model_grads does with qk_layernorm: each rank saw its heads
         if "q_layernorm" in name or "k_layernorm" in name:
             torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+    dp = parallel_state.get_data_parallel_world_size()
+    experts = {name for name, p in model.named_parameters() if not getattr(p, "allreduce", True)}
+    for name in experts:  # what megatron's DP averaging does to an expert: every DP rank's tokens reached it
+        grads[name] = grads[name] / dp
     cp = parallel_state.get_context_parallel_world_size()
     if cp > 1:  # what megatron's DP x CP gradient averaging does (the schedule scaled the loss by cp)
         for grad in grads.values():
             torch.distributed.all_reduce(grad, group=parallel_state.get_context_parallel_group())
             grad /= cp
-    group = parallel_state.get_tensor_model_parallel_group()
-    return {tp1_name(name, layout, tied_copy): merge_tp_shards(name, gather_list(grad, group), model.model_cfg)
+    group = parallel_state.get_expert_tensor_parallel_group()
+    return {tp1_name(name, layout, tied_copy, _first_expert(model.model_cfg) if name in experts else 0):
+            merge_tp_shards(name, gather_list(grad, group if name in experts else
+                                              parallel_state.get_tensor_model_parallel_group()), model.model_cfg)
             for name, grad in grads.items()}
 
 
-def _init(rank: int, world: int, port: int, data: dict[str, Any], tp: int = 1, pp: int = 1, cp: int = 1) -> None:
+def _first_expert(model_cfg: Any) -> int:
+    """The global index of this EP rank's first expert."""
+    from megatron.core import parallel_state
+
+    from mm_rl.convert.mapping import local_experts
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return local_experts(model_cfg, parallel_state.get_expert_model_parallel_rank(), ep)[0][1]
+
+
+def _init(rank: int, world: int, port: int, data: dict[str, Any], tp: int = 1, pp: int = 1, cp: int = 1,
+          ep: int = 1) -> None:
     import warnings
 
     from mm_rl.platform.device import setup_process
@@ -300,11 +331,11 @@ def _init(rank: int, world: int, port: int, data: dict[str, Any], tp: int = 1, p
 
     model_cfg = load_model_config(data)
     embedding_ranks = family_of(model_cfg).megatron_module().embedding_ranks(model_cfg)
-    init_megatron(rank, world, port, tp=tp, pp=pp, cp=cp, embedding_ranks=embedding_ranks)
+    init_megatron(rank, world, port, tp=tp, pp=pp, cp=cp, ep=ep, embedding_ranks=embedding_ranks)
 
 
 def _parallel_worker(rank: int, world: int, port: int, case: dict[str, Any], shared: str, out_dir: str) -> None:
-    _init(rank, world, port, case["json"], tp=case["tp"], pp=case["pp"], cp=case["cp"])
+    _init(rank, world, port, case["json"], tp=case["tp"], pp=case["pp"], cp=case["cp"], ep=case.get("ep", 1))
     from mm_rl.config.schema import ActorConfig
 
     started = time.perf_counter()

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 TP = "backend_config.actor_config.tensor_model_parallel_size"
 PP = "backend_config.actor_config.pipeline_model_parallel_size"
+EP = "backend_config.actor_config.expert_model_parallel_size"
 LLM_PP_LAYERS = "backend_config.model.text_decoder.pipeline_num_layers"
 VIT_PP_LAYERS = "backend_config.model.image_encoder.vision_encoder.pipeline_num_layers"
 
@@ -130,6 +131,14 @@ class TextDecoderConfig:
         False, "interleaved mRoPE: frequency j rotates by (t, h, w)[j mod 3] within the sections (Qwen3-VL); "
         "false: contiguous sections")
     disable_bias_linear: bool = opt(True, "no bias on the other linear layers")
+    num_moe_experts: int | None = opt(None, "routed experts per MoE layer (Qwen3-VL-MoE: every layer); null: dense")
+    moe_router_topk: int = opt(2, "experts each token is routed to")
+    moe_intermediate_size: int | None = opt(None, "one expert's SwiGLU width (MoE only)")
+    norm_topk_prob: bool = opt(True, "renormalise the top-k routing weights to sum to 1 (Qwen3-VL-MoE: true)")
+    moe_aux_loss_coeff: float = opt(
+        0.0, "load-balancing loss weight (megatron's aux_loss); RL usually leaves it off: the routing then follows "
+        "the reward alone")
+    moe_z_loss_coeff: float | None = opt(None, "router z-loss weight; null: off")
     untie_embeddings_and_output_weights: bool = opt(True, "separate output layer (false: tied to embeddings)")
     layernorm_epsilon: float = opt(1e-6, "norm epsilon")
 
@@ -200,6 +209,8 @@ class MegatronTrainingConfig:
 class ActorConfig:
     tensor_model_parallel_size: int = opt(1, "TP: splits every layer's weights across this many devices")
     pipeline_model_parallel_size: int = opt(1, "PP: splits the layer stack into this many stages")
+    expert_model_parallel_size: int = opt(
+        1, "EP (MoE): the experts of each layer spread over this many data-parallel ranks; divides DP x CP")
     micro_batch_size: int = opt(1, "samples per forward/backward on one rank (MBS)")
     remove_padding: bool = opt(
         True, "pack each micro-batch's sequences into one row (no compute on padding; attention per sequence); "
@@ -268,6 +279,7 @@ class DataConfig:
 @dataclass
 class ParallelConfig:
     tp_size: int = ref(TP, "TP of the Megatron shards (follows actor_config)")
+    ep_size: int = ref(EP, "EP of the Megatron shards (follows actor_config; MoE models)")
     llm_pp_layers: list[int] = ref(LLM_PP_LAYERS, "LLM layers per stage (follows the model)")
     vit_pp_layers: list[int] = ref(VIT_PP_LAYERS, "ViT blocks per stage (follows the model)")
 

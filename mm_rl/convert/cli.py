@@ -63,6 +63,7 @@ def _from_flags(direction: str, overrides: Sequence[str], hf_dir: str | None) ->
     parallel = cfg_data.setdefault("parallel_config", {})
     text, vit = model_data.text_decoder, model_data.image_encoder.vision_encoder
     parallel.setdefault("tp_size", 1)
+    parallel.setdefault("ep_size", 1)
     stages = len(parallel.get("llm_pp_layers") or parallel.get("vit_pp_layers") or [0])
     parallel.setdefault("llm_pp_layers", [0] * (stages - 1) + [text.num_layers])
     parallel.setdefault("vit_pp_layers", [vit.num_layers] + [0] * (stages - 1))

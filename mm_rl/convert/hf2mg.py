@@ -37,6 +37,7 @@ from mm_rl.convert.mapping import (
     hf_layer_index,
     hf_shape,
     model_dims,
+    model_family,
     published_name,
     shard_from_hf,
     stage_tensors,
@@ -57,9 +58,13 @@ def hf2mg(cfg: Hf2MgCfg, model: ModelConfig, zip_crc32: bool = False) -> Path:
     if mm_dir.resolve() == hf_dir.resolve():
         raise ConfigError([Violation("cfg.mm_dir", cfg.mm_dir, "is the HuggingFace checkpoint directory itself",
                                      "write the Megatron shards to another directory")])
-    reader = HfReader(hf_dir, lambda name: published_name(model, name))
-    plan = [stage_tensors(model, stage) for stage in pipeline.stages]
-    check_checkpoint(reader, model, [b for stage in plan for b in stage])
+    plan = [[stage_tensors(model, stage, ep_rank, pipeline.ep) for ep_rank in range(pipeline.ep)]
+            for stage in pipeline.stages]
+    dims = model_dims(model)
+    shapes = {name: hf_shape(b.entry, part, dims) for stage in plan for rank in stage for b in rank
+              if b.entry.expert for part, name in enumerate(b.hf)}
+    reader = HfReader(hf_dir, lambda name: published_name(model, name), model_family(model).hf_fused, shapes)
+    check_checkpoint(reader, model, [b for stage in plan for rank in stage for b in rank])
     write_release(reader, model, pipeline, plan, mm_dir, zip_crc32, source_record(cfg, model))
     return mm_dir
 
@@ -71,7 +76,8 @@ def source_record(cfg: Hf2MgCfg, model: ModelConfig) -> dict[str, Any]:
              if p.suffix == ".safetensors" or p.name in ("config.json", "model.safetensors.index.json")}
     parallel = cfg.parallel_config
     return {"hf_dir": str(hf_dir), "files": files, "model": dataclasses.asdict(model), "tp": parallel.tp_size,
-            "llm_pp_layers": list(parallel.llm_pp_layers), "vit_pp_layers": list(parallel.vit_pp_layers)}
+            "ep": parallel.ep_size or 1, "llm_pp_layers": list(parallel.llm_pp_layers),
+            "vit_pp_layers": list(parallel.vit_pp_layers)}
 
 
 def reusable_conversion(cfg: Hf2MgCfg, model: ModelConfig) -> str | None:
@@ -90,11 +96,12 @@ def reusable_conversion(cfg: Hf2MgCfg, model: ModelConfig) -> str | None:
         return f"the conversion in {release} was made with other {', '.join(changed)}"
     pipeline = plan_pipeline(model, cfg.parallel_config)
     try:
-        check_rank_dirs(release, pipeline.tp, pipeline.pp)
+        check_rank_dirs(release, pipeline.tp, pipeline.pp, pipeline.ep)
     except ConversionError as error:
         return str(error)
-    missing = [str(rank_file(release, t, s.pp_rank, pipeline.pp)) for s in pipeline.stages for t in range(pipeline.tp)
-               if not rank_file(release, t, s.pp_rank, pipeline.pp).is_file()]
+    files = [rank_file(release, t, s.pp_rank, pipeline.pp, e, pipeline.ep) for s in pipeline.stages
+             for t in range(pipeline.tp) for e in range(pipeline.ep)]
+    missing = [str(path) for path in files if not path.is_file()]
     return f"rank files are missing: {missing}" if missing else None
 
 
@@ -156,20 +163,24 @@ def _dropped_layer(name: str, model: ModelConfig) -> bool:
     return found[1] >= kept
 
 
-def write_release(reader: HfReader, model: ModelConfig, pipeline: Pipeline, plan: list[list[Bound]],
+def write_release(reader: HfReader, model: ModelConfig, pipeline: Pipeline, plan: list[list[list[Bound]]],
                   mm_dir: Path, zip_crc32: bool = False, record: dict[str, Any] | None = None) -> None:
-    """Write every rank file into a staging directory, rename it to ``release``, then write the latest file."""
+    """Write every rank file (``plan``: per stage, per EP rank, its tensors) into a staging directory, rename it
+    to ``release``, then write the latest file."""
     dims = model_dims(model)
     mm_dir.mkdir(parents=True, exist_ok=True)
     with staged_dir(mm_dir / RELEASE, before_swap=lambda: remove_latest_if(mm_dir, RELEASE)) as staging:
-        for stage, bounds in zip(pipeline.stages, plan, strict=True):
-            for tp_rank in range(pipeline.tp):
-                state = {}
-                for bound in bounds:
-                    state[bound.mg] = _compact(shard_from_hf(bound, dims, tp_rank, pipeline.tp, reader.read, False))
-                reader.release()
-                save_model_state(rank_file(staging, tp_rank, stage.pp_rank, pipeline.pp), state, zip_crc32)
-                del state
+        for stage, ranks in zip(pipeline.stages, plan, strict=True):
+            for ep_rank, bounds in enumerate(ranks):
+                for tp_rank in range(pipeline.tp):
+                    state = {}
+                    for bound in bounds:
+                        state[bound.mg] = _compact(shard_from_hf(bound, dims, tp_rank, pipeline.tp, reader.read,
+                                                                 False))
+                    reader.release()
+                    path = rank_file(staging, tp_rank, stage.pp_rank, pipeline.pp, ep_rank, pipeline.ep)
+                    save_model_state(path, state, zip_crc32)
+                    del state
         if record is not None:
             (staging / SOURCE_RECORD).write_text(json.dumps(record, indent=1))
     write_latest(mm_dir, RELEASE)

@@ -10,7 +10,8 @@ conversion needs for input is at most one input file, however large the checkpoi
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from mm_rl.convert.errors import ConversionError, listing
 from mm_rl.convert.pages import prefault
+from mm_rl.models.family import Fused
 
 INDEX = "model.safetensors.index.json"
 
@@ -26,8 +28,11 @@ INDEX = "model.safetensors.index.json"
 class HfReader:
     """Shapes, dtypes and slices of the tensors of one HF checkpoint directory, by published name."""
 
-    def __init__(self, hf_dir: str | Path, canonical: Callable[[str], str] = str) -> None:
-        """``canonical``: a stored tensor name -> its published name (the family's other spellings)."""
+    def __init__(self, hf_dir: str | Path, canonical: Callable[[str], str] = str,
+                 fused: tuple[Fused, ...] = (), part_shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+        """``canonical``: a stored tensor name -> its published name (the family's other spellings); ``fused``:
+        stored tensors that are read as their per-expert parts (each part a view, nothing assembled), whose
+        shapes ``part_shapes`` gives (to tell the published layout from transformers' in-memory one)."""
         self.dir = Path(hf_dir)
         self.canonical = canonical
         self.file: dict[str, str] = {}  # published name -> file name
@@ -35,9 +40,41 @@ class HfReader:
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, str] = {}
         self._open: tuple[str, Any] | None = None
+        self.parts: dict[str, tuple[int, int, bool]] = {}  # part name -> (expert, part, stored as in memory)
         for file_name, names in self._files().items():
             self._read_header(file_name, names)
+        for rule in fused:
+            self._split_fused(rule, part_shapes or {})
 
+    def _split_fused(self, rule: Fused, part_shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Replace each stored tensor ``rule`` matches by its per-expert parts (names, shapes, where they lie).
+
+        Published checkpoints store [E, in, k * out] (each part transposed); transformers 5.19 keeps
+        [E, k * out, in] in memory and ``save_pretrained`` may write that back (its ``Transpose(check_dims=True)``
+        conversion compares shapes, so a re-saved model keeps the in-memory layout). Both are read: the part
+        shapes decide, the published layout when both fit (a square tensor)."""
+        pattern = re.compile(re.escape(rule.stored).replace(r"\{i\}", r"(\d+)") + "$")
+        for name in sorted(self.names):
+            match = pattern.match(name)
+            if match is None:
+                continue
+            experts, rows, columns = self.shape[name]
+            k = len(rule.parts)
+            want = part_shapes.get(rule.parts[0].format(i=match.group(1), e=0))
+            in_memory = want is not None and (rows, columns) != (want[1], k * want[0]) \
+                and (rows, columns) == (k * want[0], want[1])
+            width, depth = (rows, columns) if in_memory else (columns, rows)
+            if width % k:
+                raise ConversionError(f"{name} in {self.file[name]}: shape {list(self.shape[name])} does not split "
+                                      f"into {k} parts")
+            for e in range(experts):
+                for j, part in enumerate(rule.parts):
+                    virtual = part.format(i=match.group(1), e=e)
+                    self.file[virtual], self.stored[virtual] = self.file[name], self.stored[name]
+                    self.shape[virtual], self.dtype[virtual] = (width // k, depth), self.dtype[name]
+                    self.parts[virtual] = (e, j, in_memory)
+            for table in (self.file, self.stored, self.shape, self.dtype):
+                del table[name]
     def _files(self) -> dict[str, set[str] | None]:
         """file name -> the tensor names the index assigns to it (None: whatever the file holds)."""
         if not self.dir.is_dir():
@@ -96,6 +133,14 @@ class HfReader:
             self.release()
             self._open = (file_name, safe_open(self.dir / file_name, "pt"))
         sliced = self._open[1].get_slice(self.stored[name])
+        if name in self.parts:  # expert e's part j of the stored [E, in, k*out] (transposed) or [E, k*out, in]
+            e, j, in_memory = self.parts[name]
+            width = self.shape[name][0]
+            rows = slice(j * width + start, j * width + stop) if dim == 0 else slice(j * width, (j + 1) * width)
+            columns = slice(None) if dim == 0 else slice(start, stop)
+            view = sliced[e, rows, columns] if in_memory else sliced[e, columns, rows].T
+            prefault(view)
+            return view
         view = sliced[start:stop] if dim == 0 else sliced[:, start:stop]
         prefault(view)
         return view

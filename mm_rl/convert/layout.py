@@ -2,7 +2,7 @@
 
 ```
 root/latest_checkpointed_iteration.txt      "release" (converted) or the step number (training), no newline
-root/release | iter_{step:07d}/mp_rank_{tp:02d}[_{pp:03d} when PP > 1]/model_optim_rng.pt
+root/release | iter_{step:07d}/mp_rank_{tp:02d}[_{pp:03d} when PP > 1][_{ep:03d} when EP > 1]/model_optim_rng.pt
     torch.save({"model": {name: tensor}, "checkpoint_version": 3.0})   (training adds optimizer, rng, args...)
 ```
 A directory is built under a hidden temporary name beside its target, flushed to disk and renamed into place
@@ -45,12 +45,13 @@ def iteration_name(iteration: Iteration) -> str:
     return f"iter_{iteration:07d}"
 
 
-def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """megatron's (and MindSpeed-MM's) rank directory: an EP rank holds its experts and a copy of the rest."""
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
 
 
-def rank_file(iteration_dir: Path, tp_rank: int, pp_rank: int, pp: int) -> Path:
-    return iteration_dir / rank_dir_name(tp_rank, pp_rank, pp) / RANK_FILE
+def rank_file(iteration_dir: Path, tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> Path:
+    return iteration_dir / rank_dir_name(tp_rank, pp_rank, pp, ep_rank, ep) / RANK_FILE
 
 
 # -------------------------------------------------------------------------------------------- latest
@@ -98,17 +99,18 @@ def resolve_iteration(root: Path, iteration: Iteration | None) -> Path:
     return path
 
 
-def check_rank_dirs(iteration_dir: Path, tp: int, pp: int) -> None:
-    """The ``mp_rank_*`` directories must be exactly those of TP x PP; say what the checkpoint has otherwise."""
+def check_rank_dirs(iteration_dir: Path, tp: int, pp: int, ep: int = 1) -> None:
+    """The ``mp_rank_*`` directories must be exactly those of TP x PP (x EP); say what the checkpoint has
+    otherwise."""
     found = {p.name for p in iteration_dir.iterdir() if p.is_dir() and p.name.startswith("mp_rank_")}
-    expected = {rank_dir_name(t, p, pp) for t in range(tp) for p in range(pp)}
+    expected = {rank_dir_name(t, p, pp, e, ep) for t in range(tp) for p in range(pp) for e in range(ep)}
     if found == expected:
         return
     ranks = [tuple(int(x) for x in re.findall(r"\d+", name)) for name in found]
     shape = f"TP={1 + max(r[0] for r in ranks)} x PP={1 + max((r[1] if len(r) > 1 else 0) for r in ranks)}"
     lines = [f"missing {n}" for n in sorted(expected - found)] + [f"unexpected {n}" for n in sorted(found - expected)]
     raise ConversionError(f"{iteration_dir} holds rank directories of {shape if ranks else 'nothing'}, the parallel "
-                          f"config gives TP={tp} x PP={pp}:\n" + listing(lines))
+                          f"config gives TP={tp} x PP={pp}{f' x EP={ep}' if ep > 1 else ''}:\n" + listing(lines))
 
 
 # ------------------------------------------------------------------------------------------ rank files

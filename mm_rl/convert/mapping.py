@@ -56,21 +56,38 @@ class Bound:
     hf: tuple[str, ...]
 
 
-def stage_tensors(model: ModelConfig, stage: Stage) -> list[Bound]:
-    """Every Megatron tensor of ``stage`` in a fixed order (layer by layer), with its HF names."""
+def local_experts(model: ModelConfig, ep_rank: int, ep: int) -> list[tuple[int, int]]:
+    """(local, global) indices of the routed experts EP rank ``ep_rank`` of ``ep`` holds (a contiguous block, as
+    megatron's ``local_expert_indices``); none for a dense model."""
+    experts = model.text_decoder.num_moe_experts or 0
+    per_rank = experts // ep
+    return [(e, ep_rank * per_rank + e) for e in range(per_rank)]
+
+
+def stage_tensors(model: ModelConfig, stage: Stage, ep_rank: int = 0, ep: int = 1) -> list[Bound]:
+    """Every Megatron tensor of ``stage`` on EP rank ``ep_rank`` in a fixed order (layer by layer; an expert
+    entry for each of the rank's experts), with its HF names."""
     family = model_family(model)
     flags = family.model_flags(model)
+    experts = local_experts(model, ep_rank, ep)
     out: list[Bound] = []
     for scope in SCOPES:
         entries = [e for e in family.tensors if e.scope == scope and (e.when is None or flags[e.when])]
         for local, index in stage.layers(scope):
-            out += [Bound(e, e.mg.format(i=local), tuple(h.format(i=index) for h in e.hf)) for e in entries]
+            for e in entries:
+                out += [Bound(e, e.mg.format(i=local, e=mine), tuple(h.format(i=index, e=glob) for h in e.hf))
+                        for mine, glob in (experts if e.expert else [(0, 0)])]
     return out
+
+
+def _pattern(name: str, layer: str) -> str:
+    """A table name as a regular expression: ``{i}`` as ``layer``, ``{e}`` as any expert."""
+    return re.escape(name).replace(r"\{i\}", layer).replace(r"\{e\}", r"\d+") + "$"
 
 
 @cache
 def _hf_layer_patterns(family: ModelFamily) -> tuple[tuple[re.Pattern[str], Scope], ...]:
-    return tuple((re.compile(re.escape(h).replace(r"\{i\}", r"(\d+)") + "$"), e.scope)
+    return tuple((re.compile(_pattern(h, r"(\d+)")), e.scope)
                  for e in family.tensors if e.scope in ("vit_layer", "llm_layer") for h in e.hf)
 
 
@@ -85,7 +102,7 @@ def hf_layer_index(model: ModelConfig, name: str) -> tuple[Scope, int] | None:
 
 @cache
 def _mg_patterns(family: ModelFamily) -> tuple[tuple[re.Pattern[str], Entry], ...]:
-    return tuple((re.compile(re.escape(e.mg).replace(r"\{i\}", r"\d+") + "$"), e) for e in family.tensors)
+    return tuple((re.compile(_pattern(e.mg, r"\d+")), e) for e in family.tensors)
 
 
 def entry_for(model: ModelConfig, mg_name: str) -> Entry:
@@ -246,13 +263,14 @@ def merge_tp_shards(mg_name: str, shards: Sequence[torch.Tensor], model: ModelCo
 
 
 def megatron_to_hf(tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConfig, pipeline: Pipeline,
-                   pp_rank: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full (TP-merged) Megatron tensors of stage ``pp_rank`` -> (HF name, tensor) pairs, for the weight sync.
+                   pp_rank: int, ep_rank: int = 0, ep: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full (TP-merged) Megatron tensors of stage ``pp_rank`` on EP rank ``ep_rank`` -> (HF name, tensor) pairs,
+    for the weight sync (experts by their per-expert HF names, which vLLM loads as they are).
 
     The tied output-layer copy maps to nothing (HF has one embedding); ``_extra_state`` entries are skipped;
     a name the stage does not hold is an error."""
     dims = model_dims(model)
-    by_name = {b.mg: b for b in stage_tensors(model, pipeline.stages[pp_rank])}
+    by_name = {b.mg: b for b in stage_tensors(model, pipeline.stages[pp_rank], ep_rank, ep)}
     for name, tensor in tensors:
         if name.endswith("._extra_state"):
             continue
@@ -264,9 +282,10 @@ def megatron_to_hf(tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConf
 
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], model: ModelConfig, pipeline: Pipeline, pp_rank: int,
-                   tp_rank: int) -> dict[str, torch.Tensor]:
-    """In-memory HF state dict -> the Megatron state dict of one (pp, tp) rank (the same rules as hf2mg)."""
+                   tp_rank: int, ep_rank: int = 0, ep: int = 1) -> dict[str, torch.Tensor]:
+    """In-memory HF state dict (per-expert names) -> the Megatron state dict of one (pp, tp, ep) rank (the same
+    rules as hf2mg)."""
     dims = model_dims(model)
     read: Reader = lambda name, dim, a, b: hf[name].narrow(dim, a, b - a)  # noqa: E731
     return {b.mg: shard_from_hf(b, dims, tp_rank, pipeline.tp, read)
-            for b in stage_tensors(model, pipeline.stages[pp_rank])}
+            for b in stage_tensors(model, pipeline.stages[pp_rank], ep_rank, ep)}

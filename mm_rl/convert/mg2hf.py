@@ -20,6 +20,7 @@ import torch
 from mm_rl.config.loader import ConfigError, Violation
 from mm_rl.config.schema import Mg2HfCfg, ModelConfig
 from mm_rl.convert.errors import ConversionError, listing
+from mm_rl.convert.fused import FusingWriter, fuse_specs
 from mm_rl.convert.hf_writer import DEFAULT_MAX_SHARD_BYTES, ShardedWriter, TensorSpec, copy_side_files
 from mm_rl.convert.layout import (
     Iteration,
@@ -30,7 +31,7 @@ from mm_rl.convert.layout import (
     resolve_iteration,
     staged_dir,
 )
-from mm_rl.convert.mapping import Bound, check_shards, hf_blocks, hf_shape, model_dims, stage_tensors
+from mm_rl.convert.mapping import Bound, check_shards, hf_blocks, hf_shape, model_dims, model_family, stage_tensors
 from mm_rl.convert.pages import prefault
 from mm_rl.convert.stages import Pipeline, Stage, plan_pipeline
 
@@ -47,14 +48,17 @@ def mg2hf(cfg: Mg2HfCfg, model: ModelConfig, hf_dir: str | Path, iteration: Iter
     source, out = Path(hf_dir), Path(cfg.save_hf_dir)
     _check_target(out, source, Path(cfg.load_dir))
     iteration_dir = _complete_iteration(Path(cfg.load_dir), iteration)
-    check_rank_dirs(iteration_dir, pipeline.tp, pipeline.pp)
-    plan = [(stage, stage_tensors(model, stage)) for stage in pipeline.stages]
-    specs = [spec for stage, bounds in plan for spec in _stage_specs(iteration_dir, model, pipeline, stage, bounds)]
+    check_rank_dirs(iteration_dir, pipeline.tp, pipeline.pp, pipeline.ep)
+    plan = [(stage, ep_rank, stage_tensors(model, stage, ep_rank, pipeline.ep)) for stage in pipeline.stages
+            for ep_rank in range(pipeline.ep)]
+    specs = [spec for stage, ep_rank, bounds in plan
+             for spec in _stage_specs(iteration_dir, model, pipeline, stage, ep_rank, bounds)]
+    fused = model_family(model).hf_fused
     with staged_dir(out) as staging:
-        writer = ShardedWriter(staging, specs, max_shard_bytes)
+        writer = FusingWriter(ShardedWriter(staging, fuse_specs(specs, fused), max_shard_bytes), specs, fused)
         try:
-            for stage, bounds in plan:
-                _write_stage(writer, iteration_dir, model, pipeline, stage, bounds)
+            for stage, ep_rank, bounds in plan:
+                _write_stage(writer, iteration_dir, model, pipeline, stage, ep_rank, bounds)
             writer.finish()
         finally:
             writer.abort()
@@ -113,11 +117,13 @@ def _complete_hint(root: Path, before: int | None) -> str:
 
 
 class _StageFiles:
-    """The TP rank files of one stage, memory-mapped lazily; they are dropped (which gives their pages back) and
-    mapped again, cheaply, whenever the next tensor would take the bytes read past ``budget``, one file's size."""
+    """The TP rank files of one stage and EP rank, memory-mapped lazily; they are dropped (which gives their pages
+    back) and mapped again, cheaply, whenever the next tensor would take the bytes read past ``budget``, one
+    file's size."""
 
-    def __init__(self, iteration_dir: Path, pipeline: Pipeline, stage: Stage) -> None:
-        self.paths = [rank_file(iteration_dir, r, stage.pp_rank, pipeline.pp) for r in range(pipeline.tp)]
+    def __init__(self, iteration_dir: Path, pipeline: Pipeline, stage: Stage, ep_rank: int) -> None:
+        self.paths = [rank_file(iteration_dir, r, stage.pp_rank, pipeline.pp, ep_rank, pipeline.ep)
+                      for r in range(pipeline.tp)]
         self.budget = max(p.stat().st_size for p in self.paths) if all(p.is_file() for p in self.paths) else 0
         self._states: list[dict[str, torch.Tensor] | None] = [None] * pipeline.tp
         self._read = 0
@@ -141,11 +147,17 @@ class _StageFiles:
         return shards
 
 
-def _stage_specs(iteration_dir: Path, model: ModelConfig, pipeline: Pipeline, stage: Stage,
+def _written(bound: Bound, ep_rank: int) -> bool:
+    """Whether this EP rank's copy of ``bound`` is written: its own experts; the rest from EP rank 0 (every EP
+    rank holds the same copy), the tied output-layer copy never."""
+    return not bound.entry.duplicate and (bound.entry.expert or ep_rank == 0)
+
+
+def _stage_specs(iteration_dir: Path, model: ModelConfig, pipeline: Pipeline, stage: Stage, ep_rank: int,
                  bounds: list[Bound]) -> list[TensorSpec]:
     """Check the stage's rank files hold exactly the expected tensors with the expected shapes; the HF tensors
-    they make, in writing order."""
-    files = _StageFiles(iteration_dir, pipeline, stage)
+    they make, in writing order (per-expert parts unfused)."""
+    files = _StageFiles(iteration_dir, pipeline, stage, ep_rank)
     expected = {b.mg for b in bounds}
     for rank, path in enumerate(files.paths):
         keys = {k for k in files.state(rank) if not k.endswith(EXTRA_STATE)}
@@ -159,18 +171,18 @@ def _stage_specs(iteration_dir: Path, model: ModelConfig, pipeline: Pipeline, st
     specs = []
     for bound in bounds:
         check_shards(bound, dims, [files.state(r)[bound.mg] for r in range(pipeline.tp)], files.paths)
-        if not bound.entry.duplicate:
+        if _written(bound, ep_rank):
             dtype = files.state(0)[bound.mg].dtype
             specs += [TensorSpec(name, hf_shape(bound.entry, part, dims), dtype) for part, name in enumerate(bound.hf)]
     return specs
 
 
-def _write_stage(writer: ShardedWriter, iteration_dir: Path, model: ModelConfig, pipeline: Pipeline, stage: Stage,
-                 bounds: list[Bound]) -> None:
-    files = _StageFiles(iteration_dir, pipeline, stage)
+def _write_stage(writer: FusingWriter, iteration_dir: Path, model: ModelConfig, pipeline: Pipeline, stage: Stage,
+                 ep_rank: int, bounds: list[Bound]) -> None:
+    files = _StageFiles(iteration_dir, pipeline, stage, ep_rank)
     dims = model_dims(model)
     for bound in bounds:
-        if bound.entry.duplicate:
+        if not _written(bound, ep_rank):
             continue
         for name, blocks in zip(bound.hf, hf_blocks(bound, dims, files.shards(bound.mg)), strict=True):
             writer.write(name, blocks)

@@ -45,10 +45,11 @@ class Stage:
 
 @dataclass(frozen=True)
 class Pipeline:
-    """The TP size and the stages of one converted checkpoint."""
+    """The TP size, the stages and the EP size of one converted checkpoint."""
 
     tp: int
     stages: tuple[Stage, ...]
+    ep: int = 1
 
     @property
     def pp(self) -> int:
@@ -57,7 +58,8 @@ class Pipeline:
 
 def plan_pipeline(model: ModelConfig, parallel: ParallelConfig) -> Pipeline:
     """The stage layout for ``parallel``; a ConfigError lists every rule the split or the TP size breaks."""
-    problems = list(_split_problems(model, parallel)) + list(_tp_problems(model, parallel.tp_size))
+    problems = [*_split_problems(model, parallel), *_tp_problems(model, parallel.tp_size),
+                *_ep_problems(model, parallel.ep_size or 1)]
     if problems:
         raise ConfigError(problems)
     tied = not model.text_decoder.untie_embeddings_and_output_weights
@@ -75,7 +77,16 @@ def plan_pipeline(model: ModelConfig, parallel: ParallelConfig) -> Pipeline:
         stages.append(Stage(rank, range(sum(vit[:rank]), sum(vit[:rank + 1])),
                             range(sum(llm[:rank]), sum(llm[:rank + 1])), frozenset(holds),
                             tuple(model.image_encoder.vision_encoder.deepstack_visual_indexes)))
-    return Pipeline(parallel.tp_size, tuple(stages))
+    return Pipeline(parallel.tp_size, tuple(stages), parallel.ep_size or 1)
+
+
+def _ep_problems(model: ModelConfig, ep: int) -> Iterator[Violation]:
+    experts = model.text_decoder.num_moe_experts or 0
+    if ep < 1 or (ep > 1 and experts % ep):
+        yield Violation(f"{PARALLEL_KEY}.ep_size", ep, f"EP must divide {MODEL_KEY}.text_decoder.num_moe_experts "
+                        f"= {experts or None} (each EP rank holds as many experts)",
+                        "use 1 for a dense model" if not experts
+                        else f"use an EP among {[d for d in range(1, experts + 1) if experts % d == 0][:12]}")
 
 
 def _split_problems(model: ModelConfig, parallel: ParallelConfig) -> Iterator[Violation]:
@@ -118,6 +129,8 @@ def _tp_problems(model: ModelConfig, tp: int) -> Iterator[Violation]:
         ("image_encoder.vision_encoder.ffn_hidden_size", vit.ffn_hidden_size, "the ViT MLP splits"),
         ("image_encoder.vision_projector.ffn_hidden_size", model.image_encoder.vision_projector.ffn_hidden_size,
          "the merger MLP splits"),
+        *((("text_decoder.moe_intermediate_size", text.moe_intermediate_size or 0, "each expert's MLP splits"),)
+          if text.num_moe_experts else ()),
     )
     for name, size, why in sizes:
         if size % tp:

@@ -47,6 +47,18 @@ class Entry:
     heads: tuple[str, str, str] = ("", "", "")  # qkv layouts: dimension names of (heads, groups, head_dim)
     when: str | None = None  # a ``model_flags`` key: the tensor exists only when that flag is true
     duplicate: bool = False  # a Megatron-only copy of another entry's HF tensor (tied output layer)
+    expert: bool = False  # one per routed expert (``{e}``: local to the EP rank in ``mg``, global in ``hf``)
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A stored HF tensor [experts, in, k * out] holding, per expert, k tensors [out, in] transposed and side by
+    side: Qwen3-VL-MoE's published ``experts.gate_up_proj`` ([E, H, 2F]: gate then up) and ``experts.down_proj``
+    ([E, F, H]). The tensor table names the per-expert ``parts`` (``{i}`` layer, ``{e}`` expert), which is also
+    how vLLM takes them; the reader serves the parts from the stored tensor and mg2hf writes it back whole."""
+
+    stored: str
+    parts: tuple[str, ...]
 
 
 # A model rule's finding: (model.json key below ``model``, value, rule, fix).
@@ -71,6 +83,7 @@ class ModelFamily:
             vision fields (``TEXT_CONFIG``, ``VISION_CONFIG``) and ``PROCESSOR_CLASS``; None: no tiny model.
         rules: extra model.json rules of this family (findings); the shared ones are in ``config.validate``.
         hf_aliases: other spellings of HF tensor names (prefix, published prefix), mapped when reading.
+        hf_fused: stored tensors that hold several of the table's HF tensors (fused experts).
         vision_tokens: special tokens a response may not contain (the trainer cuts a response before one).
     """
 
@@ -87,6 +100,7 @@ class ModelFamily:
     tiny: str | None = None
     rules: Callable[[ModelConfig], Iterator[ModelFinding]] | None = None
     hf_aliases: tuple[tuple[str, str], ...] = ()
+    hf_fused: tuple[Fused, ...] = ()
     vision_tokens: tuple[str, ...] = QWEN_VISION_TOKENS
 
     def megatron_module(self) -> ModuleType:

@@ -29,9 +29,12 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mm_rl.files import replace_dir
+
+if TYPE_CHECKING:
+    from mm_rl.config.schema import ModelConfig
 from mm_rl.models.family import ModelFamily
 from mm_rl.models.family import family as model_family
 
@@ -259,7 +262,7 @@ def _write_checkpoint(directory: Path, family: ModelFamily, seed: int, tie_word_
 
     config = _model_config(family, tie_word_embeddings, overrides)
     with torch.random.fork_rng(devices=[]):  # transformers' own init draws from (and would move) the global RNG
-        model = getattr(transformers, family.hf_architecture)(config).to(torch.float32)
+        model = transformers.AutoModelForImageTextToText.from_config(config).to(torch.float32)
     # save_pretrained gives the published key names (model.layers.*, visual.*, lm_head unless tied); the values
     # are then redrawn per key name, so they depend only on (seed, name, shape), not on transformers' internals.
     model.save_pretrained(directory, safe_serialization=True)
@@ -314,6 +317,15 @@ def _is_complete(directory: Path, args: dict[str, Any]) -> bool:
         return json.loads(marker.read_text(encoding="utf-8")) == args
     except (OSError, ValueError):
         return False
+
+
+def tiny_overrides(model: ModelConfig) -> dict[str, Any]:
+    """The builder's overrides for the tiny variant a tiny model.json describes (the MoE sizes; none else)."""
+    text = model.text_decoder
+    if not text.num_moe_experts:
+        return {}
+    return {"num_experts": text.num_moe_experts, "num_experts_per_tok": text.moe_router_topk,
+            "moe_intermediate_size": text.moe_intermediate_size}
 
 
 def build_tiny_checkpoint(

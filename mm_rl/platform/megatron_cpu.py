@@ -28,7 +28,9 @@ How:
      costs a few microseconds per torch call, which is why it is scoped to these set-up / per-step helpers
      and never left on during forward and backward.
 
-Not bridged (not used on CPU): Transformer Engine, apex fusions, FSDP, MoE token dispatchers, CUDA graphs
+MoE: the router, the local experts and the all-to-all token dispatcher (which copies its split sizes to the host
+on a side stream: on CPU the stream, its events and ``torch.cuda.stream`` are no-ops, the copies synchronous).
+Not bridged (not used on CPU): Transformer Engine, apex fusions, FSDP, other MoE token dispatchers, CUDA graphs
 (their static inputs are the only CUDA calls in transformer.module / transformer_layer), activation
 offloading, context parallelism, inference contexts, dist_checkpointing and ``enable_autocast`` (the
 schedules call ``torch.autocast("cuda")``).
@@ -41,6 +43,7 @@ present. On NPU without MindSpeed, :func:`install_npu_type_bridge` bridges the `
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -79,6 +82,10 @@ _TORCH_VIEW_MODULES: tuple[str, ...] = (
     "megatron.core.optimizer.distrib_optimizer",  # current_device() gather buffers
     "megatron.core.optimizer.clip_grads",  # device="cuda" norm buffers
     "megatron.core.optimizer.grad_scaler",  # device="cuda" scale tensors
+    "megatron.core.transformer.moe.router",  # current_device() for the router weight and aux-loss buffers
+    "megatron.core.transformer.moe.experts",  # current_device() for the grouped experts' weights
+    "megatron.core.transformer.moe.moe_utils",  # device="cuda" aux-loss tracker, current_stream()
+    "megatron.core.transformer.moe.token_dispatcher",  # the all-to-all dispatcher's device-to-host copy stream
 )
 
 # (module, qualified name) of the functions that call ``.cuda()`` or compare ``.type()`` with a CUDA type.
@@ -146,6 +153,29 @@ def _one_device() -> int:
     return 1
 
 
+class _CpuStream:
+    """``torch.cuda.Stream`` on CPU: one in-order stream, so waiting and events have nothing to do."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, _other: Any) -> None:
+        pass
+
+    def record_event(self, *_args: Any) -> _CpuStream:
+        return self  # an event whose synchronize() returns at once
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _cpu_current_stream(*_args: Any) -> _CpuStream:
+    return _CPU_STREAM
+
+
 def _cpu_get_rng_state(device: Any = None) -> torch.Tensor:
     # The tracker snapshots / restores the "device" generator around each fork(); on CPU that is this one.
     return torch.get_rng_state()
@@ -177,6 +207,9 @@ def _cuda_on_cpu() -> ModuleType:
         "set_rng_state": _cpu_set_rng_state,
         "manual_seed": _cpu_manual_seed,
         "manual_seed_all": _cpu_manual_seed,
+        "Stream": _CpuStream,
+        "current_stream": _cpu_current_stream,
+        "stream": lambda _stream=None: contextlib.nullcontext(),
         "__getattr__": functools.partial(getattr, torch.cuda),
     }
     vars(shim).update(overrides)
@@ -321,16 +354,45 @@ def install_npu_type_bridge() -> None:
     _npu_types_installed = True
 
 
+def _install_moe_host_copy() -> None:
+    """The all-to-all dispatcher's ``maybe_move_tensor_to_cpu(x, as_numpy=True)`` turns a CUDA tensor of split
+    sizes into a numpy array, which ``all_to_all_single`` takes as a sequence of ints; a CPU tensor it returns
+    unchanged, which the binding rejects. On CPU, hand back the same numpy array a GPU run gets."""
+    module = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    original = module.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _rebind_everywhere(original, host_copy)
+
+
+def _define_missing_te_gemm() -> None:
+    """megatron-core 0.16.1's ``moe_utils`` imports ``te_general_gemm`` inside a try block and later tests
+    ``te_general_gemm is not None`` in the router's gating linear: without Transformer Engine the name is
+    undefined and every MoE forward raises NameError. None is what that test expects (plain ``torch.mm``)."""
+    module = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(module, "te_general_gemm"):
+        module.te_general_gemm = None  # type: ignore[attr-defined]
+
+
 def install() -> None:
-    """Install every CPU bridge (idempotent). No-op when CUDA or an NPU is present."""
+    """Install every CPU bridge (idempotent). No-op when CUDA or an NPU is present (except the missing
+    Transformer Engine name, which any device without TE lacks)."""
     global _installed
     if _installed:
         return
     from mm_rl.platform.device import device_kind
+
+    _define_missing_te_gemm()
 
     if device_kind() != "cpu":
         return
     _install_torch_views()
     _install_rng_bridge()
     _install_tensor_method_bridges()
+    _install_moe_host_copy()
     _installed = True

@@ -67,12 +67,39 @@ def pipeline_layout(llm_layers: Sequence[int]) -> list[list[str]] | None:
     return layout
 
 
+def moe_kwargs(text: TextDecoderConfig, ep: int) -> dict[str, Any]:
+    """megatron's MoE switches for model.json's experts (none for a dense model).
+
+    Routing as Qwen3-VL-MoE (transformers' ``Qwen3VLMoeTextTopKRouter``): softmax over the experts, the top k,
+    renormalised. megatron's softmax router without ``moe_router_pre_softmax`` takes the softmax of the top-k
+    logits, which is the same renormalised distribution; with ``norm_topk_prob`` false the softmax comes first
+    (pre-softmax) and the top-k weights are kept as they are. No capacity factor: no token is dropped. The
+    load-balancing and z losses are off unless model.json sets their weights."""
+    if not text.num_moe_experts:
+        return {}
+    return {
+        "num_moe_experts": text.num_moe_experts,
+        "moe_router_topk": text.moe_router_topk,
+        "moe_ffn_hidden_size": text.moe_intermediate_size,
+        "moe_router_pre_softmax": not text.norm_topk_prob,
+        "moe_router_score_function": "softmax",
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "aux_loss" if text.moe_aux_loss_coeff else "none",
+        "moe_aux_loss_coeff": text.moe_aux_loss_coeff,
+        "moe_z_loss_coeff": text.moe_z_loss_coeff,
+        "moe_grouped_gemm": False,  # megatron's local experts (SequentialMLP): no TE / grouped-gemm kernels needed
+        "moe_permute_fusion": False,
+        "expert_model_parallel_size": ep,
+    }
+
+
 def text_decoder_config(
     model: ModelConfig,
     flags: TrainingFlags | None = None,
     *,
     tp: int | None = None,
     pp: int | None = None,
+    ep: int = 1,
     params_dtype: torch.dtype = torch.float32,
     **overrides: Any,
 ) -> Any:
@@ -127,13 +154,14 @@ def text_decoder_config(
         "pipeline_model_parallel_layout": pipeline_layout(text.pipeline_num_layers) if pp > 1 else None,
         "context_parallel_size": 1,
         "variable_seq_lengths": True,  # prompts + responses differ per micro-batch: exchange shapes first
-        "moe_token_dispatcher_type": "alltoall",  # no MoE; megatron rejects its default with variable lengths
+        "moe_token_dispatcher_type": "alltoall",  # megatron rejects its default (allgather) with variable lengths
         "bias_activation_fusion": False,
         "bias_dropout_fusion": False,
         "masked_softmax_fusion": False,
         "persist_layer_norm": False,
         **cpu_safe_transformer_kwargs(),
     }
+    kwargs.update(moe_kwargs(text, ep))
     if flags is not None and flags.no_gradient_accumulation_fusion:
         kwargs["gradient_accumulation_fusion"] = False
     kwargs.update(overrides)

@@ -402,7 +402,8 @@ class Qwen2_5_VLModel(torch.nn.Module):
         from megatron.core.models.gpt import GPTModel
 
         text = self.model_cfg.text_decoder
-        spec = llm_layer_spec(text.normalization, ulysses=self.cp is not None, qk_layernorm=text.qk_layernorm)
+        spec = llm_layer_spec(text.normalization, ulysses=self.cp is not None, qk_layernorm=text.qk_layernorm,
+                              num_experts=text.num_moe_experts)
         decoder = GPTModel(
             config=self.config,
             transformer_layer_spec=spec,
@@ -674,15 +675,18 @@ def _build_image_encoder(
     )
 
 
-def llm_layer_spec(normalization: str, ulysses: bool, qk_layernorm: bool = False) -> Any:
+def llm_layer_spec(normalization: str, ulysses: bool, qk_layernorm: bool = False,
+                   num_experts: int | None = None) -> Any:
     """The LLM layer: megatron's local spec with :class:`LLMCoreAttention` (fused attention without S x S scores,
     packed rows per sequence), wrapped for Ulysses CP; ``qk_layernorm``: megatron's per-head query / key norm
-    (applied before the rotary, as Qwen3's q_norm / k_norm)."""
+    (applied before the rotary, as Qwen3's q_norm / k_norm); ``num_experts``: megatron's MoE layer (router and
+    local experts, ``mlp.experts.local_experts.E``, MindSpeed-MM's names) in place of the dense MLP."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from mm_rl.models.qwen2_5_vl.llm_attention import LLMCoreAttention
 
-    spec = get_gpt_layer_local_spec(normalization=megatron_normalization(normalization), qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization=megatron_normalization(normalization),
+                                    qk_layernorm=qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = UlyssesAttention if ulysses else LLMCoreAttention
     return spec
 
@@ -711,7 +715,9 @@ def build_model(
     if cp > 1 and flags is not None and flags.context_parallel_algo not in (None, "ulysses_cp_algo"):
         raise NotImplementedError(f"context-parallel-algo {flags.context_parallel_algo!r}: only ulysses_cp_algo")
     layout = stage_layout(model_cfg, parallel_state.get_pipeline_model_parallel_rank(), pp)
-    config = text_decoder_config(model_cfg, flags, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    config = text_decoder_config(model_cfg, flags, tp=tp, pp=pp, ep=ep, params_dtype=params_dtype,
+                                 **config_overrides)
     divisible_by = flags.make_vocab_size_divisible_by if flags is not None else 1
     padded = padded_vocab_size(model_cfg.text_decoder.vocab_size, divisible_by, tp)
     encoder = _build_image_encoder(model_cfg, config, layout, actor) if layout.has_vit else None

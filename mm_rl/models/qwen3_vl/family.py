@@ -1,14 +1,18 @@
-"""Qwen3-VL (dense) as a model family: MindSpeed-MM's megatron layout (``checkpoint/vlm_model/converters/
+"""Qwen3-VL (dense and MoE) as a model family: MindSpeed-MM's megatron layout (``checkpoint/vlm_model/converters/
 qwen3vl_megatron.py``: ``image_encoder.encoder.pos_embed``, the DeepStack mergers under their ViT blocks as
-``...blocks.layers.N.deepstack_layer.*``, ``q_layernorm`` / ``k_layernorm``). Published Qwen3-VL checkpoints
-name their tensors ``model.visual.*`` / ``model.language_model.*``, which the table uses as they are."""
+``...blocks.layers.N.deepstack_layer.*``, ``q_layernorm`` / ``k_layernorm``; MoE: ``mlp.router.weight`` and
+``mlp.experts.local_experts.E.linear_fc1 / linear_fc2``, E local to the EP rank). Published Qwen3-VL checkpoints
+name their tensors ``model.visual.*`` / ``model.language_model.*``, which the table uses as they are; the MoE
+checkpoints store each layer's experts fused (``experts.gate_up_proj`` [E, H, 2F], ``experts.down_proj``
+[E, F, H]), which the table names per expert (:class:`~mm_rl.models.family.Fused`). MindSpeed-MM uses
+``model_id`` qwen3_vl for both; ``text_decoder.num_moe_experts`` tells them apart."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from mm_rl.models.family import Entry, ModelFamily, ModelFinding
+from mm_rl.models.family import Entry, Fused, HfConfigError, ModelFamily, ModelFinding
 from mm_rl.models.qwen2_5_vl.family import (
     VIT_HEADS,
     VLIN,
@@ -30,6 +34,9 @@ LABEL, MODEL_ID = "Qwen3-VL", "qwen3_vl"
 VH, PH, DH = "model.visual.blocks.{i}.", "model.visual.merger.", "model.visual.deepstack_merger_list.{i}."
 L, LH = "text_decoder.decoder.layers.{i}.", "model.language_model.layers.{i}."
 D = V + "deepstack_layer."
+EH = LH + "mlp.experts.{e}."  # one expert's tensors (stored fused, see FUSED)
+FUSED = (Fused(LH + "mlp.experts.gate_up_proj", (EH + "gate_proj.weight", EH + "up_proj.weight")),
+         Fused(LH + "mlp.experts.down_proj", (EH + "down_proj.weight",)))
 _LLM_HEADS = ("heads", "groups", "hd")
 
 
@@ -83,8 +90,14 @@ TENSORS: tuple[Entry, ...] = (
           split=1),
     Entry("llm_layer", L + "pre_mlp_layernorm.weight", (LH + "post_attention_layernorm.weight",), (("h",),)),
     Entry("llm_layer", L + "mlp.linear_fc1.weight", (LH + "mlp.gate_proj.weight", LH + "mlp.up_proj.weight"),
-          (("ffn", "h"), ("ffn", "h")), "glu", 0),
-    Entry("llm_layer", L + "mlp.linear_fc2.weight", (LH + "mlp.down_proj.weight",), (("h", "ffn"),), split=1),
+          (("ffn", "h"), ("ffn", "h")), "glu", 0, when="dense"),
+    Entry("llm_layer", L + "mlp.linear_fc2.weight", (LH + "mlp.down_proj.weight",), (("h", "ffn"),), split=1,
+          when="dense"),
+    Entry("llm_layer", L + "mlp.router.weight", (LH + "mlp.gate.weight",), (("experts", "h"),), when="moe"),
+    Entry("llm_layer", L + "mlp.experts.local_experts.{e}.linear_fc1.weight", (EH + "gate_proj.weight",
+          EH + "up_proj.weight"), (("eff", "h"), ("eff", "h")), "glu", 0, when="moe", expert=True),
+    Entry("llm_layer", L + "mlp.experts.local_experts.{e}.linear_fc2.weight", (EH + "down_proj.weight",),
+          (("h", "eff"),), split=1, when="moe", expert=True),
     Entry("final_norm", "text_decoder.decoder.final_layernorm.weight", ("model.language_model.norm.weight",),
           (("h",),)),
     Entry("output_layer", "text_decoder.output_layer.weight", ("lm_head.weight",), (("vocab", "h"),), split=0,
@@ -95,13 +108,32 @@ TENSORS: tuple[Entry, ...] = (
 
 
 def qwen3_dims(model: ModelConfig) -> dict[str, int]:
-    return {**model_dims(model), "vpos": model.image_encoder.vision_encoder.num_position_embeddings}
+    text = model.text_decoder
+    return {**model_dims(model), "vpos": model.image_encoder.vision_encoder.num_position_embeddings,
+            "experts": text.num_moe_experts or 0, "eff": text.moe_intermediate_size or 0}
 
 
 def qwen3_flags(model: ModelConfig) -> dict[str, bool]:
     text, vit = model.text_decoder, model.image_encoder.vision_encoder
+    moe = bool(text.num_moe_experts)
     return {VQKV: vit.add_qkv_bias, VLIN: vit.add_bias_linear, "untied": text.untie_embeddings_and_output_weights,
-            "tied": not text.untie_embeddings_and_output_weights}
+            "tied": not text.untie_embeddings_and_output_weights, "moe": moe, "dense": not moe}
+
+
+def moe_json(text: Mapping[str, Any]) -> dict[str, Any]:
+    """model.json's MoE fields from a Qwen3-VL-MoE ``text_config`` (empty for a dense one). Every layer must be
+    sparse: transformers' ``mlp_only_layers`` / ``decoder_sparse_step`` would mix in dense layers, which no
+    published Qwen3-VL-MoE has and mm_rl does not build."""
+    experts = text.get("num_experts") or text.get("num_local_experts")  # transformers 5 saves the latter
+    if not experts:
+        return {}
+    if text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1:
+        raise HfConfigError(f"config.json mixes dense and MoE layers (mlp_only_layers {text.get('mlp_only_layers')}, "
+                            f"decoder_sparse_step {text.get('decoder_sparse_step')}): mm_rl builds every layer "
+                            "as MoE, as the published Qwen3-VL-MoE checkpoints have")
+    return {"num_moe_experts": experts, "moe_router_topk": need(text, "num_experts_per_tok", LABEL),
+            "moe_intermediate_size": need(text, "moe_intermediate_size", LABEL),
+            "norm_topk_prob": True}  # transformers' Qwen3-VL-MoE router always renormalises the top k
 
 
 def model_json(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -110,8 +142,8 @@ def model_json(config: Mapping[str, Any]) -> dict[str, Any]:
     vision = vision_json(config, LABEL)
     depth, width = need(vision, "depth", LABEL), need(vision, "hidden_size", LABEL)
     heads, merge = need(vision, "num_heads", LABEL), vision.get("spatial_merge_size", 2)
-    decoder = {**text_decoder_json(config, LABEL), **_TEXT_FIXED, "model_id": "qwen3_lm"}
     text = config.get("text_config") or config
+    decoder = {**text_decoder_json(config, LABEL), **_TEXT_FIXED, "model_id": "qwen3_lm", **moe_json(text)}
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     decoder["mrope_section"] = list(rope.get("mrope_section", [24, 20, 20]))
     decoder["mrope_interleaved"] = bool(rope.get("mrope_interleaved", True))
@@ -142,9 +174,22 @@ _FIXED = {**{f"image_encoder.vision_encoder.{key}": value for key, value in _VIS
           "image_encoder.vision_projector.normalization": "LayerNorm", "text_decoder.swiglu": True}
 
 
+def moe_rules(text: Any) -> Iterator[ModelFinding]:
+    if not text.num_moe_experts:
+        return
+    if not text.moe_intermediate_size:
+        yield "text_decoder.moe_intermediate_size", text.moe_intermediate_size, "an MoE model needs the experts' " \
+            "width", "set it from config.json's moe_intermediate_size"
+    if not 1 <= text.moe_router_topk <= text.num_moe_experts:
+        yield "text_decoder.moe_router_topk", text.moe_router_topk, \
+            f"must lie in [1, num_moe_experts = {text.num_moe_experts}]", \
+            "set it from config.json's num_experts_per_tok"
+
+
 def rules(model: ModelConfig) -> Iterator[ModelFinding]:
     yield from fixed_fields(model, _FIXED, LABEL)
     vit, text = model.image_encoder.vision_encoder, model.text_decoder
+    yield from moe_rules(text)
     deepstack = vit.deepstack_visual_indexes
     key = "image_encoder.vision_encoder.deepstack_visual_indexes"
     if any(not 0 <= i < vit.num_layers for i in deepstack):
@@ -163,8 +208,8 @@ def rules(model: ModelConfig) -> Iterator[ModelFinding]:
 
 
 FAMILY = ModelFamily(
-    name="qwen3_vl", label=LABEL, model_id=MODEL_ID, hf_model_types=("qwen3_vl",),
+    name="qwen3_vl", label=LABEL, model_id=MODEL_ID, hf_model_types=("qwen3_vl", "qwen3_vl_moe"),
     hf_architecture="Qwen3VLForConditionalGeneration", tensors=TENSORS, model_dims=qwen3_dims,
     model_flags=qwen3_flags, model_json=model_json, megatron="mm_rl.models.qwen2_5_vl.model",
-    tiny="mm_rl.models.qwen3_vl.tiny", rules=rules,
+    tiny="mm_rl.models.qwen3_vl.tiny", rules=rules, hf_fused=FUSED,
 )

@@ -1,6 +1,7 @@
 """The tiny Qwen3-VL (``mm_rl.models.tiny`` builds it): 4 Qwen3 layers (head_dim 32, interleaved mRoPE
 [6, 5, 5]) and a 3-block ViT with 16-pixel patches, a 4 x 4 learned position table and DeepStack from
-blocks 0 and 1 into LLM layers 0 and 1."""
+blocks 0 and 1 into LLM layers 0 and 1. With ``num_experts=4`` it is the tiny Qwen3-VL-MoE: every layer's MLP
+is 4 experts of width 32, top-2 (``tiny_qwen3_vl_moe``; EP 2 gives each rank two)."""
 
 from __future__ import annotations
 
@@ -37,11 +38,22 @@ TEXT_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "vocab_size": VOCAB_SIZE,
     "hidden_act": "silu",
+    # MoE (Qwen3-VL-MoE) when num_experts > 0: every layer routes each token to 2 of the experts
+    "num_experts": 0,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,  # 2 x 32 != hidden 128: transformers tells the fused layouts apart by shape
 }
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 def hf_config(**fields: Any) -> Any:
-    from transformers import Qwen3VLConfig
+    """Qwen3-VL, or Qwen3-VL-MoE when the text fields ask for experts."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
-    fields["text_config"]["rope_parameters"]["mrope_interleaved"] = True
+    text = fields["text_config"]
+    text["rope_parameters"]["mrope_interleaved"] = True
+    if text["num_experts"]:
+        return Qwen3VLMoeConfig(**fields)
+    for key in MOE_FIELDS:
+        del text[key]
     return Qwen3VLConfig(**fields)
