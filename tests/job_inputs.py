@@ -6,8 +6,8 @@ from pathlib import Path
 
 
 def hf_config_json(model: dict) -> dict:
-    """The config.json (transformers 5 spelling) of a Qwen2.5-VL or Qwen2-VL checkpoint whose model.json is
-    ``model``."""
+    """The config.json (transformers 5 spelling) of a Qwen2.5-VL, Qwen2-VL or Qwen3-VL (-MoE) checkpoint whose
+    model.json is ``model``."""
     text, vit = model["text_decoder"], model["image_encoder"]["vision_encoder"]
     vision = {"depth": vit["num_layers"], "hidden_size": vit["hidden_size"], "num_heads": vit["num_attention_heads"],
               "intermediate_size": vit["ffn_hidden_size"], "out_hidden_size": text["hidden_size"]}
@@ -19,6 +19,12 @@ def hf_config_json(model: dict) -> dict:
         model_type, architecture = "qwen2_vl", "Qwen2VLForConditionalGeneration"
         vision = {"depth": vit["num_layers"], "embed_dim": vit["hidden_size"], "hidden_size": text["hidden_size"],
                   "num_heads": vit["num_attention_heads"], "mlp_ratio": vit["ffn_hidden_size"] // vit["hidden_size"]}
+    experts = {}
+    if text.get("num_moe_experts"):
+        model_type, architecture = "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"
+        experts = {"num_experts": text["num_moe_experts"], "num_experts_per_tok": text["moe_router_topk"],
+                   "moe_intermediate_size": text["moe_intermediate_size"], "decoder_sparse_step": 1,
+                   "mlp_only_layers": []}
     return {
         "model_type": model_type, "architectures": [architecture],
         "image_token_id": model["img_context_token_id"], "vision_start_token_id": model["vision_start_token_id"],
@@ -30,7 +36,7 @@ def hf_config_json(model: dict) -> dict:
             "rope_parameters": {"rope_theta": text["rope_theta"], "mrope_section": text["mrope_section"],
                                 "mrope_interleaved": text.get("mrope_interleaved", False)},
             "head_dim": text.get("kv_channels") or text["hidden_size"] // text["num_attention_heads"],
-            "tie_word_embeddings": not text["untie_embeddings_and_output_weights"]},
+            "tie_word_embeddings": not text["untie_embeddings_and_output_weights"], **experts},
         "vision_config": vision,
     }
 

@@ -11,7 +11,7 @@ from mm_rl.config.schema import ModelConfig
 from mm_rl_cli.main import main
 
 REAL = ["qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b", "qwen2_vl_2b", "qwen2_vl_72b",
-        "qwen3_vl_2b", "qwen3_vl_32b"]
+        "qwen3_vl_2b", "qwen3_vl_32b", "qwen3_vl_30b_a3b", "qwen3_vl_235b_a22b"]
 
 
 def preset_model(name):
@@ -154,13 +154,29 @@ def test_tiny_config_builds_its_model_and_data_and_passes_check(tiny_base, capsy
 @pytest.mark.parametrize(("model", "billions"), [
     ("qwen2_5_vl_3b", 3.75), ("qwen2_5_vl_7b", 8.29), ("qwen2_5_vl_72b", 73.4), ("qwen2_vl_2b", 2.21),
     ("qwen2_vl_7b", 8.29), ("qwen2_vl_72b", 73.4), ("qwen3_vl_2b", 2.13), ("qwen3_vl_4b", 4.44),
-    ("qwen3_vl_8b", 8.77), ("qwen3_vl_32b", 33.4)])
+    ("qwen3_vl_8b", 8.77), ("qwen3_vl_32b", 33.4), ("qwen3_vl_30b_a3b", 31.1), ("qwen3_vl_235b_a22b", 236)])
 def test_presets_have_the_published_parameter_counts(model, billions):
     """The planner's parameter count of each preset matches the model card's (safetensors total), so the presets'
     shapes and the memory estimates built on them are those of the published checkpoints."""
     from mm_rl.config.plan import model_parameters
 
     assert model_parameters(preset_model(model)) / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+@pytest.mark.parametrize("model", ["qwen3_vl_30b_a3b", "qwen3_vl_235b_a22b"])
+def test_moe_plans_spread_the_experts(model, tmp_path, paths):
+    """An MoE preset's plan has no TP (megatron trains MoE with TP only under sequence parallelism), spreads the
+    experts with EP inside DP, and passes check."""
+    write_hf_dir(tmp_path / "hf", model=model)
+    out = tmp_path / "job.yaml"
+    argv = ["config", "--backend", "mm_rl", "--af_model_name", model, "--exp_name", "e", "--output_file_path",
+            str(out), "--nnodes", "4", "--nproc_per_node", "8", "--device", "npu", *paths,
+            f"--af_output_dir={tmp_path / 'out'}", "--allow-oversubscribe"]
+    assert main(argv) == 0 and main(["check", str(out)]) == 0
+    b = load_job(out).backend_config
+    ep, tp = b.actor_config.expert_model_parallel_size, b.actor_config.tensor_model_parallel_size
+    assert tp == 1 and ep > 1 and 128 % ep == 0
+    assert b.convert_ckpt_hf2mg.cfg.parallel_config.ep_size == ep
 
 
 def test_the_planner_keeps_deepstack_layers_with_the_vit():

@@ -128,6 +128,8 @@ def _apply_plan(node: DictConfig, preset: Preset) -> None:
         job = to_job(node)
     plan = plan_parallel(job)
     b.actor_config.tensor_model_parallel_size = plan.tp
+    if plan.ep > 1:
+        b.actor_config.expert_model_parallel_size = plan.ep
     b.actor_config.pipeline_model_parallel_size = plan.pp
     b.model.image_encoder.vision_encoder.pipeline_num_layers = plan.vit_pp_layers
     b.model.text_decoder.pipeline_num_layers = plan.llm_pp_layers

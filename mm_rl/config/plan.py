@@ -41,7 +41,8 @@ class LayerCounts:
     """Parameters of one block of each kind, and the model's fixed pieces."""
 
     vit_layer: int
-    llm_layer: int
+    llm_layer: int  # without its experts
+    llm_experts: int  # every routed expert of one MoE layer (0: dense); an EP rank holds 1 / EP of them
     projector: int
     embedding: int
     output_layer: int
@@ -55,13 +56,18 @@ def layer_counts(model: ModelConfig) -> LayerCounts:
     groups = text.num_query_groups if text.group_query_attention else text.num_attention_heads
     h, f = text.hidden_size, text.ffn_hidden_size
     llm = h * (text.num_attention_heads + 2 * groups) * head_dim + text.num_attention_heads * head_dim * h
-    llm += (3 if text.swiglu else 2) * h * f
+    experts = text.num_moe_experts or 0
+    if experts:  # the router, and the experts' SwiGLU MLPs in place of the dense one
+        llm += experts * h
+    else:
+        llm += (3 if text.swiglu else 2) * h * f
     hv, fv = vit.hidden_size, vit.ffn_hidden_size
     vit_layer = 4 * hv * hv + (3 if vit.swiglu else 2) * hv * fv
     merged = proj.ffn_hidden_size
     return LayerCounts(
         vit_layer=vit_layer,
         llm_layer=llm,
+        llm_experts=experts * 3 * h * (text.moe_intermediate_size or 0),
         # the merger, and as many DeepStack mergers of its size (Qwen3-VL) on the same stage
         projector=(merged * merged + merged * proj.hidden_size) * (1 + len(vit.deepstack_visual_indexes)),
         embedding=text.vocab_size * h,
@@ -76,7 +82,7 @@ def model_parameters(model: ModelConfig) -> int:
     counts, text, vit = layer_counts(model), model.text_decoder, model.image_encoder.vision_encoder
     head = counts.output_layer if text.untie_embeddings_and_output_weights else 0
     return (vit.num_layers * counts.vit_layer + counts.patch_embed + counts.projector
-            + text.num_layers * counts.llm_layer + counts.embedding + head)
+            + text.num_layers * (counts.llm_layer + counts.llm_experts) + counts.embedding + head)
 
 
 ENGINE_WEIGHTS_SHARE = 0.9  # at most this much of a colocated engine's memory share may be weights (the rest: KV cache)
@@ -235,12 +241,12 @@ def _rollout_phase(cfg: JobConfig, stage: StageMemory) -> float:
 
 def _stage_params(cfg: JobConfig, counts: LayerCounts, s: int, vit_layers: list[int],
                   llm_layers: list[int]) -> tuple[float, float]:
-    """(frozen, trainable) parameter counts of stage ``s``."""
+    """(frozen, trainable) parameter counts of stage ``s`` on one EP rank."""
     actor, model = cfg.backend_config.actor_config, cfg.backend_config.model
     vit = vit_layers[s] * counts.vit_layer + (counts.patch_embed if s == 0 else 0)
     last_vit_stage = max((i for i, n in enumerate(vit_layers) if n > 0), default=0)
     projector = counts.projector if s == last_vit_stage else 0
-    llm = llm_layers[s] * counts.llm_layer
+    llm = llm_layers[s] * (counts.llm_layer + counts.llm_experts / actor.expert_model_parallel_size)
     if s == 0:
         llm += counts.embedding
     if s == len(llm_layers) - 1 and (model.text_decoder.untie_embeddings_and_output_weights or s > 0):
@@ -288,6 +294,7 @@ class ParallelPlan:
     engine_tp: int = 1  # a colocated engine's TP
     engine_weights: float = 0.0  # GiB of its weights per device (0: no colocated engine)
     engine_share: float = 0.0  # GiB of its gpu_memory_utilization share of a device
+    ep: int = 1  # expert parallelism (MoE), within DP
 
     @property
     def peak(self) -> float:
@@ -304,8 +311,9 @@ class ParallelPlan:
         return self.peak <= self.device_memory_gb and self.engine_fits
 
     def describe(self) -> str:
+        experts = f" (EP {self.ep} within DP)" if self.ep > 1 else ""
         lines = [f"parallel layout: world {self.tp * self.pp * self.dp} = TP {self.tp} x PP {self.pp} x DP {self.dp}"
-                 f"; vit_pp_layers {self.vit_pp_layers}; llm_pp_layers {self.llm_pp_layers}",
+                 f"{experts}; vit_pp_layers {self.vit_pp_layers}; llm_pp_layers {self.llm_pp_layers}",
                  "estimated memory per device, GiB (training phase; rollout: beside a colocated engine):",
                  "  stage  weights  grads  optimizer  reference  activations  training  rollout"]
         for m in self.memory:
@@ -345,7 +353,8 @@ def current_plan(cfg: JobConfig) -> ParallelPlan:
     return ParallelPlan(tp, pp, dp, list(m.image_encoder.vision_encoder.pipeline_num_layers),
                         list(m.text_decoder.pipeline_num_layers), estimate_memory(cfg), device_memory_gb(cfg),
                         offload, engine_tp, engine_weights_gb(cfg) / engine_tp if colocated else 0.0,
-                        g.gpu_memory_utilization * device_memory_gb(cfg) if colocated else 0.0)
+                        g.gpu_memory_utilization * device_memory_gb(cfg) if colocated else 0.0,
+                        actor.expert_model_parallel_size)
 
 
 def with_offload(cfg: JobConfig, kinds: tuple[str, ...]) -> JobConfig:
@@ -394,16 +403,19 @@ def tp_candidates(cfg: JobConfig) -> list[int]:
     return [tp for tp in tp_choices(cfg, nproc) if nproc % tp == 0]
 
 
-def with_layout(cfg: JobConfig, tp: int, pp: int, vit_layers: list[int], llm_layers: list[int]) -> JobConfig:
+def with_layout(cfg: JobConfig, tp: int, pp: int, vit_layers: list[int], llm_layers: list[int],
+                ep: int = 1) -> JobConfig:
     """A copy of ``cfg`` with another parallel layout (both the source keys and their resolved echoes)."""
     out = copy.deepcopy(cfg)
     b = out.backend_config
+    b.actor_config.expert_model_parallel_size = ep
     b.actor_config.tensor_model_parallel_size = b.training.tensor_model_parallel_size = tp
     b.actor_config.pipeline_model_parallel_size = b.training.pipeline_model_parallel_size = pp
     b.model.image_encoder.vision_encoder.pipeline_num_layers = list(vit_layers)
     b.model.text_decoder.pipeline_num_layers = list(llm_layers)
     for stage in (b.convert_ckpt_hf2mg.cfg, b.convert_ckpt_mg2hf.cfg):
         stage.parallel_config.tp_size = tp
+        stage.parallel_config.ep_size = ep
         stage.parallel_config.vit_pp_layers = list(vit_layers)
         stage.parallel_config.llm_pp_layers = list(llm_layers)
     return out
@@ -420,20 +432,27 @@ def plan_parallel(cfg: JobConfig) -> ParallelPlan:
     cp = cfg.backend_config.training.context_parallel_size
     seq = cfg.backend_config.training.seq_length // cp
     model = cfg.backend_config.model
-    options = sorted(((tp, pp) for tp in tp_candidates(cfg) for pp in range(1, world // tp + 1)
+    experts = model.text_decoder.num_moe_experts or 0
+    tps = [1] if experts else tp_candidates(cfg)  # MoE: no TP (see validate.expert_parallel); EP instead
+    options = sorted(((tp, pp) for tp in tps for pp in range(1, world // tp + 1)
                       if (world // tp) % (pp * cp) == 0 and pp <= model.text_decoder.num_layers),
                      key=lambda o: (o[0] * o[1], o[1]))
     plans = []
     ladder = OFFLOAD_LADDER if cfg.backend_config.generate_config.colocate and cfg.env.DEVICE != "cpu" else ((),)
     for tp, pp in options:
         vit_layers, llm_layers = split_layers(model, pp, seq, image_tokens(cfg))
-        layout = with_layout(cfg, tp, pp, vit_layers, llm_layers)
+        layout = with_layout(cfg, tp, pp, vit_layers, llm_layers, expert_parallel(experts, world // (tp * pp)))
         for kinds in ladder:
             plan = current_plan(with_offload(layout, kinds))
             if plan.fits:
                 return plan
             plans.append(plan)
     return min(plans, key=lambda p: p.peak)
+
+
+def expert_parallel(experts: int, replicas: int) -> int:
+    """The largest EP that divides both the experts and the DP x CP replicas (1 for a dense model)."""
+    return max(d for d in range(1, replicas + 1) if replicas % d == 0 and (experts % d == 0 if experts else d == 1))
 
 
 def batch_sizes(dp: int, micro_batch_size: int, n_samples: int, target_gbs: int,

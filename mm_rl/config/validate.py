@@ -15,7 +15,7 @@ from typing import Any
 
 from mm_rl.config.loader import Violation, relative_note, source_of
 from mm_rl.config.plan import sharded_sizes, tp_choices
-from mm_rl.config.schema import LLM_PP_LAYERS, PP, TP, VIT_PP_LAYERS, JobConfig
+from mm_rl.config.schema import EP, LLM_PP_LAYERS, PP, TP, VIT_PP_LAYERS, JobConfig
 from mm_rl.config.topology import topology
 from mm_rl.models.family import HfConfigError, UnknownFamily, families, family_for_hf, family_of
 from mm_rl.rollout.base import GREEDY_BELOW
@@ -287,9 +287,10 @@ def vit_first(cfg: JobConfig) -> Iterator[Violation]:
 def conversion_matches(cfg: JobConfig) -> Iterator[Violation]:
     b = cfg.backend_config
     expected: dict[str, Any] = {"tp_size": b.actor_config.tensor_model_parallel_size,
+                                "ep_size": b.actor_config.expert_model_parallel_size,
                                 "llm_pp_layers": b.model.text_decoder.pipeline_num_layers,
                                 "vit_pp_layers": b.model.image_encoder.vision_encoder.pipeline_num_layers}
-    source = {"tp_size": TP, "llm_pp_layers": LLM_PP_LAYERS, "vit_pp_layers": VIT_PP_LAYERS}
+    source = {"tp_size": TP, "ep_size": EP, "llm_pp_layers": LLM_PP_LAYERS, "vit_pp_layers": VIT_PP_LAYERS}
     for stage, pc in ((HF2MG, b.convert_ckpt_hf2mg.cfg.parallel_config),
                       (MG2HF, b.convert_ckpt_mg2hf.cfg.parallel_config)):
         for name, want in expected.items():
@@ -303,6 +304,32 @@ def conversion_matches(cfg: JobConfig) -> Iterator[Violation]:
             yield Violation(f"{TRAIN}.{flag.replace('_', '-')}", getattr(t, flag),
                             f"must equal {want_key} = {getattr(b.actor_config, flag)}",
                             f"remove the key so it follows {want_key}")
+
+
+@rule
+def expert_parallel(cfg: JobConfig) -> Iterator[Violation]:
+    """EP spreads each MoE layer's experts over data-parallel ranks (megatron carves it out of DP x CP)."""
+    b = cfg.backend_config
+    ep, experts = b.actor_config.expert_model_parallel_size, b.model.text_decoder.num_moe_experts or 0
+    key = f"{ACTOR}.expert_model_parallel_size"
+    if ep < 1:
+        yield Violation(key, ep, "must be at least 1", "use 1 for no expert parallelism")
+        return
+    if ep > 1 and not experts:
+        yield Violation(key, ep, "the model has no experts (text_decoder.num_moe_experts is null)", "use 1")
+    elif experts % ep:
+        yield Violation(key, ep, f"must divide num_moe_experts = {experts} (each EP rank holds as many)",
+                        f"use one of {_divisors(experts)[:12]}")
+    topo = topology(cfg)
+    replicas = topo.dp * topo.cp
+    if ep > 1 and replicas > 0 and replicas % ep:
+        yield Violation(key, ep, f"must divide DP x CP = {replicas} (the ranks that hold the same model-parallel "
+                        "shard share out the experts)", f"use one of {[d for d in _divisors(replicas) if d > 0][:12]}")
+    if experts and b.actor_config.tensor_model_parallel_size > 1:
+        yield Violation(TP, b.actor_config.tensor_model_parallel_size,
+                        "megatron's MoE layer trains with TP only under sequence parallelism, which mm_rl's model "
+                        "does not have", "use TP 1 and spread the experts with expert_model_parallel_size instead "
+                        "(and PP for the rest)")
 
 
 # ---------------------------------------------------------------------------------- model shape
