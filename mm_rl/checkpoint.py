@@ -58,7 +58,7 @@ OPTIM_KEYS = ("optimizer", "opt_param_scheduler")
 RNG_KEYS = ("rng_state",)
 _ITER_RE = re.compile(r"iter_(\d{7})")
 _STAGING_RE = re.compile(r"\.iter_(\d{7})\.tmp-[0-9a-f]+")
-_RANK_DIR_RE = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+_RANK_DIR_RE = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){0,2})")  # TP, then PP and / or EP ranks (layout.rank_dir_name)
 
 
 class CheckpointError(RuntimeError):
@@ -140,13 +140,15 @@ class CheckpointManager:
         self._staging[step] = staging
         return staging
 
-    def write_rank(self, staging: Path, tp: int, pp: int, state: Mapping[str, Any], *, pp_size: int = 1) -> Path:
+    def write_rank(self, staging: Path, tp: int, pp: int, state: Mapping[str, Any], *, pp_size: int = 1,
+                   ep_rank: int = 0, ep: int = 1) -> Path:
         """Write one rank's ``model_optim_rng.pt`` (``state`` plus version and iteration), flushed to disk.
 
-        ``pp_size`` (the pipeline size) decides the file name: ``mp_rank_TT`` when 1, ``mp_rank_TT_PPP`` above."""
+        ``pp_size`` (the pipeline size) and ``ep`` (expert parallelism) decide the file name: ``mp_rank_TT``, with
+        ``_PPP`` when PP > 1 and ``_EEE`` when EP > 1 (each EP rank holds its experts and a copy of the rest)."""
         if not 0 <= pp < pp_size:
             raise CheckpointError(f"pp rank {pp} is outside pipeline size {pp_size}")
-        path = rank_file(staging, tp, pp, pp_size)
+        path = rank_file(staging, tp, pp, pp_size, ep_rank, ep)
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = {**state, "checkpoint_version": CHECKPOINT_VERSION, "iteration": _staging_step(staging)}
         with _naming(path):
@@ -160,11 +162,12 @@ class CheckpointManager:
             save_torch_synced(dict(trainer_state), path)
         return path
 
-    def commit(self, staging: Path, step: int, expected: set[tuple[int, int]] | None = None) -> Path:
+    def commit(self, staging: Path, step: int, expected: set[tuple[int, int]] | None = None, ep: int = 1) -> Path:
         """Close ``staging`` with the marker, rename it to ``iter_NNNNNNN``, then point the latest file at it, then
-        prune. ``expected`` (the (tp, pp) ranks) is checked when given; the ranks found must form a full grid."""
+        prune. ``expected`` (the (tp, pp) ranks) is checked when given; the ranks found must form a full grid (of
+        ``ep`` EP ranks too: the file names alone cannot tell a PP rank from an EP rank)."""
         target = self.save_dir / iteration_name(step)
-        self._write_marker(staging, step, expected)
+        self._write_marker(staging, step, expected, ep)
         fsync_tree(staging)
         # Re-saving a step: the latest file may name it, so it must never be half-replaced; the old tree is
         # renamed to a staging-like name that cleanup_stale removes should a crash leave it.
@@ -175,16 +178,16 @@ class CheckpointManager:
         self.prune(keep=step)
         return target
 
-    def _write_marker(self, staging: Path, step: int, expected: set[tuple[int, int]] | None) -> None:
+    def _write_marker(self, staging: Path, step: int, expected: set[tuple[int, int]] | None, ep: int = 1) -> None:
         """The marker is the last file written: its presence means every file it lists was flushed whole."""
-        ranks = _rank_dirs(staging)
-        if expected is not None and set(ranks.values()) != expected:
+        ranks = _rank_dirs(staging, ep)
+        if expected is not None and {r[:2] for r in ranks.values()} != expected:
             raise CheckpointError(f"{staging} holds ranks {sorted(ranks.values())}, expected {sorted(expected)}")
-        tp_size, pp_size = _grid_shape(staging, ranks)
+        tp_size, pp_size = _grid_shape(staging, ranks, ep)
         fsync_tree(staging)  # files written by others (megatron's distrib_optim.pt) are flushed before the marker
         files = {path.relative_to(staging).as_posix(): path.stat().st_size
                  for path in sorted(staging.rglob("*")) if path.is_file() and path.name != COMPLETE}
-        marker = {"step": step, "tp": tp_size, "pp": pp_size, "files": files}
+        marker = {"step": step, "tp": tp_size, "pp": pp_size, "ep": ep, "files": files}
         path = staging / COMPLETE
         with _naming(path), open(path, "w") as f:
             json.dump(marker, f)
@@ -308,14 +311,16 @@ class CheckpointManager:
         return int(match.group(1)), []
 
     # ----------------------------------------------------------------------------------------- loading
-    def load(self, step: int, tp: int, pp: int, load_optim: bool = True, load_rng: bool = True) -> dict[str, Any]:
-        """Rank (tp, pp)'s state of iteration ``step``, without optimizer / RNG entries when not wanted
+    def load(self, step: int, tp: int, pp: int, load_optim: bool = True, load_rng: bool = True,
+             ep_rank: int = 0) -> dict[str, Any]:
+        """Rank (tp, pp, ep_rank)'s state of iteration ``step``, without optimizer / RNG entries when not wanted
         (Megatron's --no-load-optim / --no-load-rng: e.g. resuming with another optimizer or seed)."""
         marker = self._complete_marker(step)
-        path = rank_file(self.save_dir / iteration_name(step), tp, pp, marker["pp"])
-        if not (tp < marker["tp"] and pp < marker["pp"]):
-            raise CheckpointError(f"{path}: rank (tp={tp}, pp={pp}) is outside the checkpoint's "
-                                  f"TP={marker['tp']} x PP={marker['pp']}")
+        ep = int(marker.get("ep", 1))
+        path = rank_file(self.save_dir / iteration_name(step), tp, pp, marker["pp"], ep_rank, ep)
+        if not (tp < marker["tp"] and pp < marker["pp"] and ep_rank < ep):
+            raise CheckpointError(f"{path}: rank (tp={tp}, pp={pp}, ep={ep_rank}) is outside the checkpoint's "
+                                  f"TP={marker['tp']} x PP={marker['pp']} x EP={ep}")
         state = _load(path)
         dropped = (OPTIM_KEYS if not load_optim else ()) + (RNG_KEYS if not load_rng else ())
         return {k: v for k, v in state.items() if k not in dropped}
@@ -328,10 +333,10 @@ class CheckpointManager:
             raise CheckpointError(f"{path} is missing: that checkpoint was saved without a trainer state")
         return _load(path)
 
-    def grid(self, step: int) -> tuple[int, int]:
-        """The (TP, PP) iteration ``step`` was saved with (from its marker)."""
+    def grid(self, step: int) -> tuple[int, int, int]:
+        """The (TP, PP, EP) iteration ``step`` was saved with (from its marker)."""
         marker = self._complete_marker(step)
-        return int(marker["tp"]), int(marker["pp"])
+        return int(marker["tp"]), int(marker["pp"]), int(marker.get("ep", 1))
 
     def _complete_marker(self, step: int) -> dict[str, Any]:
         directory = self.save_dir / iteration_name(step)
@@ -388,30 +393,37 @@ def _naming(path: Path) -> Iterator[None]:
         raise
 
 
-def _rank_dirs(staging: Path) -> dict[str, tuple[int, int]]:
-    """``mp_rank_*`` directory name -> (tp, pp) for every rank file in ``staging``."""
-    ranks: dict[str, tuple[int, int]] = {}
+def _rank_dirs(staging: Path, ep: int = 1) -> dict[str, tuple[int, int, int]]:
+    """``mp_rank_*`` directory name -> (tp, pp, ep rank) for every rank file in ``staging`` (with ``ep`` > 1 the
+    last number of a name is its EP rank)."""
+    ranks: dict[str, tuple[int, int, int]] = {}
     for path in staging.iterdir():
         match = _RANK_DIR_RE.fullmatch(path.name)
         if match and (path / RANK_FILE).is_file():
-            ranks[path.name] = (int(match.group(1)), int(match.group(2) or 0))
+            rest = [int(n) for n in match.group(2).split("_")[1:]]
+            expert = rest.pop() if ep > 1 and rest else 0
+            ranks[path.name] = (int(match.group(1)), rest[0] if rest else 0, expert)
     return ranks
 
 
-def _grid_shape(staging: Path, ranks: dict[str, tuple[int, int]]) -> tuple[int, int]:
-    """(TP, PP) of the rank files, which must be the full grid: a missing rank means a rank did not finish."""
+def _grid_shape(staging: Path, ranks: dict[str, tuple[int, int, int]], ep: int = 1) -> tuple[int, int]:
+    """(TP, PP) of the rank files, which must be the full grid (with ``ep`` EP ranks): a missing rank means a rank
+    did not finish."""
     if not ranks:
         raise CheckpointError(f"{staging} holds no rank files")
-    tp_size = 1 + max(t for t, _ in ranks.values())
-    pp_size = 1 + max(p for _, p in ranks.values())
-    suffixed = {"_" in name[len("mp_rank_"):] for name in ranks}
-    if suffixed == {True} and pp_size == 1:
+    tp_size = 1 + max(t for t, _, _ in ranks.values())
+    pp_size = 1 + max(p for _, p, _ in ranks.values())
+    staged = {name.count("_") - 2 - (ep > 1) > 0 for name in ranks}  # whether a name carries a stage
+    if staged == {True} and pp_size == 1:
         raise CheckpointError(f"{staging} lacks rank files of pipeline stages after 0 (its names carry a stage)")
-    if len(suffixed) > 1:
+    if len(staged) > 1:
         raise CheckpointError(f"{staging} mixes rank directories with and without a pipeline stage")
-    missing = {(t, p) for t in range(tp_size) for p in range(pp_size)} - set(ranks.values())
+    grid = {(t, p, e) for t in range(tp_size) for p in range(pp_size) for e in range(ep)}
+    missing = grid - set(ranks.values())
     if missing:
-        raise CheckpointError(f"{staging} lacks rank files of (tp, pp) {sorted(missing)}")
+        what = "(tp, pp, ep)" if ep > 1 else "(tp, pp)"
+        raise CheckpointError(f"{staging} lacks rank files of {what} "
+                              f"{sorted(m if ep > 1 else m[:2] for m in missing)}")
     return tp_size, pp_size
 
 

@@ -19,13 +19,16 @@ from trainer_utils import REPO
 GAP_TOL = 1e-3  # engine vs actor log-probs of the sampled tokens, fp32 on CPU
 
 
-@pytest.mark.parametrize(("preset", "family"), [("tiny_qwen2_vl", "qwen2vl"), ("tiny_qwen3_vl", "qwen3_vl")])
-def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: Path, preset: str, family: str):
+@pytest.mark.parametrize(("preset", "family", "variant"), [
+    ("tiny_qwen2_vl", "qwen2vl", {}), ("tiny_qwen3_vl", "qwen3_vl", {}),
+    ("tiny_qwen3_vl_moe", "qwen3_vl", {"num_experts": 4})])
+def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: Path, preset: str, family: str,
+                                                     variant: dict):
     from omegaconf import OmegaConf
 
     from mm_rl.models.tiny import build_tiny_checkpoint
 
-    hf_dir = build_tiny_checkpoint(tmp_path / "tiny_hf", seed=0, family=family)
+    hf_dir = build_tiny_checkpoint(tmp_path / "tiny_hf", seed=0, family=family, **variant)
     node = OmegaConf.load(tiny_base / "job.yaml")
     node.backend_config.model = json.loads((REPO / "configs" / "models" / f"{preset}.json").read_text())
     OmegaConf.update(node, "af_output_dir", str(tmp_path / "out"))

@@ -79,7 +79,7 @@ class FakeRoles:
     ``rewards(seed, prompt_uid, sample)`` gives each response's reward (the response encodes it, the scorer reads
     it back); ``skip`` lists the update calls (0-based) that report a non-finite step."""
 
-    def __init__(self, n: int, rewards, skip=(), grid=(1, 1)) -> None:
+    def __init__(self, n: int, rewards, skip=(), grid=(1, 1, 1)) -> None:
         self.n, self.rewards, self.skip, self.grid = n, rewards, set(skip), grid
         self.has_reference = True
         self.calls: list[tuple] = []
@@ -219,7 +219,7 @@ def test_resume_restores_the_bookkeeping_and_cuts_the_metrics(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / GENERATIONS_FILE)] == [1, 1, 2, 2, 3, 3]  # 2 prompts a step
     assert again.fit() == []  # already at train_iters
 
-    other = _trainer(job, FakeRoles(2, rewards, grid=(2, 1)))
+    other = _trainer(job, FakeRoles(2, rewards, grid=(2, 1, 1)))
     with pytest.raises(CheckpointError, match="TP 1 x PP 1 but the job runs TP 2 x PP 1"):
         other.resume()
 

@@ -828,15 +828,15 @@ def resume_checkpoint(cfg: JobConfig) -> Iterator[Violation]:
         yield Violation(key, mode, str(err), f"point it at a complete iter_NNNNNNN directory in {mt.save}, or "
                         f"{start_fresh}")
         return
-    job = (actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size)
+    job = (actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size, actor.expert_model_parallel_size)
     if saved is not None and saved != job:
-        bad = TP if saved[0] != job[0] else PP
-        yield Violation(bad, job[0] if bad == TP else job[1],
+        bad = next(key for key, a, b in zip((TP, PP, EP), saved, job, strict=True) if a != b)
+        yield Violation(bad, job[(TP, PP, EP).index(bad)],
                         f"the checkpoint to resume (step {step} in {mt.save}, resume_mode {mode}) was saved with "
-                        f"TP {saved[0]} x PP {saved[1]}, and a checkpoint loads only into the layout it was saved "
-                        f"with (this job: TP {job[0]} x PP {job[1]})",
-                        f"set {TP}: {saved[0]} and {PP}: {saved[1]} (with pipeline_num_layers of {saved[1]} "
-                        f"entries), or {start_fresh}")
+                        f"TP {saved[0]} x PP {saved[1]} x EP {saved[2]}, and a checkpoint loads only into the layout "
+                        f"it was saved with (this job: TP {job[0]} x PP {job[1]} x EP {job[2]})",
+                        f"set {TP}: {saved[0]}, {PP}: {saved[1]} (with pipeline_num_layers of {saved[1]} "
+                        f"entries) and {EP}: {saved[2]}, or {start_fresh}")
 
 
 PATH_RULES: list[Rule] = [paths_exist, hf_checkpoint_files, hf_checkpoint_matches, reward_function_imports,

@@ -267,7 +267,8 @@ def _write_checkpoint(directory: Path, family: ModelFamily, seed: int, tie_word_
     # are then redrawn per key name, so they depend only on (seed, name, shape), not on transformers' internals.
     model.save_pretrained(directory, safe_serialization=True)
     weights_file = directory / "model.safetensors"
-    weights = {name: _init_tensor(seed, name, tensor) for name, tensor in sorted(load_file(weights_file).items())}
+    weights = {name: _published(family, name, _init_tensor(seed, name, tensor))
+               for name, tensor in sorted(load_file(weights_file).items())}
     save_file(weights, weights_file, metadata={"format": "pt"})
     GenerationConfig(
         bos_token_id=ENDOFTEXT_TOKEN_ID, eos_token_id=[EOS_TOKEN_ID, ENDOFTEXT_TOKEN_ID], pad_token_id=PAD_TOKEN_ID
@@ -297,6 +298,18 @@ def _write_checkpoint(directory: Path, family: ModelFamily, seed: int, tie_word_
                  "processor_class": tokenizer_config["processor_class"]}
     _write_json(directory / "preprocessor_config.json", processor)
     (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+
+
+def _published(family: ModelFamily, name: str, tensor: Any) -> Any:
+    """A fused experts tensor in the published layout ([E, in, k * out]): transformers 5.19 keeps [E, k * out, in]
+    in memory and ``save_pretrained`` writes that as it is, which vLLM (``is_fused_checkpoint_transposed``) would
+    read transposed."""
+    import re
+
+    for rule in family.hf_fused:
+        if re.fullmatch(re.escape(rule.stored).replace(r"\{i\}", r"\d+"), name):
+            return tensor.transpose(1, 2).contiguous()
+    return tensor
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

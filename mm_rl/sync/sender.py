@@ -1,10 +1,12 @@
-"""The sender side of the weight sync: runs on every Megatron rank of DP replica 0 (CP rank 0).
+"""The sender side of the weight sync: runs on every Megatron rank of DP replica 0 (CP rank 0), and with expert
+parallelism on the first copy of every block of experts.
 
 Per pipeline stage (all stages at once, each independently):
 
 1. gather: every TP rank sends its shard of a tensor to the stage's TP-rank 0 (``torch.distributed.gather`` over
    the TP group; replicated tensors such as norms are taken from rank 0 without communication). Only DP replica 0
    takes part: the other replicas hold the same weights.
+   MoE: each expert tensor is all-gathered over the EP group too, so the sender holds every expert.
 2. merge + rename: ``mm_rl.convert.mapping.hf_from_shards`` turns the gathered shards into the HF tensors
    (fused qkv / gate-up split back, TP pieces joined) and the mapping's table gives their HF names; the tied
    output-layer copy is skipped (HF has one embedding and no ``lm_head`` when tied). Vocab padding rows are cut
@@ -58,15 +60,15 @@ class SyncStats:
 
 
 # ------------------------------------------------------------------------------------------ sender side
-def stage_pipeline(model: ModelConfig, tp: int, pp: int) -> Pipeline:
-    """The converter's stage plan for this TP / PP layout (model.json's pipeline split)."""
+def stage_pipeline(model: ModelConfig, tp: int, pp: int, ep: int = 1) -> Pipeline:
+    """The converter's stage plan for this TP / PP / EP layout (model.json's pipeline split)."""
     from mm_rl.config.schema import ParallelConfig
     from mm_rl.convert.stages import plan_pipeline
 
     text, vit = model.text_decoder, model.image_encoder.vision_encoder
     llm = list(text.pipeline_num_layers) if pp > 1 else [text.num_layers]
     vision = list(vit.pipeline_num_layers) if pp > 1 else [vit.num_layers]
-    return plan_pipeline(model, ParallelConfig(tp_size=tp, llm_pp_layers=llm, vit_pp_layers=vision))
+    return plan_pipeline(model, ParallelConfig(tp_size=tp, ep_size=ep, llm_pp_layers=llm, vit_pp_layers=vision))
 
 
 def gather_shards(tensor: torch.Tensor, split: bool, group: Any) -> list[torch.Tensor] | None:
@@ -125,26 +127,48 @@ def stage_hf_tensors(model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clo
 
     group = parallel_state.get_tensor_model_parallel_group()
     dims, state = model_dims(model_cfg), model.state_dict()
-    for bound in stage_tensors(model_cfg, pipeline.stages[parallel_state.get_pipeline_model_parallel_rank()]):
+    stage = pipeline.stages[parallel_state.get_pipeline_model_parallel_rank()]
+    # every EP rank names its experts local_experts.0.. (its own bounds); the sender renames each rank's block
+    by_rank = [stage_tensors(model_cfg, stage, r, pipeline.ep) for r in range(pipeline.ep)]
+    for position, bound in enumerate(by_rank[0]):
         if bound.entry.duplicate:
             continue
         start = time.perf_counter()
         with torch.no_grad():
-            shards = gather_shards(state[bound.mg].detach(), bound.entry.split is not None, group)
+            tensor = state[bound.mg].detach()
+            blocks = gather_experts(tensor) if bound.entry.expert else [tensor]
+            gathered = [gather_shards(block, bound.entry.split is not None, group) for block in blocks]
         clock.gather_s += time.perf_counter() - start
-        if shards is not None:
-            parts = hf_from_shards(bound, dims, strip_vocab_padding(bound, shards, model_cfg))
-            yield from zip(bound.hf, parts, strict=True)
+        for r, shards in enumerate(gathered):
+            if shards is not None:
+                named = by_rank[r][position]
+                parts = hf_from_shards(named, dims, strip_vocab_padding(named, shards, model_cfg))
+                yield from zip(named.hf, parts, strict=True)
 
 
-def push_stage(model: Any, model_cfg: ModelConfig, tp: int, sink_factory: Callable[[int], BucketSink] | None,
-               bucket_bytes: int) -> SyncStats | None:
+def gather_experts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every EP rank's copy of an expert tensor (its local expert of the same index), in EP-rank order, on every
+    EP rank (``all_gather_into_tensor``, which gloo, nccl and hccl all have); the tensor alone without EP."""
+    import torch
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_expert_model_parallel_group()
+    size = torch.distributed.get_world_size(group)
+    if size == 1:
+        return [tensor]
+    flat = torch.empty(size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    torch.distributed.all_gather_into_tensor(flat, tensor.contiguous().view(-1), group=group)
+    return list(flat.view(size, *tensor.shape).unbind(0))
+
+
+def push_stage(model: Any, model_cfg: ModelConfig, tp: int, ep: int,
+               sink_factory: Callable[[int], BucketSink] | None, bucket_bytes: int) -> SyncStats | None:
     """Run this rank's part of the sync: TP ranks gather; the sender (``sink_factory`` given) merges, renames,
     buckets and sends, then closes the sink and returns its statistics."""
     from megatron.core import parallel_state
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    pipeline = stage_pipeline(model_cfg, tp, parallel_state.get_pipeline_model_parallel_world_size())
+    pipeline = stage_pipeline(model_cfg, tp, parallel_state.get_pipeline_model_parallel_world_size(), ep)
     clock, started = GatherTimer(), time.perf_counter()
     named = stage_hf_tensors(model, model_cfg, pipeline, clock)
     if sink_factory is None:

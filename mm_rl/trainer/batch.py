@@ -93,6 +93,30 @@ def by_tokens(samples: Sequence[Sample], budget: int, packed: bool = True) -> li
     return runs
 
 
+def same_run_count(replicas: Sequence[Sequence[Sequence[Sample]]]) -> list[list[list[Sample]]]:
+    """Every replica's runs, as many on each: expert parallelism exchanges tokens between DP replicas inside each
+    MoE layer (megatron's all-to-all, once per micro-batch), so every replica must run the same number of
+    micro-batches. A replica short of runs splits its largest run (by samples) in two, as long as some run has
+    two samples; then any replica with more runs than the others can match merges its two smallest neighbours
+    (the token budget is then exceeded by at most that merge). A replica without samples has no run to give:
+    an error."""
+    out = [[list(run) for run in runs] for runs in replicas]
+    if any(not runs for runs in out) and any(out):
+        raise ValueError("a data-parallel replica got no samples while others did: with expert parallelism every "
+                         "replica must run micro-batches (use more samples than DP replicas)")
+    target = max(len(runs) for runs in out)
+    for runs in out:
+        while len(runs) < target and max(len(run) for run in runs) > 1:
+            k = max(range(len(runs)), key=lambda i: len(runs[i]))
+            runs[k:k + 1] = [runs[k][:len(runs[k]) // 2], runs[k][len(runs[k]) // 2:]]
+    target = min(len(runs) for runs in out)
+    for runs in out:
+        while len(runs) > target:
+            k = min(range(len(runs) - 1), key=lambda i: len(runs[i]) + len(runs[i + 1]))
+            runs[k:k + 2] = [runs[k] + runs[k + 1]]
+    return out
+
+
 def _groups(samples: Sequence[Sample]) -> list[list[Sample]]:
     """Runs of consecutive samples of the same group."""
     groups: list[list[Sample]] = []

@@ -45,6 +45,7 @@ from mm_rl.trainer.batch import (
     padding_share,
     response_mask,
     response_values,
+    same_run_count,
     step_images,
 )
 from mm_rl.trainer.generations import GENERATIONS_FILE, GenerationLog
@@ -342,8 +343,10 @@ class GRPOTrainer:
         actor = self.job.backend_config.actor_config
         budget = actor.token_budget(grad)
         if budget is None:
-            return [by_count(shard, actor.micro_batch_size) for shard in _split(samples, replicas)]
-        return [by_tokens(shard, budget, actor.remove_padding) for shard in balanced_shards(samples, replicas)]
+            runs = [by_count(shard, actor.micro_batch_size) for shard in _split(samples, replicas)]
+        else:
+            runs = [by_tokens(shard, budget, actor.remove_padding) for shard in balanced_shards(samples, replicas)]
+        return same_run_count(runs) if actor.expert_model_parallel_size > 1 else runs
 
     def _on_policy_count(self, n_samples: int) -> int:
         """How many leading samples take their old log-probs from the update's own forward rather than a pass
@@ -488,7 +491,7 @@ class GRPOTrainer:
                      # the uninterrupted run does (the sampler is already past its prompts)
                      "pending": self.pending.state_dict() if self.pending is not None else None}
             checkpoints.write_trainer_state(staging, state)
-            path = checkpoints.commit(staging, step)
+            path = checkpoints.commit(staging, step, ep=self.job.backend_config.actor_config.expert_model_parallel_size)
         self.report(f"checkpoint: {path}")
         return path
 
@@ -523,15 +526,19 @@ class GRPOTrainer:
         saved, running = self.checkpoints.grid(step), self.roles.checkpoint_grid()
         if saved != running:
             raise CheckpointError(
-                f"checkpoint step {step} in {self.checkpoints.save_dir} has TP {saved[0]} x PP {saved[1]} "
-                f"but the job runs TP {running[0]} x PP {running[1]}: resume with the same layout, or convert it "
-                "(convert mg2hf, then train from that HF checkpoint), or set megatron_training.resume_mode: disable")
+                f"checkpoint step {step} in {self.checkpoints.save_dir} has {_grid_text(saved)} but the job runs "
+                f"{_grid_text(running)}: resume with the same layout, or convert it (convert mg2hf, then train from "
+                "that HF checkpoint), or set megatron_training.resume_mode: disable")
 
     def close(self, graceful: bool = True) -> None:
         self.roles.close(graceful)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+def _grid_text(grid: tuple[int, int, int]) -> str:
+    return f"TP {grid[0]} x PP {grid[1]}" + (f" x EP {grid[2]}" if grid[2] > 1 else "")
+
+
 def _split(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
     """``parts`` contiguous, equal shards (the caller keeps the count divisible where it matters). Contiguous keeps
     a group's samples side by side, so they share micro-batches and the ranks encode their image once per

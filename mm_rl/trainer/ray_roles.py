@@ -84,6 +84,7 @@ class RayRoles:
         b, topo = self.job.backend_config, topology(self.job)
         bf16 = b.training.bf16 and topo.device != "cpu"
         return WorkerSpec(model=b.model, tp=topo.tp, pp=topo.pp, cp=topo.cp, dp=topo.dp,
+                          ep=b.actor_config.expert_model_parallel_size,
                           actor=b.actor_config if trained else None, flags=b.training, seed=int(b.training.seed),
                           bf16=bf16, remove_padding=b.actor_config.remove_padding)
 
@@ -94,7 +95,8 @@ class RayRoles:
         res = self.resources
         spec = self.worker_spec(trained=True)
         self.report(f"actor: TP {spec.tp} x PP {spec.pp} x DP {spec.dp}"
-                    + (f" x CP {spec.cp}" if spec.cp > 1 else "") + f" megatron ranks on {res.device}")
+                    + (f" x CP {spec.cp}" if spec.cp > 1 else "") + (f" (EP {spec.ep})" if spec.ep > 1 else "")
+                    + f" megatron ranks on {res.device}")
         self.actor = WorkerGroup(spec, cpus_per_worker=res.actor_share, placement=self.placement,
                                  resources_per_worker=res.worker_resources(res.device_share_actor),
                                  worker_cls=worker_cls or TrainingWorker, role="actor", num_threads=res.threads)
@@ -224,8 +226,8 @@ class RayRoles:
     def data_parallel_size(self, role: Role) -> int:
         return self._group(role).spec.dp
 
-    def checkpoint_grid(self) -> tuple[int, int]:
-        return self.actor.spec.tp, self.actor.spec.pp
+    def checkpoint_grid(self) -> tuple[int, int, int]:
+        return self.actor.spec.tp, self.actor.spec.pp, self.actor.spec.ep
 
     def before_rollout(self) -> RolloutReady:
         with named("weight sync into the rollout engine"):

@@ -48,7 +48,8 @@ class WorkerSpec:
     """What every rank needs to build its stage: the model, the parallel grid and the thread budget.
 
     ``tp * cp * pp * dp`` ranks in megatron's default order (TP fastest, then CP, then DP, then PP). Context
-    parallelism (Ulysses) needs ``flags`` with ``context-parallel-algo: ulysses_cp_algo``.
+    parallelism (Ulysses) needs ``flags`` with ``context-parallel-algo: ulysses_cp_algo``. ``ep`` (MoE) spreads
+    each layer's experts over that many consecutive DP x CP ranks (megatron's expert grid).
     ``model.text_decoder.pipeline_num_layers`` / the ViT's give the PP split, as for hf2mg.
     """
 
@@ -57,6 +58,7 @@ class WorkerSpec:
     pp: int = 1
     dp: int = 1
     cp: int = 1
+    ep: int = 1
     actor: ActorConfig | None = None
     flags: TrainingFlags | None = None
     seed: int = 1234
@@ -79,6 +81,13 @@ class RankCoords:
     pp_rank: int
     dp_rank: int
     cp_rank: int = 0
+    ep_rank: int = 0  # which block of experts this rank holds (MoE)
+    edp_rank: int = 0  # its place among the ranks holding the same experts (the expert-data-parallel group)
+
+    def holds_unique_weights(self) -> bool:
+        """The first copy of this rank's weights (saved, synced): DP replica 0 and CP rank 0 without experts; with
+        EP the first copy of each block of experts (the EP ranks share DP replica 0's other weights)."""
+        return self.edp_rank == 0
 
     def leads_replica_stage(self) -> bool:
         """TP rank 0 and CP rank 0: the rank of its (replica, stage) that returns results (the others of its TP
@@ -130,13 +139,15 @@ class MegatronWorker:
             world_size=spec.world_size, timeout=timedelta(seconds=spec.init_timeout_s))
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
-            context_parallel_size=spec.cp,
+            context_parallel_size=spec.cp, expert_model_parallel_size=spec.ep,
             get_embedding_ranks=family_of(spec.model).megatron_module().embedding_ranks(spec.model))
         model_parallel_cuda_manual_seed(spec.seed)
         self.coords = RankCoords(self.rank, parallel_state.get_tensor_model_parallel_rank(),
                                  parallel_state.get_pipeline_model_parallel_rank(),
                                  parallel_state.get_data_parallel_rank(),
-                                 parallel_state.get_context_parallel_rank())
+                                 parallel_state.get_context_parallel_rank(),
+                                 parallel_state.get_expert_model_parallel_rank(),
+                                 parallel_state.get_expert_data_parallel_rank())
         return self.coords
 
     def build(self, mm_dir: str | Path | None = None, iteration: int | str | None = None) -> None:
@@ -162,7 +173,8 @@ class MegatronWorker:
         from mm_rl.convert.layout import rank_file, resolve_iteration
 
         coords = self._require_coords()
-        return rank_file(resolve_iteration(mm_dir, iteration), coords.tp_rank, coords.pp_rank, self.spec.pp)
+        return rank_file(resolve_iteration(mm_dir, iteration), coords.tp_rank, coords.pp_rank, self.spec.pp,
+                         coords.ep_rank, self.spec.ep)
 
     def _require_coords(self) -> RankCoords:
         if self.coords is None:
@@ -243,16 +255,17 @@ class MegatronWorker:
     def push_weights(self, sink_factory: Callable[[int], BucketSink], bucket_bytes: int) -> SyncStats | None:
         """Stream this stage's weights, TP-merged and HF-named, in buckets of about ``bucket_bytes``.
 
-        Every rank calls it: TP ranks take part in the gathers, the stage's TP-rank 0 of DP replica 0 builds the
-        buckets and hands them to ``sink_factory(stage)`` (the transport seam, see mm_rl.sync.transport).
-        Returns that rank's statistics, None elsewhere (other DP replicas hold the same weights: they do nothing).
+        Every rank calls it: TP ranks (and EP ranks, for the experts) take part in the gathers, the stage's
+        TP-rank 0 of DP replica 0 builds the buckets and hands them to ``sink_factory(stage)`` (the transport
+        seam, see mm_rl.sync.transport). Returns that rank's statistics, None elsewhere (other DP replicas hold
+        the same weights: they do nothing).
         """
         from mm_rl.sync.sender import push_stage
 
         coords = self._require_coords()
         stats = None
-        if coords.dp_rank == 0 and coords.cp_rank == 0:  # other replicas and CP ranks hold the same weights
-            stats = push_stage(self._require_model(), self.spec.model, self.spec.tp,
+        if coords.holds_unique_weights():  # other replicas and CP ranks hold the same weights
+            stats = push_stage(self._require_model(), self.spec.model, self.spec.tp, self.spec.ep,
                                sink_factory if coords.is_sender() else None, bucket_bytes)
         return stats
 

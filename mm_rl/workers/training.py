@@ -182,7 +182,8 @@ class TrainingWorker(MegatronWorker):
         """Write this rank's ``model_optim_rng.pt`` into the staging iteration (every rank calls it together).
 
         Model (MindSpeed-MM names, what mg2hf reads), optimizer, LR schedule and RNG come from DP replica 0's CP
-        rank 0 (the other replicas and CP ranks hold the same); with the distributed optimizer every rank of the
+        rank 0 (the other replicas and CP ranks hold the same; with EP, from the first copy of each block of
+        experts, into its ``_EEE`` rank directory); with the distributed optimizer every rank of the
         DP x CP group writes its shard of the Adam state beside it (``distrib_optim_dpNNN.pt``, NNN its rank in
         that group, which is the DP rank without context parallelism)."""
         import torch
@@ -195,11 +196,11 @@ class TrainingWorker(MegatronWorker):
             rank_dir.mkdir(parents=True, exist_ok=True)
             shards = [part.optimizer.state_dict() for part in optimizer_parts(self.optimizer)]
             torch.save(shards, rank_dir / DISTRIB_OPTIM_FILE.format(dp=_optimizer_shard()))
-        if coords.dp_rank == 0 and coords.cp_rank == 0:
+        if coords.holds_unique_weights():
             state = {"model": self._require_model().state_dict(), "optimizer": self.optimizer.state_dict(),
                      "opt_param_scheduler": self.scheduler.state_dict(), "rng_state": rng_state()}
             CheckpointManager(path.parent, 0).write_rank(path, coords.tp_rank, coords.pp_rank, state,
-                                                         pp_size=self.spec.pp)
+                                                         pp_size=self.spec.pp, ep_rank=coords.ep_rank, ep=self.spec.ep)
 
     def load_checkpoint(self, save_dir: str, step: int, load_optim: bool, load_rng: bool) -> None:
         """Load iteration ``step`` of ``save_dir`` into this rank (``no-load-optim`` / ``no-load-rng`` honoured)."""
@@ -209,7 +210,8 @@ class TrainingWorker(MegatronWorker):
         from mm_rl.convert.layout import iteration_name
 
         coords = self._require_coords()
-        state = CheckpointManager(save_dir, 0).load(step, coords.tp_rank, coords.pp_rank, load_optim, load_rng)
+        state = CheckpointManager(save_dir, 0).load(step, coords.tp_rank, coords.pp_rank, load_optim, load_rng,
+                                                    coords.ep_rank)
         self._require_model().load_state_dict(state["model"])
         if "optimizer" in state:
             with torch.no_grad():  # the distributed optimizer copies into views of parameters that require grad
@@ -243,7 +245,8 @@ class TrainingWorker(MegatronWorker):
         from mm_rl.convert.layout import rank_file
 
         coords = self._require_coords()
-        return rank_file(iteration_dir, coords.tp_rank, coords.pp_rank, self.spec.pp).parent
+        return rank_file(iteration_dir, coords.tp_rank, coords.pp_rank, self.spec.pp, coords.ep_rank,
+                         self.spec.ep).parent
 
 
 def _optimizer_shard() -> int:

@@ -42,8 +42,11 @@ TEXT_CONFIG: dict[str, Any] = {
     "num_experts": 0,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,  # 2 x 32 != hidden 128: transformers tells the fused layouts apart by shape
+    # transformers 5's config class dropped it (its router always renormalises); published config.json files and
+    # vLLM's Qwen3-MoE block (``config.norm_topk_prob``) have it
+    "norm_topk_prob": True,
 }
-MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
 
 
 def hf_config(**fields: Any) -> Any:
