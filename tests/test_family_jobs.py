@@ -19,11 +19,18 @@ from trainer_utils import REPO
 GAP_TOL = 1e-3  # engine vs actor log-probs of the sampled tokens, fp32 on CPU
 
 
-@pytest.mark.parametrize(("preset", "family", "variant"), [
-    ("tiny_qwen2_vl", "qwen2vl", {}), ("tiny_qwen3_vl", "qwen3_vl", {}),
-    ("tiny_qwen3_vl_moe", "qwen3_vl", {"num_experts": 4})])
+EP2 = ("env.NPROC_PER_NODE=2", "backend_config.actor_config.expert_model_parallel_size=2")
+
+
+@pytest.mark.parametrize(("preset", "family", "variant", "layout"), [
+    ("tiny_qwen2_vl", "qwen2vl", {}, ()), ("tiny_qwen3_vl", "qwen3_vl", {}, ()),
+    ("tiny_qwen3_vl_moe", "qwen3_vl", {"num_experts": 4}, ()),
+    ("tiny_qwen3_vl_moe", "qwen3_vl", {"num_experts": 4}, EP2)], ids=["qwen2_vl", "qwen3_vl", "qwen3_vl_moe",
+                                                                      "qwen3_vl_moe_ep2"])
 def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: Path, preset: str, family: str,
-                                                     variant: dict):
+                                                     variant: dict, layout: tuple[str, ...]):
+    """EP2: two actor ranks (DP 2), each holding two of the four experts; the sync gathers them, the checkpoint
+    has one rank directory per EP rank, and mg2hf puts the experts back together."""
     from omegaconf import OmegaConf
 
     from mm_rl.models.tiny import build_tiny_checkpoint
@@ -42,7 +49,7 @@ def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: 
                            "backend_config.rl_config.val_freq=0", "backend_config.rl_config.rollout_batch_size=4",
                            "backend_config.megatron_training.global_batch_size=16",
                            # the un-warmed model earns no reward, so no advantage: an entropy bonus moves the weights
-                           "backend_config.rl_config.entropy_coeff=0.01"],
+                           "backend_config.rl_config.entropy_coeff=0.01", *layout],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -51,6 +58,8 @@ def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: 
     print(f"\n{preset}: engine vs actor log-prob gap per step {gaps}")
     assert max(gaps) < GAP_TOL  # step 2 samples from the synced weights of step 1's update
     assert records[-1]["actor/grad_norm"] > 0
+    ranks = sorted(p.name for p in (tmp_path / "out" / "ckpt" / "iter_0000002").iterdir() if p.name.startswith("mp_"))
+    assert ranks == (["mp_rank_00_000", "mp_rank_00_001"] if layout else ["mp_rank_00"])
 
     from transformers import AutoModelForImageTextToText
 

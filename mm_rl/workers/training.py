@@ -172,10 +172,21 @@ class TrainingWorker(MegatronWorker):
             self.optimizer.zero_grad()
             return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
         if self.spec_optim.clip_grad > 0:
-            self.optimizer.clip_grad_norm(self.spec_optim.clip_grad)
+            self._clip(grad_norm)
         self.optimizer.step_with_ready_grads()
         self.scheduler.step(increment=1)
         return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0}
+
+    def _clip(self, grad_norm: float) -> None:
+        """Scale every part's gradients to the global norm ``clip_grad`` allows, as megatron's
+        ``ChainedOptimizer.step`` does (its ``clip_grad_norm`` reaches for a single inner optimizer, and an MoE model
+        has two: dense and expert parameters, reduced over different groups)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        for part in optimizer_parts(self.optimizer):
+            params = part.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, max_norm=self.spec_optim.clip_grad, total_norm=grad_norm)
 
     # -------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, staging: str) -> None:
