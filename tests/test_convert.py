@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from mm_rl.config.loader import load_section  # noqa: E402
 from mm_rl.config.presets import MODEL_DIR  # noqa: E402
 from mm_rl.config.schema import Hf2MgCfg, HfConfig, Mg2HfCfg, ModelConfig, ParallelConfig  # noqa: E402
+from mm_rl.convert.errors import ConversionError  # noqa: E402
 from mm_rl.convert.hf2mg import hf2mg  # noqa: E402
 from mm_rl.convert.mapping import hf_to_megatron, megatron_to_hf, merge_tp_shards  # noqa: E402
 from mm_rl.convert.mg2hf import mg2hf  # noqa: E402
@@ -55,8 +56,8 @@ def hf_tensors(hf_dir):
     return out
 
 
-def parallel(tp, vit, llm):
-    return ParallelConfig(tp_size=tp, vit_pp_layers=list(vit), llm_pp_layers=list(llm))
+def parallel(tp, vit, llm, ep=1):
+    return ParallelConfig(tp_size=tp, ep_size=ep, vit_pp_layers=list(vit), llm_pp_layers=list(llm))
 
 
 def model_for(hf_dir, vit, llm):
@@ -66,13 +67,14 @@ def model_for(hf_dir, vit, llm):
     return model
 
 
-def to_mg(hf_dir, mm_dir, tp, vit, llm, model=None):
-    cfg = Hf2MgCfg(mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel(tp, vit, llm))
+def to_mg(hf_dir, mm_dir, tp, vit, llm, model=None, ep=1):
+    cfg = Hf2MgCfg(mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(hf_dir)),
+                   parallel_config=parallel(tp, vit, llm, ep))
     return hf2mg(cfg, model or model_for(hf_dir, vit, llm))
 
 
-def to_hf(hf_dir, mm_dir, out_dir, tp, vit, llm, model=None, **kwargs):
-    cfg = Mg2HfCfg(load_dir=str(mm_dir), save_hf_dir=str(out_dir), parallel_config=parallel(tp, vit, llm))
+def to_hf(hf_dir, mm_dir, out_dir, tp, vit, llm, model=None, ep=1, **kwargs):
+    cfg = Mg2HfCfg(load_dir=str(mm_dir), save_hf_dir=str(out_dir), parallel_config=parallel(tp, vit, llm, ep))
     return mg2hf(cfg, model or model_for(hf_dir, vit, llm), hf_dir, **kwargs)
 
 
@@ -530,3 +532,78 @@ def test_model_config_from_a_qwen3_vl_config_is_the_preset():
                           "deepstack_visual_indexes": [8, 16, 24], "hidden_act": "gelu_pytorch_tanh"}}
     preset = json.loads((MODEL_DIR / "qwen3_vl_8b.json").read_text())
     assert model_config_from_hf(config) == load_section(ModelConfig, preset)
+
+
+# ------------------------------------------------------------------------------------------ Qwen3-VL-MoE
+_MOE = "model.language_model.layers.{}.mlp."
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_vl_moe(tmp_path_factory):
+    built = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen3_vl_moe", seed=4, family="qwen3_vl",
+                                  num_experts=4)
+    return randomize(built, tmp_path_factory.mktemp("hf") / "qwen3_vl_moe", seed=17)
+
+
+@pytest.mark.parametrize("layout", ["tp1", "ep2", "ep4", "tp2pp2ep2"])
+def test_qwen3_vl_moe_round_trip_is_bit_exact(tiny_qwen3_vl_moe, layout, tmp_path):
+    """hf2mg then mg2hf gives back every tensor, the fused experts in the published layout ([E, H, 2F] and
+    [E, F, H]), whatever the TP / PP / EP split."""
+    tp, vit, llm, ep = {"tp1": (1, [3], [4], 1), "ep2": (1, [3], [4], 2), "ep4": (1, [3], [4], 4),
+                        "tp2pp2ep2": (2, [3, 0], [2, 2], 2)}[layout]
+    mm_dir = to_mg(tiny_qwen3_vl_moe, tmp_path / "mm", tp, vit, llm, ep=ep)
+    out = to_hf(tiny_qwen3_vl_moe, mm_dir, tmp_path / "hf", tp, vit, llm, ep=ep)
+    assert_same_tensors(hf_tensors(tiny_qwen3_vl_moe), hf_tensors(out))
+
+
+def test_qwen3_vl_moe_layout_is_mindspeed_mms(tiny_qwen3_vl_moe, tmp_path):
+    """MindSpeed-MM's qwen3vl MoE names: the router as mlp.router, expert e's fc1 = its [H, 2F] slice of
+    gate_up_proj transposed (gate rows, then up), fc2 = its down_proj slice transposed; EP rank r holds experts
+    r * E / EP onwards, numbered from 0, in mp_rank_TT_EEE."""
+    hf = hf_tensors(tiny_qwen3_vl_moe)
+    mm_dir = to_mg(tiny_qwen3_vl_moe, tmp_path / "mm", 1, [3], [4], ep=2)
+    assert sorted(p.name for p in (mm_dir / "release").iterdir() if p.is_dir()) == ["mp_rank_00_000",
+                                                                                    "mp_rank_00_001"]
+    second = torch.load(mm_dir / "release" / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=True)["model"]
+    layer = "text_decoder.decoder.layers.3.mlp."
+    assert torch.equal(second[layer + "router.weight"], hf[_MOE.format(3) + "gate.weight"])
+    assert torch.equal(second[layer + "experts.local_experts.0.linear_fc1.weight"],
+                       hf[_MOE.format(3) + "experts.gate_up_proj"][2].T)
+    assert torch.equal(second[layer + "experts.local_experts.1.linear_fc2.weight"],
+                       hf[_MOE.format(3) + "experts.down_proj"][3].T)
+    assert not any("local_experts.2" in name or name.startswith("text_decoder") and name.endswith(
+        "mlp.linear_fc1.weight") for name in second)  # two experts per rank, no dense MLP
+
+
+def test_qwen3_vl_moe_reads_transformers_in_memory_layout(tiny_qwen3_vl_moe, tmp_path):
+    """transformers 5.19 re-saves a loaded Qwen3-VL-MoE with its in-memory expert layout ([E, 2F, H], [E, H, F]);
+    hf2mg reads that too, and mg2hf writes the published layout."""
+    published = hf_tensors(tiny_qwen3_vl_moe)
+    source = tmp_path / "in_memory"
+    shutil.copytree(tiny_qwen3_vl_moe, source, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    save_file({n: t.transpose(1, 2).contiguous() if n.endswith(("gate_up_proj", "down_proj")) else t
+               for n, t in published.items()}, source / "model.safetensors", metadata={"format": "pt"})
+    mm_dir = to_mg(source, tmp_path / "mm", 1, [3], [4], ep=2)
+    out = to_hf(source, mm_dir, tmp_path / "hf", 1, [3], [4], ep=2)
+    assert_same_tensors(published, hf_tensors(out))
+
+
+def test_model_config_from_a_qwen3_vl_moe_config_is_the_preset():
+    """The Qwen3-VL-30B-A3B-Instruct config.json gives the qwen3_vl_30b_a3b preset (128 experts, top 8)."""
+    config = {
+        "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe",
+        "image_token_id": 151655, "vision_start_token_id": 151652, "tie_word_embeddings": False,
+        "text_config": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+                        "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "num_experts": 128,
+                        "num_experts_per_tok": 8, "moe_intermediate_size": 768, "decoder_sparse_step": 1,
+                        "mlp_only_layers": [], "norm_topk_prob": True,
+                        "rope_scaling": {"rope_type": "default", "mrope_interleaved": True,
+                                         "mrope_section": [24, 20, 20]}, "rope_theta": 5000000},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                          "patch_size": 16, "out_hidden_size": 2048, "num_position_embeddings": 2304,
+                          "deepstack_visual_indexes": [8, 16, 24], "hidden_act": "gelu_pytorch_tanh"}}
+    preset = json.loads((MODEL_DIR / "qwen3_vl_30b_a3b.json").read_text())
+    assert model_config_from_hf(config) == load_section(ModelConfig, preset)
+    with pytest.raises(ConversionError, match="mixes dense and MoE layers"):
+        model_config_from_hf({**config, "text_config": {**config["text_config"], "mlp_only_layers": [0]}})
