@@ -58,6 +58,10 @@ def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: 
     print(f"\n{preset}: engine vs actor log-prob gap per step {gaps}")
     assert max(gaps) < GAP_TOL  # step 2 samples from the synced weights of step 1's update
     assert records[-1]["actor/grad_norm"] > 0
+    if variant:  # MoE: the routing over every rank's tokens, no token dropped
+        print(f"routing: load max {records[-1]['actor/moe/load_max']:.2f}, min {records[-1]['actor/moe/load_min']:.2f}")
+        assert records[-1]["actor/moe/load_max"] >= 1.0 >= records[-1]["actor/moe/load_min"] > 0
+        assert records[-1]["actor/moe/dropped_tokens"] == 0
     ranks = sorted(p.name for p in (tmp_path / "out" / "ckpt" / "iter_0000002").iterdir() if p.name.startswith("mp_"))
     assert ranks == (["mp_rank_00_000", "mp_rank_00_001"] if layout else ["mp_rank_00"])
 

@@ -131,3 +131,20 @@ def test_plot_writes_a_png_with_train_and_val_curves(tmp_path):
 def test_plot_of_an_empty_history_still_writes_a_png(tmp_path):
     png = plot_metrics(tmp_path / "missing.jsonl", tmp_path / "empty.png")
     assert png.stat().st_size > 0 and all(math.isfinite(v) for v in _png_size(png))
+
+
+def test_moe_routing_metrics_by_hand():
+    """Two layers of 4 experts, top-2: layer 0 perfectly balanced, layer 1 with one expert taking half of the
+    assignments and one assignment dropped; a layer on no rank's stage (no tokens) is left out."""
+    from mm_rl.config.schema import TextDecoderConfig
+    from mm_rl.workers.training import routing_metrics
+
+    text = TextDecoderConfig(num_moe_experts=4, moe_router_topk=2, moe_intermediate_size=8)
+    counts = torch.tensor([[5.0, 5, 5, 5, 10], [10, 5, 3, 1, 10], [0, 0, 0, 0, 0]], dtype=torch.float64)
+    metrics = routing_metrics(counts, text)
+    # layer 1: 19 assignments over 4 experts, mean 4.75: max 10 / 4.75, min 1 / 4.75
+    assert metrics["moe/load_max"] == pytest.approx((1 + 10 / 4.75) / 2)
+    assert metrics["moe/load_min"] == pytest.approx((1 + 1 / 4.75) / 2)
+    assert metrics["moe/load_max_layer"] == pytest.approx(10 / 4.75)
+    assert metrics["moe/dropped_tokens"] == pytest.approx(1 / 40)
+    assert routing_metrics(torch.zeros(2, 5, dtype=torch.float64), text) == {}

@@ -151,9 +151,12 @@ class TrainingWorker(MegatronWorker):
             collected.append(metrics)
             return value * scale
 
+        model.reset_routing()
         run_schedule(self.ddp, micro_batches, actor_loss_of, loss.temperature, forward_only=False, images=self.images)
         loss_finite = all(bool(torch.isfinite(m["loss"])) for m in collected)
         metrics = self._step(loss_finite)
+        if model.routing_counts.numel():
+            metrics.update(routing_metrics(all_reduce(model.routing_counts), self.spec.model.text_decoder))
         metrics.update(reduce_over_replicas(collected) if collected else {})
         if not (model.layout.has_output and coords.leads_replica_stage()):
             return None
@@ -280,6 +283,22 @@ def _overrides(config: Any, spec: OptimizerSpec) -> dict[Any, Any]:
 
 SUMMED = ("loss", "pg_loss", "kl_loss")  # carry the mini-batch denominator: their sum is the mini-batch's value
 MAXED_SUFFIX = "_max"  # a maximum (e.g. rollout_corr/rollout_is_max): the largest over the micro-batches
+
+
+def routing_metrics(counts: torch.Tensor, text: Any) -> dict[str, float]:
+    """MoE routing of a mini-batch from, per layer, the tokens each expert received and the tokens routed (the
+    last column), summed over every rank: ``moe/load_max`` / ``moe/load_min``: the busiest / idlest expert's
+    load relative to an even split (1.0: balanced; mean over layers), ``moe/load_max_layer``: the worst layer's,
+    ``moe/dropped_tokens``: the fraction of the top-k assignments no expert took (0 unless a capacity factor
+    drops tokens; mm_rl sets none)."""
+    experts, tokens = counts[:, :-1], counts[:, -1]
+    used = tokens > 0
+    if not used.any():
+        return {}
+    load = experts[used] / (experts[used].sum(1, keepdim=True) / experts.shape[1]).clamp_min(1e-12)
+    assigned = tokens[used].sum() * text.moe_router_topk
+    return {"moe/load_max": float(load.max(1).values.mean()), "moe/load_min": float(load.min(1).values.mean()),
+            "moe/load_max_layer": float(load.max()), "moe/dropped_tokens": float(1 - experts[used].sum() / assigned)}
 
 
 def reduce_over_replicas(collected: list[dict[str, torch.Tensor]]) -> dict[str, float]:

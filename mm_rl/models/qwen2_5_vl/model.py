@@ -389,6 +389,11 @@ class Qwen2_5_VLModel(torch.nn.Module):
         self.vocab_size = model_cfg.text_decoder.vocab_size
         self.received: Tensor | None = None
         self.deepstack: list[Tensor] = []  # this micro-batch's DeepStack additions, [S, B, H] per early LLM layer
+        experts = model_cfg.text_decoder.num_moe_experts or 0
+        # MoE: per LLM layer, the tokens each expert received since reset_routing, then the tokens routed (this
+        # rank's tokens, its stage's layers)
+        self.routing_counts = torch.zeros(model_cfg.text_decoder.num_layers, experts + 1 if experts else 0,
+                                          dtype=torch.float64)
         self.cp = _context_parallel()
         if image_encoder is not None:
             self.image_encoder = image_encoder
@@ -427,6 +432,8 @@ class Qwen2_5_VLModel(torch.nn.Module):
             decoder.rotary_pos_emb.cp_group = None
         for local, layer in enumerate(decoder.decoder.layers):
             index = self.layout.llm_layers.start + local
+            if text.num_moe_experts:
+                layer.mlp.router.register_forward_hook(functools.partial(self._count_routing, index))
             if index < self.deepstack_layers:
                 if not self.layout.has_embedding:
                     raise ValueError(f"LLM layer {index} takes DeepStack features: it must be on the stage holding "
@@ -438,6 +445,16 @@ class Qwen2_5_VLModel(torch.nn.Module):
     def deepstack_layers(self) -> int:
         """How many first LLM layers get DeepStack features added to their output (0: none)."""
         return len(self.model_cfg.image_encoder.vision_encoder.deepstack_visual_indexes)
+
+    def _count_routing(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Count the tokens megatron's router sends to each expert (its output: probs, routing_map [T, E]) and the
+        tokens it saw."""
+        routing_map = output[1].detach()
+        self.routing_counts[layer, :-1] += routing_map.sum(0).to("cpu", torch.float64)
+        self.routing_counts[layer, -1] += routing_map.shape[0]
+
+    def reset_routing(self) -> None:
+        self.routing_counts.zero_()
 
     def _add_deepstack(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
         """LLM layer ``layer``'s output plus its DeepStack features at the image positions (set per forward)."""
