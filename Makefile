@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mm_rl-installed
-# The embedded model of `make demo`: tiny (Qwen2.5-VL), tiny_qwen2_vl or tiny_qwen3_vl.
+# The embedded model of `make demo`: tiny (Qwen2.5-VL), tiny_qwen2_vl, tiny_qwen3_vl or tiny_qwen3_vl_moe.
 MODEL ?= tiny
 DEMO := output/$(MODEL)_grpo
 # Extra pip arguments for torch, e.g. the CPU wheel index on machines without the wheel on disk.

@@ -34,8 +34,8 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("config", help="write a job yaml for a model and a cluster", epilog=EPILOG)
     p.add_argument("--backend", default="mm_rl", help="training backend (mm_rl)")
     p.add_argument("--af_model_name", required=True,
-                   help="qwen2_5_vl_3b|7b|32b|72b, qwen2_vl_2b|7b|72b, qwen3_vl_2b|4b|8b|32b, tiny, tiny_qwen2_vl "
-                   "or tiny_qwen3_vl")
+                   help="qwen2_5_vl_3b|7b|32b|72b, qwen2_vl_2b|7b|72b, qwen3_vl_2b|4b|8b|32b|30b_a3b|235b_a22b, tiny, "
+                   "tiny_qwen2_vl, tiny_qwen3_vl or tiny_qwen3_vl_moe")
     p.add_argument("--exp_name", default="mm_rl", help="experiment name")
     p.add_argument("--output_file_path", default="job.yaml", help="where to write the yaml")
     p.add_argument("--nnodes", type=int, default=1, help="machines in the cluster")

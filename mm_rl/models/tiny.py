@@ -267,8 +267,8 @@ def _write_checkpoint(directory: Path, family: ModelFamily, seed: int, tie_word_
     # are then redrawn per key name, so they depend only on (seed, name, shape), not on transformers' internals.
     model.save_pretrained(directory, safe_serialization=True)
     weights_file = directory / "model.safetensors"
-    weights = {name: _published(family, name, _init_tensor(seed, name, tensor))
-               for name, tensor in sorted(load_file(weights_file).items())}
+    weights = to_published(family, model, {name: _init_tensor(seed, name, tensor)
+                                           for name, tensor in sorted(load_file(weights_file).items())})
     save_file(weights, weights_file, metadata={"format": "pt"})
     GenerationConfig(
         bos_token_id=ENDOFTEXT_TOKEN_ID, eos_token_id=[EOS_TOKEN_ID, ENDOFTEXT_TOKEN_ID], pad_token_id=PAD_TOKEN_ID
@@ -300,16 +300,18 @@ def _write_checkpoint(directory: Path, family: ModelFamily, seed: int, tie_word_
     (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
 
-def _published(family: ModelFamily, name: str, tensor: Any) -> Any:
-    """A fused experts tensor in the published layout ([E, in, k * out]): transformers 5.19 keeps [E, k * out, in]
-    in memory and ``save_pretrained`` writes that as it is, which vLLM (``is_fused_checkpoint_transposed``) would
-    read transposed."""
+def to_published(family: ModelFamily, model: Any, weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` (as ``save_pretrained`` wrote them) with fused experts tensors in the published layout
+    ([E, in, k * out]): transformers 5.19 keeps [E, k * out, in] in memory and writes that as it is, which vLLM
+    (``is_fused_checkpoint_transposed``: it transposes unconditionally) would misread. A tensor is transposed when
+    it has its in-memory parameter's shape."""
     import re
 
-    for rule in family.hf_fused:
-        if re.fullmatch(re.escape(rule.stored).replace(r"\{i\}", r"\d+"), name):
-            return tensor.transpose(1, 2).contiguous()
-    return tensor
+    fused = [re.compile(re.escape(rule.stored).replace(r"\{i\}", r"\d+")) for rule in family.hf_fused]
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    return {name: tensor.transpose(1, 2).contiguous()
+            if any(p.fullmatch(name) for p in fused) and tuple(tensor.shape) == shapes.get(name) else tensor
+            for name, tensor in weights.items()}
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from mm_rl.files import atomic_path, write_atomic
 from mm_rl.models import tiny
-from mm_rl.models.family import hf_token_types
+from mm_rl.models.family import family_for_hf, hf_token_types
 
 if TYPE_CHECKING:
     import torch
@@ -245,6 +245,7 @@ def _save_weights(model: Any, hf_dir: Path) -> None:
         model.save_pretrained(staging, safe_serialization=True)  # published key names (model.layers.*, visual.*)
         with safe_open(Path(staging) / _WEIGHTS, "pt") as f:
             weights = {name: f.get_tensor(name).to(torch.float32).contiguous() for name in sorted(f.keys())}
+    weights = tiny.to_published(family_for_hf(_read_json(hf_dir / "config.json") or {}), model, weights)
     if set(weights) != expected:
         raise RuntimeError(f"saved keys differ from the checkpoint's: {sorted(set(weights) ^ expected)[:5]}")
     with atomic_path(hf_dir / _WEIGHTS, suffix=".tmp", mode=0o644) as tmp:
