@@ -334,3 +334,17 @@ def test_collectives_of_a_device_rank_take_device_tensors(train_run):
     tensor. The update above ran every collective of its step under the same rule."""
     assert train_run["cpu_collective"] is not None and "device tensors only" in train_run["cpu_collective"]
     assert train_run["reduced"] == ("Tensor", "cpu", [1.0])
+
+
+def test_moe_routing_counts_stay_on_the_routers_device():
+    """The router hook adds to counts on the router's device (no host copy per layer and micro-batch); the
+    counts reach the host once, through the reader's all-reduce."""
+    from mm_rl.models.qwen2_5_vl.model import RoutingCounts
+
+    counts = RoutingCounts(layers=2, experts=4)
+    with labelled_device("cuda:0"):
+        routing_map = label(torch.tensor([[True, False, True, False], [False, True, True, False]]))
+        for _ in range(2):
+            counts.add(1, torch.nn.Identity(), (), (routing_map.float(), routing_map))
+        assert counts.counts.device.type == "cuda"
+        assert counts.counts.cpu().tolist() == [[0, 0, 0, 0, 0], [2, 2, 4, 0, 4]]

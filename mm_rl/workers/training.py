@@ -151,12 +151,12 @@ class TrainingWorker(MegatronWorker):
             collected.append(metrics)
             return value * scale
 
-        model.reset_routing()
+        model.routing.reset()
         run_schedule(self.ddp, micro_batches, actor_loss_of, loss.temperature, forward_only=False, images=self.images)
         loss_finite = all(bool(torch.isfinite(m["loss"])) for m in collected)
         metrics = self._step(loss_finite)
-        if model.routing_counts.numel():
-            metrics.update(routing_metrics(all_reduce(model.routing_counts), self.spec.model.text_decoder))
+        if model.routing.counts.numel():
+            metrics.update(routing_metrics(all_reduce(model.routing.counts), self.spec.model.text_decoder))
         metrics.update(reduce_over_replicas(collected) if collected else {})
         if not (model.layout.has_output and coords.leads_replica_stage()):
             return None
@@ -291,6 +291,7 @@ def routing_metrics(counts: torch.Tensor, text: Any) -> dict[str, float]:
     load relative to an even split (1.0: balanced; mean over layers), ``moe/load_max_layer``: the worst layer's,
     ``moe/dropped_tokens``: the fraction of the top-k assignments no expert took (0 unless a capacity factor
     drops tokens; mm_rl sets none)."""
+    counts = counts.double()
     experts, tokens = counts[:, :-1], counts[:, -1]
     used = tokens > 0
     if not used.any():

@@ -363,6 +363,26 @@ def keep_in_graph(output: Tensor, received: Tensor | None) -> Tensor:
     return output
 
 
+class RoutingCounts:
+    """MoE: per LLM layer, the tokens each expert received since :meth:`reset`, then the tokens routed (this
+    rank's tokens, its stage's layers). Kept on the router's device (a forward hook per layer and micro-batch
+    must not wait for a host copy); the reader all-reduces them and brings them to the host once."""
+
+    def __init__(self, layers: int, experts: int) -> None:
+        self.counts = torch.zeros(layers, experts + 1 if experts else 0, dtype=torch.int64)
+
+    def add(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Forward hook of megatron's ``TopKRouter`` (its output: probs, routing_map [T, E])."""
+        routing_map = output[1].detach()
+        if self.counts.device != routing_map.device:
+            self.counts = self.counts.to(routing_map.device)
+        self.counts[layer, :-1] += routing_map.sum(0, dtype=torch.int64)
+        self.counts[layer, -1] += routing_map.shape[0]
+
+    def reset(self) -> None:
+        self.counts.zero_()
+
+
 class Qwen2_5_VLModel(torch.nn.Module):
     """One pipeline stage of Qwen2.5-VL (see the module docstring); build it with :func:`build_model`.
 
@@ -389,11 +409,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
         self.vocab_size = model_cfg.text_decoder.vocab_size
         self.received: Tensor | None = None
         self.deepstack: list[Tensor] = []  # this micro-batch's DeepStack additions, [S, B, H] per early LLM layer
-        experts = model_cfg.text_decoder.num_moe_experts or 0
-        # MoE: per LLM layer, the tokens each expert received since reset_routing, then the tokens routed (this
-        # rank's tokens, its stage's layers)
-        self.routing_counts = torch.zeros(model_cfg.text_decoder.num_layers, experts + 1 if experts else 0,
-                                          dtype=torch.float64)
+        self.routing = RoutingCounts(model_cfg.text_decoder.num_layers, model_cfg.text_decoder.num_moe_experts or 0)
         self.cp = _context_parallel()
         if image_encoder is not None:
             self.image_encoder = image_encoder
@@ -433,7 +449,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
         for local, layer in enumerate(decoder.decoder.layers):
             index = self.layout.llm_layers.start + local
             if text.num_moe_experts:
-                layer.mlp.router.register_forward_hook(functools.partial(self._count_routing, index))
+                layer.mlp.router.register_forward_hook(functools.partial(self.routing.add, index))
             if index < self.deepstack_layers:
                 if not self.layout.has_embedding:
                     raise ValueError(f"LLM layer {index} takes DeepStack features: it must be on the stage holding "
@@ -445,16 +461,6 @@ class Qwen2_5_VLModel(torch.nn.Module):
     def deepstack_layers(self) -> int:
         """How many first LLM layers get DeepStack features added to their output (0: none)."""
         return len(self.model_cfg.image_encoder.vision_encoder.deepstack_visual_indexes)
-
-    def _count_routing(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> None:
-        """Count the tokens megatron's router sends to each expert (its output: probs, routing_map [T, E]) and the
-        tokens it saw."""
-        routing_map = output[1].detach()
-        self.routing_counts[layer, :-1] += routing_map.sum(0).to("cpu", torch.float64)
-        self.routing_counts[layer, -1] += routing_map.shape[0]
-
-    def reset_routing(self) -> None:
-        self.routing_counts.zero_()
 
     def _add_deepstack(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
         """LLM layer ``layer``'s output plus its DeepStack features at the image positions (set per forward)."""
