@@ -79,13 +79,25 @@ def gather_shards(tensor: torch.Tensor, split: bool, group: Any) -> list[torch.T
     copy at once (one tensor at a time)."""
     import torch
 
-    size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    if size == 1 or not split:
+    rank = torch.distributed.get_rank(group)
+    if not split:
         return [tensor] if rank == 0 else None
+    gathered = all_gather(tensor, group)
+    return gathered if rank == 0 else None
+
+
+def all_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape everywhere), in group-rank order, on every rank: one
+    ``all_gather_into_tensor`` into a flat buffer on the tensor's device; the tensor alone in a group of one."""
+    import torch
+
+    size = torch.distributed.get_world_size(group)
+    if size == 1:
+        return [tensor]
     tensor = tensor.contiguous()
     flat = torch.empty(size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
     torch.distributed.all_gather_into_tensor(flat, tensor.view(-1), group=group)
-    return list(flat.view(size, *tensor.shape).unbind(0)) if rank == 0 else None
+    return list(flat.view(size, *tensor.shape).unbind(0))
 
 
 def strip_vocab_padding(bound: Bound, shards: list[torch.Tensor], model: ModelConfig) -> list[torch.Tensor]:
@@ -125,7 +137,7 @@ def stage_hf_tensors(model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clo
 
     from mm_rl.convert.mapping import hf_from_shards, model_dims, stage_tensors
 
-    group = parallel_state.get_tensor_model_parallel_group()
+    group, experts = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_expert_model_parallel_group()
     dims, state = model_dims(model_cfg), model.state_dict()
     stage = pipeline.stages[parallel_state.get_pipeline_model_parallel_rank()]
     # every EP rank names its experts local_experts.0.. (its own bounds); the sender renames each rank's block
@@ -136,7 +148,8 @@ def stage_hf_tensors(model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clo
         start = time.perf_counter()
         with torch.no_grad():
             tensor = state[bound.mg].detach()
-            blocks = gather_experts(tensor) if bound.entry.expert else [tensor]
+            # an expert: every EP rank's local expert of this index, in EP-rank order
+            blocks = all_gather(tensor, experts) if bound.entry.expert else [tensor]
             gathered = [gather_shards(block, bound.entry.split is not None, group) for block in blocks]
         clock.gather_s += time.perf_counter() - start
         for r, shards in enumerate(gathered):
@@ -146,19 +159,7 @@ def stage_hf_tensors(model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clo
                 yield from zip(named.hf, parts, strict=True)
 
 
-def gather_experts(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every EP rank's copy of an expert tensor (its local expert of the same index), in EP-rank order, on every
-    EP rank (``all_gather_into_tensor``, which gloo, nccl and hccl all have); the tensor alone without EP."""
-    import torch
-    from megatron.core import parallel_state
 
-    group = parallel_state.get_expert_model_parallel_group()
-    size = torch.distributed.get_world_size(group)
-    if size == 1:
-        return [tensor]
-    flat = torch.empty(size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    torch.distributed.all_gather_into_tensor(flat, tensor.contiguous().view(-1), group=group)
-    return list(flat.view(size, *tensor.shape).unbind(0))
 
 
 def push_stage(model: Any, model_cfg: ModelConfig, tp: int, ep: int,
