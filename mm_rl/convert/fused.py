@@ -5,7 +5,6 @@ published layout (``[experts, in, k * out]``, each part transposed). Reading the
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,7 +12,7 @@ import torch
 
 from mm_rl.convert.errors import ConversionError
 from mm_rl.convert.hf_writer import ShardedWriter, TensorSpec
-from mm_rl.models.family import Fused
+from mm_rl.models.family import Fused, name_pattern
 
 
 @dataclass(frozen=True)
@@ -26,16 +25,12 @@ class PartOf:
     parts: int
 
 
-def _patterns(rules: Sequence[Fused]) -> list[tuple[re.Pattern[str], Fused, int]]:
-    return [(re.compile(re.escape(part).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)") + "$"),
-             rule, j) for rule in rules for j, part in enumerate(rule.parts)]
-
-
 def part_of(name: str, rules: Sequence[Fused]) -> PartOf | None:
-    for pattern, rule, j in _patterns(rules):
-        match = pattern.match(name)
-        if match:
-            return PartOf(rule.stored.format(i=match["i"]), int(match["e"]), j, len(rule.parts))
+    for rule in rules:
+        for j, part in enumerate(rule.parts):
+            match = name_pattern(part).match(name)
+            if match:
+                return PartOf(rule.stored.format(i=match["i"]), int(match["e"]), j, len(rule.parts))
     return None
 
 
@@ -64,9 +59,10 @@ class FusingWriter:
     """A :class:`ShardedWriter` front that collects the parts of a fused tensor and writes it once complete
     (memory: one stored tensor, the size of one layer's experts)."""
 
-    def __init__(self, writer: ShardedWriter, specs: Sequence[TensorSpec], rules: Sequence[Fused]) -> None:
+    def __init__(self, writer: ShardedWriter, rules: Sequence[Fused]) -> None:
+        """``writer``: planned with :func:`fuse_specs`' specs, which give each stored tensor's shape."""
         self.writer, self.rules = writer, tuple(rules)
-        self.expected = {s.name: s for s in fuse_specs(specs, rules) if part_of(s.name, rules) is None}
+        self.expected = {spec.name: spec for shard in writer.shards for spec in shard}
         self.pending: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
 
     def write(self, name: str, blocks: Sequence[torch.Tensor]) -> None:

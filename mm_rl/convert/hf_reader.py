@@ -10,7 +10,6 @@ conversion needs for input is at most one input file, however large the checkpoi
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from mm_rl.convert.errors import ConversionError, listing
 from mm_rl.convert.pages import prefault
-from mm_rl.models.family import Fused
+from mm_rl.models.family import Fused, name_pattern
 
 INDEX = "model.safetensors.index.json"
 
@@ -53,14 +52,14 @@ class HfReader:
         [E, k * out, in] in memory and ``save_pretrained`` may write that back (its ``Transpose(check_dims=True)``
         conversion compares shapes, so a re-saved model keeps the in-memory layout). Both are read: the part
         shapes decide, the published layout when both fit (a square tensor)."""
-        pattern = re.compile(re.escape(rule.stored).replace(r"\{i\}", r"(\d+)") + "$")
+        pattern = name_pattern(rule.stored)
         for name in sorted(self.names):
             match = pattern.match(name)
             if match is None:
                 continue
             experts, rows, columns = self.shape[name]
             k = len(rule.parts)
-            want = part_shapes.get(rule.parts[0].format(i=match.group(1), e=0))
+            want = part_shapes.get(rule.parts[0].format(i=match["i"], e=0))
             in_memory = want is not None and (rows, columns) != (want[1], k * want[0]) \
                 and (rows, columns) == (k * want[0], want[1])
             width, depth = (rows, columns) if in_memory else (columns, rows)
@@ -69,7 +68,7 @@ class HfReader:
                                       f"into {k} parts")
             for e in range(experts):
                 for j, part in enumerate(rule.parts):
-                    virtual = part.format(i=match.group(1), e=e)
+                    virtual = part.format(i=match["i"], e=e)
                     self.file[virtual], self.stored[virtual] = self.file[name], self.stored[name]
                     self.shape[virtual], self.dtype[virtual] = (width // k, depth), self.dtype[name]
                     self.parts[virtual] = (e, j, in_memory)

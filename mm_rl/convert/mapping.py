@@ -25,7 +25,7 @@ import torch
 from mm_rl.config.schema import ModelConfig
 from mm_rl.convert.errors import ConversionError
 from mm_rl.convert.stages import Pipeline, Stage
-from mm_rl.models.family import SCOPES, Entry, ModelFamily, Scope, UnknownFamily, family_of
+from mm_rl.models.family import SCOPES, Entry, ModelFamily, Scope, UnknownFamily, family_of, name_pattern
 
 
 # ------------------------------------------------------------------------------------------ model sizes
@@ -80,14 +80,9 @@ def stage_tensors(model: ModelConfig, stage: Stage, ep_rank: int = 0, ep: int = 
     return out
 
 
-def _pattern(name: str, layer: str) -> str:
-    """A table name as a regular expression: ``{i}`` as ``layer``, ``{e}`` as any expert."""
-    return re.escape(name).replace(r"\{i\}", layer).replace(r"\{e\}", r"\d+") + "$"
-
-
 @cache
 def _hf_layer_patterns(family: ModelFamily) -> tuple[tuple[re.Pattern[str], Scope], ...]:
-    return tuple((re.compile(_pattern(h, r"(\d+)")), e.scope)
+    return tuple((name_pattern(h), e.scope)
                  for e in family.tensors if e.scope in ("vit_layer", "llm_layer") for h in e.hf)
 
 
@@ -96,13 +91,13 @@ def hf_layer_index(model: ModelConfig, name: str) -> tuple[Scope, int] | None:
     for pattern, scope in _hf_layer_patterns(model_family(model)):
         match = pattern.match(name)
         if match:
-            return scope, int(match.group(1))
+            return scope, int(match["i"])
     return None
 
 
 @cache
 def _mg_patterns(family: ModelFamily) -> tuple[tuple[re.Pattern[str], Entry], ...]:
-    return tuple((re.compile(_pattern(e.mg, r"\d+")), e) for e in family.tensors)
+    return tuple((name_pattern(e.mg), e) for e in family.tensors)
 
 
 def entry_for(model: ModelConfig, mg_name: str) -> Entry:

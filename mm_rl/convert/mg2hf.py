@@ -55,7 +55,7 @@ def mg2hf(cfg: Mg2HfCfg, model: ModelConfig, hf_dir: str | Path, iteration: Iter
              for spec in _stage_specs(iteration_dir, model, pipeline, stage, ep_rank, bounds)]
     fused = model_family(model).hf_fused
     with staged_dir(out) as staging:
-        writer = FusingWriter(ShardedWriter(staging, fuse_specs(specs, fused), max_shard_bytes), specs, fused)
+        writer = FusingWriter(ShardedWriter(staging, fuse_specs(specs, fused), max_shard_bytes), fused)
         try:
             for stage, ep_rank, bounds in plan:
                 _write_stage(writer, iteration_dir, model, pipeline, stage, ep_rank, bounds)

@@ -11,6 +11,7 @@ turns it into hf2mg / mg2hf / weight-sync pieces). Its megatron model lives in a
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -59,6 +60,14 @@ class Fused:
 
     stored: str
     parts: tuple[str, ...]
+
+
+@cache
+def name_pattern(template: str) -> re.Pattern[str]:
+    """A table name (``{i}``: a layer, ``{e}``: an expert) as a regular expression for whole names (``match``),
+    the layer and expert as groups ``i`` and ``e``."""
+    escaped = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+    return re.compile(escaped + "$")
 
 
 # A model rule's finding: (model.json key below ``model``, value, rule, fix).

@@ -35,7 +35,7 @@ from mm_rl.files import replace_dir
 
 if TYPE_CHECKING:
     from mm_rl.config.schema import ModelConfig
-from mm_rl.models.family import ModelFamily
+from mm_rl.models.family import ModelFamily, name_pattern
 from mm_rl.models.family import family as model_family
 
 # Fixed token ids (the learned BPE vocabulary is ids 0..999).
@@ -305,12 +305,10 @@ def to_published(family: ModelFamily, model: Any, weights: dict[str, Any]) -> di
     ([E, in, k * out]): transformers 5.19 keeps [E, k * out, in] in memory and writes that as it is, which vLLM
     (``is_fused_checkpoint_transposed``: it transposes unconditionally) would misread. A tensor is transposed when
     it has its in-memory parameter's shape."""
-    import re
-
-    fused = [re.compile(re.escape(rule.stored).replace(r"\{i\}", r"\d+")) for rule in family.hf_fused]
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     return {name: tensor.transpose(1, 2).contiguous()
-            if any(p.fullmatch(name) for p in fused) and tuple(tensor.shape) == shapes.get(name) else tensor
+            if any(name_pattern(rule.stored).match(name) for rule in family.hf_fused)
+            and tuple(tensor.shape) == shapes.get(name) else tensor
             for name, tensor in weights.items()}
 
 
