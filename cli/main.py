@@ -71,9 +71,9 @@ def _run_config(args: argparse.Namespace, overrides: list[str]) -> int:
 def _materialise_embedded(job: JobConfig) -> None:
     """The tiny default's model and data are built by mm_rl itself (seeded), so the written job runs as it is.
 
-    The random tiny model never samples the answer format, so it gets a short format-only warm-up (target
-    digits drawn at random): GRPO then starts, like a real run from an instruct model, with the format mostly
-    right and accuracy at chance.
+    The random tiny model never samples the answer format, so it gets a short warm-up (mm_rl.models.tiny_warmup):
+    GRPO then starts, like a real run from an instruct model, with the format right, a quarter of the sampled
+    answers right and the greedy answer off by one.
     """
     from mm_rl.data.synthetic import DEMO_TEMPLATES, write_synthetic_geo3k
     from mm_rl.models.tiny import build_tiny_checkpoint, tiny_overrides

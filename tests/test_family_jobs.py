@@ -1,8 +1,10 @@
 """A whole job on a model family other than Qwen2.5-VL, through the real stack on CPU: hf2mg, GRPO steps with the
 vLLM engine and weight syncs, mg2hf, and the result loaded by transformers.
 
-The tiny job's yaml with its model section replaced by the family's tiny preset (``configs/models/``) and its
-checkpoint by the family's tiny build (not format-warmed: this checks the pipeline, not learning).
+The first test: the tiny job's yaml with its model section replaced by the family's tiny preset
+(``configs/models/``) and its checkpoint by the family's tiny build (not format-warmed: this checks the pipeline,
+not learning). The second: the family's embedded default as ``make demo MODEL=...`` runs it (its warm-up, its 40
+steps), which must learn.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_utils import REPO
+from trainer_utils import REPO, assert_learns
+
+from mm_rl.trainer.metrics import read_metrics
 
 GAP_TOL = 1e-3  # engine vs actor log-probs of the sampled tokens, fp32 on CPU
 
@@ -71,3 +75,17 @@ def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: 
     initial = AutoModelForImageTextToText.from_pretrained(hf_dir)
     changed = [name for name, p in trained.state_dict().items() if not torch.equal(p, initial.state_dict()[name])]
     assert any(name.startswith("model.language_model.") for name in changed)  # the update reached the HF output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny_qwen3_vl", "tiny_qwen3_vl_moe"])
+def test_a_family_default_learns(tmp_path: Path, preset: str):
+    """``config`` (the family's tiny build, the warm-up, the demo data) then ``train``, as ``make demo
+    MODEL=<preset>``; the learning bar of the Qwen2.5-VL default."""
+    cli = str(Path(sys.executable).parent / "ascendfactory-cli")
+    job, out = tmp_path / "job.yaml", tmp_path / "out"
+    subprocess.run([cli, "config", "--af_model_name", preset, "--exp_name", preset, "--output_file_path", str(job),
+                    f"af_output_dir={out}"], cwd=REPO, check=True, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([cli, "train", str(job)], cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert_learns(read_metrics(out / "metrics.jsonl"), preset)

@@ -1,5 +1,5 @@
-"""Format warm-up of the tiny checkpoint: learns the output format, not the answers; in place, idempotent and
-deterministic."""
+"""Format warm-up of the tiny checkpoint: learns the output format and an off-by-one answer habit; in place,
+idempotent and deterministic."""
 
 from mm_rl.platform import cpu_wheels
 
@@ -36,20 +36,22 @@ def warmed(tmp_path_factory, data_dir):
     return hf_dir, before, metrics, state
 
 
-def test_target_responses_have_the_format_and_vary():
+def test_target_responses_box_the_answer_or_its_successor():
     rng = random.Random(0)
-    responses = [target_response(rng, ["14", "3"]) for _ in range(50)]
-    assert all(compute_score(r, "5")["format"] == 1.0 for r in responses)
-    assert all(r.startswith("<think> 14 3 </think>") for r in responses)  # the givens restated
-    assert {r[-2] for r in responses} == set("123456789")  # digits drawn at random, all of 1..9
+    responses = [target_response(rng, "9", ["14", "9"], 0.25) for _ in range(400)]
+    assert all(compute_score(r, "9")["format"] == 1.0 for r in responses)
+    assert all(r.startswith("<think> 14 9 </think>") for r in responses)  # the givens restated
+    boxed = [r[-2] for r in responses]
+    assert set(boxed) == {"9", "1"} and 0.2 < boxed.count("9") / len(boxed) < 0.3  # the successor of 9 is 1
 
 
 def test_format_is_learned_but_not_the_answer(warmed):
+    """A short warm-up: the format, and the answer in at most its share of the samples."""
     _, _, metrics, _ = warmed
     before, after = metrics["before"], metrics["after"]
     assert before["format"] <= 0.1
     assert after["format"] >= 0.5 and after["format"] > before["format"]
-    assert after["accuracy"] < 0.5  # random target digits: accuracy stays near chance (1/9)
+    assert after["accuracy"] < 0.5  # the answer in a quarter of the targets, its successor in the rest
     assert metrics["losses"][1] < metrics["losses"][0]
     assert metrics["wall_time_s"] > 0
 
@@ -108,8 +110,9 @@ def test_refuses_a_directory_that_is_not_a_tiny_checkpoint(tmp_path, data_dir):
     assert tiny_warmup.WarmupArgs().max_new_tokens == 64
 
 
-def test_the_default_warm_up_reads_the_givens_but_not_the_answer(tiny_base):
+def test_the_default_warm_up_reads_the_givens_and_half_knows_the_answer(tiny_base):
     """The session's tiny job (default warm-up, demo data): format learned, the question's numbers restated in
-    the reasoning, the boxed digit still at chance, so GRPO has the rest to learn."""
+    the reasoning, the boxed digit the answer about as often as in the targets (a quarter), so GRPO has the rest
+    to learn."""
     after = json.loads((tiny_base / "tiny_hf" / MARKER).read_text())["metrics"]["after"]
-    assert after["format"] >= 0.9 and after["restates"] >= 0.6 and after["accuracy"] < 0.35
+    assert after["format"] >= 0.9 and after["restates"] >= 0.6 and 0.1 <= after["accuracy"] <= 0.4

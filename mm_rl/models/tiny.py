@@ -23,11 +23,13 @@ checkpoint is reused instead of rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -234,6 +236,20 @@ def _model_config(family: ModelFamily, tie_word_embeddings: bool, overrides: dic
     )
 
 
+@contextlib.contextmanager
+def quiet_progress() -> Iterator[None]:
+    """No transformers progress bars (loading / writing weights) inside; the previous setting restored after."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
 
@@ -265,7 +281,8 @@ def _write_checkpoint(directory: Path, family: ModelFamily, seed: int, tie_word_
         model = transformers.AutoModelForImageTextToText.from_config(config).to(torch.float32)
     # save_pretrained gives the published key names (model.layers.*, visual.*, lm_head unless tied); the values
     # are then redrawn per key name, so they depend only on (seed, name, shape), not on transformers' internals.
-    model.save_pretrained(directory, safe_serialization=True)
+    with quiet_progress():
+        model.save_pretrained(directory, safe_serialization=True)
     weights_file = directory / "model.safetensors"
     weights = to_published(family, model, {name: _init_tensor(seed, name, tensor)
                                            for name, tensor in sorted(load_file(weights_file).items())})

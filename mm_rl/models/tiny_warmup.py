@@ -13,18 +13,21 @@ What it does: a supervised fine-tune on prompts of the synthetic TRAIN split wit
     <think> n1 [n2 ...] </think> \\boxed{d}<|im_end|>
 
 where ``n1 ...`` restate the numbers the question gives (how an instruct model's reasoning starts: reading the
-givens) and ``d`` is a digit 1..9 drawn INDEPENDENTLY of the true answer. The random digit is the point: the
-model learns the format and to read the question, but nothing about which digit answers it, so its accuracy
-stays at chance (1/9); learning to box what it read is left to RL. Training on the true answers would leak the
-solution and make the RL demo moot. The loss covers the response tokens only (labels -100 on the prompt, image
-tokens included).
+givens) and ``d`` is the answer in a quarter of the targets (``answer_share``) and the answer's successor (9 -> 1)
+in the rest: an off-by-one habit. The model leaves the warm-up like an instruct model before RL on a task it
+half knows: the format right, sampled answers right about a quarter of the time, its greedy answer wrong. GRPO
+then has a signal in almost every group (8 samples, at least one right with probability 1 - 0.75^8 = 0.9) and a
+skill to sharpen rather than to discover. An earlier version boxed a digit drawn independently of the answer
+(accuracy at chance, 1/9): RL then had to discover the copy, which happened abruptly and, depending on the CPU's
+rounding, after 30 steps, after 90 or not within 120. The loss covers the response tokens only (labels -100 on
+the prompt, image tokens included).
 
 Defaults (``WarmupArgs``): 500 AdamW steps (lr 1e-3, no weight decay, grad-norm clip 1.0) on batches of 16 drawn
 from the first 128 train prompts, with a fresh target per example and step. Why these: reading a digit ~50
 tokens back is a skill a 4-layer model picks up late and abruptly. Measured on the demo data (seed-0 checkpoint,
 one CPU thread, ~2.4 min): with 128 prompts the reasoning restates the question's number in 92% of sampled test
-responses after 500 steps while the boxed digit stays at chance (accuracy 0.11-0.13); with 512 prompts or at lr
-3e-3 (600 steps of 8) it had not picked the skill up yet (restates 0.08-0.11).
+responses after 500 steps; with 512 prompts or at lr 3e-3 (600 steps of 8) it had not picked the skill up yet
+(restates 0.08-0.11). With the current targets: format 1.00 and accuracy 0.25 after the warm-up.
 The metrics are measured before and after on the first 8 test prompts x 8 samples, at temperature 1.0 without
 top-k / top-p (vLLM's defaults), up to 64 new tokens, decoded without special tokens and scored with
 ``mm_rl.rewards.geo3k.compute_score``; both measurements use the same sampling seed. transformers is given the
@@ -65,8 +68,9 @@ if TYPE_CHECKING:
     from mm_rl.data.dataset import PromptItem, PromptProcessor
 
 MARKER = "tiny_warmup.json"
-_VERSION = 4  # 2: image token types for transformers' 3D positions; 3: the reasoning restates the givens;
-# 4: trained in a child process with AVX2 kernels (the same weights on AVX2 and AVX-512 machines)
+_VERSION = 5  # 2: image token types for transformers' 3D positions; 3: the reasoning restates the givens;
+# 4: trained in a child process with AVX2 kernels (the same weights on AVX2 and AVX-512 machines);
+# 5: the boxed digit is the answer or its successor (answer_share), not drawn independently of it
 # What pins the CPU kernels to AVX2 in the warm-up's process: ATen's own vectorised kernels, MKL's BLAS and
 # oneDNN each pick their instruction set at start-up, and each reads its own variable (read before torch loads).
 # Measured on an AVX-512 machine: the default kernels gave restates 0.38 after 500 steps (0.80 after 800), too
@@ -91,6 +95,7 @@ class WarmupArgs:
     min_pixels: int = 56 * 56
     max_pixels: int = 224 * 224
     max_prompt_length: int = 256
+    answer_share: float = 0.25
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -107,20 +112,6 @@ def _one_thread_seeded(seed: int) -> Iterator[None]:
             yield
     finally:
         torch.set_num_threads(threads)
-
-
-@contextlib.contextmanager
-def _quiet_progress() -> Iterator[None]:
-    """No transformers progress bars (loading / writing weights) inside; the previous setting restored after."""
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -144,9 +135,11 @@ def given_numbers(prompt_text: str) -> list[str]:
     return re.findall(r"\d+", re.sub(r"<\|[^|]*\|>", " ", prompt_text))
 
 
-def target_response(rng: random.Random, numbers: Sequence[str]) -> str:
-    """``<think> n1 .. </think> \\boxed{d}``: the question's numbers restated and a random digit d (not the answer)."""
-    return f"<think> {' '.join(numbers)} </think> \\boxed{{{rng.randint(1, 9)}}}"
+def target_response(rng: random.Random, answer: str, numbers: Sequence[str], answer_share: float) -> str:
+    """``<think> n1 .. </think> \\boxed{d}``: the question's numbers restated; d is the answer in a share
+    ``answer_share`` of the targets and the answer's successor (9 -> 1) otherwise: an off-by-one habit."""
+    digit = int(answer) if rng.random() < answer_share else int(answer) % 9 + 1
+    return f"<think> {' '.join(numbers)} </think> \\boxed{{{digit}}}"
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -183,7 +176,8 @@ def _train(model: Any, items: list[PromptItem], processor: PromptProcessor, args
     losses = []
     for _ in range(args.steps):
         batch_items = rng.sample(items, min(args.batch_size, len(items)))
-        responses = [processor.text_ids(target_response(rng, given_numbers(item.prompt_text))) + [tiny.EOS_TOKEN_ID]
+        responses = [processor.text_ids(target_response(rng, item.ground_truth, given_numbers(item.prompt_text),
+                                                        args.answer_share)) + [tiny.EOS_TOKEN_ID]
                      for item in batch_items]
         loss = model(**_batch(batch_items, responses)).loss
         optimizer.zero_grad(set_to_none=True)
@@ -282,7 +276,7 @@ def warm_up_format(
     seed: int = 0,
     **options: Any,
 ) -> dict[str, Any]:
-    """Teach the tiny checkpoint in ``hf_dir`` the geo3k output format (not the answers), in place.
+    """Teach the tiny checkpoint in ``hf_dir`` the geo3k output format and an off-by-one answer habit, in place.
 
     ``data_dir`` holds the synthetic set (``write_synthetic_geo3k``). ``options`` override the other
     ``WarmupArgs`` fields (lr, batch_size, train_prompts, eval_prompts, samples_per_prompt, max_new_tokens,
@@ -326,7 +320,7 @@ def _run(hf_dir: Path, data_dir: Path, args: WarmupArgs) -> dict[str, Any]:
     from mm_rl.data.dataset import PromptProcessor
 
     start = time.perf_counter()
-    with _one_thread_seeded(args.seed), _quiet_progress():
+    with _one_thread_seeded(args.seed), tiny.quiet_progress():
         processor = PromptProcessor(hf_dir, args.min_pixels, args.max_pixels)
         train = _load_items(data_dir, "train", args.train_prompts, processor, args)
         test = _load_items(data_dir, "test", args.eval_prompts, processor, args)
