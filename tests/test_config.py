@@ -121,6 +121,13 @@ def test_unknown_keys_suggest_the_nearest(key, suggestion):
     assert violation.key == key and violation.rule == "unknown key" and f"'{suggestion}'" in violation.fix
 
 
+def test_a_retired_key_says_why_it_is_gone():
+    with pytest.raises(ConfigError) as err:
+        load_job(None, ["--backend_config.actor_config.recompute_activations=false"])
+    (violation,) = err.value.violations
+    assert violation.rule == "unknown key" and "never had an effect" in violation.fix and violation.meant is None
+
+
 def test_type_errors_are_all_reported_once(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("env:\n  NNODES: two\nbackend_config:\n  rl_config:\n    n_samples_per_prompt: four\n"

@@ -211,12 +211,12 @@ def test_missing_train_split_is_rejected(check, tmp_path):
 
 def test_missing_validation_split_is_rejected_when_validation_is_on(check, tmp_path):
     (tmp_path / "geo3k_synthetic" / "test.jsonl").unlink()
-    assert "val_freq: 0" in rejected(check(), f"{DATA}.val_split").fix  # the tiny job validates every 10 steps
+    assert "val_freq: 0" in rejected(check(), f"{DATA}.val_split").fix  # the tiny job validates (step 0, every 10)
 
 
 def test_missing_validation_split_is_accepted_when_validation_is_off(check, tmp_path):
     (tmp_path / "geo3k_synthetic" / "test.jsonl").unlink()
-    assert check(f"{RL}.val_freq=0") == []
+    assert check(f"{RL}.val_freq=0", f"{RL}.val_before_train=false") == []
 
 
 def test_empty_split_file_is_rejected(check, tmp_path):

@@ -194,6 +194,13 @@ def suggest(path: str, siblings: Sequence[str]) -> str:
     return elsewhere[0] if elsewhere else ""
 
 
+# Keys that earlier versions wrote into job yamls and that are gone: why, and what to do.
+RETIRED = {
+    "backend_config.actor_config.recompute_activations": "removed: it never had an effect (activation recompute "
+    "is not implemented); delete the line",
+}
+
+
 def unknown_keys(node: DictConfig, cls: type = JobConfig, prefix: str = "") -> list[Violation]:
     hints = typing.get_type_hints(cls)
     fields = {yaml_key(f): f for f in dataclasses.fields(cls)}
@@ -202,8 +209,9 @@ def unknown_keys(node: DictConfig, cls: type = JobConfig, prefix: str = "") -> l
         path = f"{prefix}{key}"
         field = fields.get(str(key))
         if field is None:
-            guess = suggest(path, list(fields))
-            fix = f"did you mean '{guess}'?" if guess else f"valid keys here: {', '.join(fields)}"
+            guess = "" if path in RETIRED else suggest(path, list(fields))
+            fix = RETIRED.get(path) or (f"did you mean '{guess}'?" if guess
+                                        else f"valid keys here: {', '.join(fields)}")
             problems.append(Violation(path, _raw(node, key), "unknown key", fix, meant=guess or None))
             continue
         sub = node._get_node(key)

@@ -227,7 +227,6 @@ class ActorConfig:
     unfreeze_vision_encoder: bool = opt(False, "train the ViT too (model.json's freeze flag is not the switch)")
     vision_encoder_lr: float | None = opt(None, "ViT learning rate when unfrozen (default: lr)")
     freeze_vision_projector: bool = opt(False, "keep the patch merger frozen")
-    recompute_activations: bool = opt(False, "recompute layer activations in backward to save memory")
     offload_train_optimizer: bool = opt(False, "colocated: move optimizer state off the device during rollout")
     offload_train_grad: bool = opt(False, "colocated: move grads off the device during rollout")
     offload_train_param: bool = opt(False, "colocated: move params off the device during rollout")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
@@ -249,14 +249,14 @@ def bucket_layout(bucket: Bucket) -> tuple[list[TensorLayout], int]:
     return layout, offset
 
 
-def pack_bucket(bucket: Bucket, device: torch.device, out: torch.Tensor | None = None) -> \
+def pack_bucket(bucket: Bucket, device: torch.device, buffer: Callable[[int], torch.Tensor] | None = None) -> \
         tuple[list[TensorLayout], torch.Tensor]:
-    """The bucket's tensors in one flat byte buffer on ``device`` (``out`` when given: a buffer reused between
-    buckets, at least as large), and where each one is."""
+    """The bucket's tensors in one flat byte buffer on ``device`` (``buffer(nbytes)`` when given: a buffer reused
+    between buckets, at least that large), and where each one is."""
     import torch
 
     layout, nbytes = bucket_layout(bucket)
-    flat = torch.empty(nbytes, dtype=torch.uint8, device=device) if out is None else out[:nbytes]
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device) if buffer is None else buffer(nbytes)[:nbytes]
     for (_, tensor), (_, dtype, shape, start) in zip(bucket, layout, strict=True):
         _view(flat, dtype, shape, start).copy_(tensor, non_blocking=True)
     return layout, flat
@@ -327,7 +327,7 @@ class DeviceSink(_Pipelined):
         from mm_rl.platform.device import export_ipc, synchronize
 
         start = time.perf_counter()
-        layout, flat = pack_bucket(bucket, self.device, self._buffer(bucket_layout(bucket)[1]))
+        layout, flat = pack_bucket(bucket, self.device, self._buffer)
         synchronize(self.device)  # packed before another process reads it (no stream order across processes)
         mapped = [replica for replica in range(len(self.rollouts)) if self.route.maps(replica)]
         handle = export_ipc(flat) if mapped and self.shared else None

@@ -68,7 +68,8 @@ def _job(out: Path, hf_dir: Path, data_dir: Path, devices: int = 1, extra: tuple
         f"backend_config.data.dataset_param.basic_parameters.dataset_dir={data_dir}",
         f"backend_config.megatron_training.train_iters={STEPS}",
         f"backend_config.megatron_training.save_interval={STEPS}",
-        "backend_config.rl_config.val_freq=0", "backend_config.training.bf16=true",
+        "backend_config.rl_config.val_freq=0", "backend_config.rl_config.val_before_train=false",
+        "backend_config.training.bf16=true",
         "backend_config.generate_config.colocate=true", "backend_config.generate_config.gpu_memory_utilization=0.3",
         f"{actor}.offload_train_param=true", f"{actor}.offload_train_grad=true",
         f"{actor}.offload_train_optimizer=true", *extra])
