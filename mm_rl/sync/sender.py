@@ -159,9 +159,6 @@ def stage_hf_tensors(model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clo
                 yield from zip(named.hf, parts, strict=True)
 
 
-
-
-
 def push_stage(model: Any, model_cfg: ModelConfig, tp: int, ep: int,
                sink_factory: Callable[[int], BucketSink] | None, bucket_bytes: int) -> SyncStats | None:
     """Run this rank's part of the sync: TP ranks gather; the sender (``sink_factory`` given) merges, renames,
