@@ -23,18 +23,22 @@ from mm_rl.trainer.metrics import read_metrics
 GAP_TOL = 1e-3  # engine vs actor log-probs of the sampled tokens, fp32 on CPU
 
 
-EP2 = ("env.NPROC_PER_NODE=2", "backend_config.actor_config.expert_model_parallel_size=2")
+MOE = ("tiny_qwen3_vl_moe", "qwen3_vl", {"num_experts": 4})
+TWO_RANKS = "env.NPROC_PER_NODE=2"
+EP2 = (TWO_RANKS, "backend_config.actor_config.expert_model_parallel_size=2")
+TP2 = (TWO_RANKS, "backend_config.actor_config.tensor_model_parallel_size=2")
+ONE_RANK = ["mp_rank_00"]
 
 
-@pytest.mark.parametrize(("preset", "family", "variant", "layout"), [
-    ("tiny_qwen2_vl", "qwen2vl", {}, ()), ("tiny_qwen3_vl", "qwen3_vl", {}, ()),
-    ("tiny_qwen3_vl_moe", "qwen3_vl", {"num_experts": 4}, ()),
-    ("tiny_qwen3_vl_moe", "qwen3_vl", {"num_experts": 4}, EP2)], ids=["qwen2_vl", "qwen3_vl", "qwen3_vl_moe",
-                                                                      "qwen3_vl_moe_ep2"])
+@pytest.mark.parametrize(("preset", "family", "variant", "layout", "rank_dirs"), [
+    ("tiny_qwen2_vl", "qwen2vl", {}, (), ONE_RANK), ("tiny_qwen3_vl", "qwen3_vl", {}, (), ONE_RANK),
+    (*MOE, (), ONE_RANK), (*MOE, EP2, ["mp_rank_00_000", "mp_rank_00_001"]), (*MOE, TP2, ["mp_rank_00", "mp_rank_01"]),
+], ids=["qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_vl_moe_ep2", "qwen3_vl_moe_tp2"])
 def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: Path, preset: str, family: str,
-                                                     variant: dict, layout: tuple[str, ...]):
+                                                     variant: dict, layout: tuple[str, ...], rank_dirs: list[str]):
     """EP2: two actor ranks (DP 2), each holding two of the four experts; the sync gathers them, the checkpoint
-    has one rank directory per EP rank, and mg2hf puts the experts back together."""
+    has one rank directory per EP rank, and mg2hf puts the experts back together. TP2: every expert split over
+    two ranks, which train under sequence parallelism (each routes its half of the tokens)."""
     from omegaconf import OmegaConf
 
     from mm_rl.models.tiny import build_tiny_checkpoint
@@ -67,7 +71,7 @@ def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: 
         assert records[-1]["actor/moe/load_max"] >= 1.0 >= records[-1]["actor/moe/load_min"] > 0
         assert records[-1]["actor/moe/dropped_tokens"] == 0
     ranks = sorted(p.name for p in (tmp_path / "out" / "ckpt" / "iter_0000002").iterdir() if p.name.startswith("mp_"))
-    assert ranks == (["mp_rank_00_000", "mp_rank_00_001"] if layout else ["mp_rank_00"])
+    assert ranks == rank_dirs
 
     from transformers import AutoModelForImageTextToText
 

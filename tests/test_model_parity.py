@@ -290,8 +290,11 @@ def tp1_grads(model: Any) -> dict[str, torch.Tensor]:
         name = ("text_decoder.embedding.word_embeddings.weight" if layout.has_embedding
                 else "text_decoder.output_layer.weight")
         torch.distributed.all_reduce(grads[name], group=parallel_state.get_embedding_group())
-    for name, grad in grads.items():  # what finalize_model_grads does with qk_layernorm: each rank saw its heads
-        if "q_layernorm" in name or "k_layernorm" in name:
+    params = dict(model.named_parameters())
+    for name, grad in grads.items():  # what finalize_model_grads sums over TP: the qk norms (each rank saw its
+        # heads) and, under sequence parallelism, what each rank computed on its share of the tokens (norms, router)
+        if ("q_layernorm" in name or "k_layernorm" in name
+                or (model.config.sequence_parallel and getattr(params[name], "sequence_parallel", False))):
             torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
     dp = parallel_state.get_data_parallel_world_size()
     experts = {name for name, p in model.named_parameters() if not getattr(p, "allreduce", True)}

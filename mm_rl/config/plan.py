@@ -262,10 +262,12 @@ def _stage_activations(cfg: JobConfig, s: int, vit_layers: list[int], llm_layers
     b = cfg.backend_config
     text, vit = b.model.text_decoder, b.model.image_encoder.vision_encoder
 
-    def per_layer(total: float, row: float, hidden: int, heads: int, scores: bool) -> float:
-        """``total`` tokens in rows of at most ``row`` (the attention scores grow with the row length)."""
+    def per_layer(total: float, row: float, hidden: int, heads: int, scores: bool, split: int) -> float:
+        """``total`` tokens in rows of at most ``row`` (the attention scores grow with the row length); of the 34
+        bytes per token and hidden unit, 24 are cut by TP and the other 10 (norm inputs, residuals) by ``split``
+        (TP under sequence parallelism, else 1)."""
         score = 5 * heads * row / (hidden * tp) if scores else 0.0
-        return total * hidden * (10 + 24 / tp + score)
+        return total * hidden * (10 / split + 24 / tp + score)
 
     seq = b.training.seq_length / cp
     vit_tokens = image_tokens(cfg) * vit.spatial_merge_size**2
@@ -275,9 +277,10 @@ def _stage_activations(cfg: JobConfig, s: int, vit_layers: list[int], llm_layers
     images = (b.actor_config.micro_batch_size if b.actor_config.max_tokens_per_micro_batch is None
               else max(1, micro_batch_tokens(cfg) // image_tokens(cfg)))
     vit_act = per_layer(vit_tokens * images, vit_tokens, vit.hidden_size, vit.num_attention_heads,
-                        scores=not b.training.use_flash_attn) if trains_vit else 0.0
+                        scores=not b.training.use_flash_attn, split=1) if trains_vit else 0.0
+    # the LLM: sequence parallelism whenever TP > 1; fused attention keeps no S x S scores (a test checks)
     llm_act = per_layer(micro_batch_tokens(cfg) / cp, seq, text.hidden_size, text.num_attention_heads,
-                        scores=False)  # fused: no S x S scores kept (a test checks the saved tensors)
+                        scores=False, split=tp)
     return llm_layers[s] * llm_act + vit_layers[s] * vit_act
 
 
@@ -433,7 +436,7 @@ def plan_parallel(cfg: JobConfig) -> ParallelPlan:
     seq = cfg.backend_config.training.seq_length // cp
     model = cfg.backend_config.model
     experts = model.text_decoder.num_moe_experts or 0
-    tps = [1] if experts else tp_candidates(cfg)  # MoE: no TP (see validate.expert_parallel); EP instead
+    tps = [1] if experts else tp_candidates(cfg)  # MoE: EP spreads the experts whole; TP would cut each one
     options = sorted(((tp, pp) for tp in tps for pp in range(1, world // tp + 1)
                       if (world // tp) % (pp * cp) == 0 and pp <= model.text_decoder.num_layers),
                      key=lambda o: (o[0] * o[1], o[1]))

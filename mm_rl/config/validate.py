@@ -325,11 +325,6 @@ def expert_parallel(cfg: JobConfig) -> Iterator[Violation]:
     if ep > 1 and replicas > 0 and replicas % ep:
         yield Violation(key, ep, f"must divide DP x CP = {replicas} (the ranks that hold the same model-parallel "
                         "shard share out the experts)", f"use one of {[d for d in _divisors(replicas) if d > 0][:12]}")
-    if experts and b.actor_config.tensor_model_parallel_size > 1:
-        yield Violation(TP, b.actor_config.tensor_model_parallel_size,
-                        "megatron's MoE layer trains with TP only under sequence parallelism, which mm_rl's model "
-                        "does not have", "use TP 1 and spread the experts with expert_model_parallel_size instead "
-                        "(and PP for the rest)")
 
 
 # ---------------------------------------------------------------------------------- model shape

@@ -7,10 +7,10 @@ Three kinds of machine are supported:
   at the NPU) and bridges megatron's ``param.type()`` checks (see :func:`_setup_npu`).
 * ``cuda``: nothing to bridge.
 * ``cpu``: no accelerator; collectives run over gloo. ``setup_process`` installs the targeted bridges of
-  :mod:`mm_rl.platform.megatron_cpu` (read its docstring for the list of call sites). Three
+  :mod:`mm_rl.platform.megatron_cpu` (read its docstring for the list of call sites). Two
   ``TransformerConfig`` features must stay off on CPU (see :func:`cpu_safe_transformer_kwargs`):
-  ``gradient_accumulation_fusion`` (needs apex's fused CUDA kernel), ``apply_rope_fusion`` (needs
-  Transformer Engine) and ``sequence_parallel`` (not supported with the local, non-TE layer spec).
+  ``gradient_accumulation_fusion`` (needs apex's fused CUDA kernel) and ``apply_rope_fusion`` (needs
+  Transformer Engine).
 """
 
 from __future__ import annotations
@@ -170,12 +170,11 @@ def set_device_rng_state(state: torch.Tensor) -> None:
 def cpu_safe_transformer_kwargs() -> dict[str, Any]:
     """``TransformerConfig`` keyword arguments that must be forced on this device kind (empty off CPU).
 
-    On CPU: no gradient-accumulation fusion (apex CUDA kernel), no RoPE fusion (Transformer Engine),
-    no sequence parallelism (the local layer spec does not support it).
+    On CPU: no gradient-accumulation fusion (apex CUDA kernel), no RoPE fusion (Transformer Engine).
     """
     if device_kind() != "cpu":
         return {}
-    return {"gradient_accumulation_fusion": False, "apply_rope_fusion": False, "sequence_parallel": False}
+    return {"gradient_accumulation_fusion": False, "apply_rope_fusion": False}
 
 
 def _apply_transfer_to_npu() -> None:

@@ -34,8 +34,9 @@ Not bridged (not used on CPU): Transformer Engine, apex fusions, FSDP, other MoE
 (their static inputs are the only CUDA calls in transformer.module / transformer_layer), activation
 offloading, context parallelism, inference contexts, dist_checkpointing and ``enable_autocast`` (the
 schedules call ``torch.autocast("cuda")``).
-Keep off on CPU: ``gradient_accumulation_fusion``, ``apply_rope_fusion`` and ``sequence_parallel`` with
-the local layer spec (see :func:`mm_rl.platform.device.cpu_safe_transformer_kwargs`).
+Keep off on CPU: ``gradient_accumulation_fusion`` and ``apply_rope_fusion`` (see
+:func:`mm_rl.platform.device.cpu_safe_transformer_kwargs`). Sequence parallelism runs: its all-gathers and
+reduce-scatters are the bridged ``tensor_parallel.mappings``.
 
 :func:`install` imports the listed modules, patches them once, and does nothing when CUDA or an NPU is
 present. On NPU without MindSpeed, :func:`install_npu_type_bridge` bridges the ``.type()`` checks alone.

@@ -1,6 +1,6 @@
 """Device smoke suite: what only a GPU or an NPU can show. Skipped, with the reason, on a machine without one.
 
-Run it on one accelerator (about 5 minutes on one GPU)::
+Run it on one accelerator (about 5 minutes on one GPU for the Qwen2.5-VL cases)::
 
     .venv/bin/python -m pytest tests/device -v -s
 
@@ -16,8 +16,10 @@ parameters, gradients and Adam state while it generates) -> the checks:
 * the weight sync's route: an engine worker on the sender's device maps the sender's buffers (IPC), the others
   take the broadcast; another process on the device reads an exported buffer.
 
-The models: the embedded tiny model, and one with Qwen2.5-VL-3B widths (hidden 2048, 16 heads, 2 KV groups,
-ViT 1280 wide) and 2 LLM / 2 ViT layers, both random (no warm-up: only numbers and memory are checked here).
+The models: the embedded tiny model, one with Qwen2.5-VL-3B widths (hidden 2048, 16 heads, 2 KV groups,
+ViT 1280 wide) and 2 LLM / 2 ViT layers, and the tiny Qwen3-VL and Qwen3-VL-MoE (4 experts, top 2; on 2 devices
+also at TP2, where the LLM runs sequence parallelism and every expert is split over both ranks), all random (no
+warm-up: only numbers and memory are checked here).
 """
 
 from __future__ import annotations
@@ -100,12 +102,17 @@ def _run(job: JobConfig) -> tuple[list[dict[str, float]], list[tuple[int, int, i
     return history, memory, route
 
 
-@pytest.mark.parametrize("widths", ["tiny", "qwen2_5_vl_3b"])
+CHECKPOINTS: dict[str, dict[str, Any]] = {  # name: the tiny builder's keywords
+    "tiny": {}, "qwen2_5_vl_3b": QWEN2_5_VL_3B_WIDTHS, "tiny_qwen3_vl": {"family": "qwen3_vl"},
+    "tiny_qwen3_vl_moe": {"family": "qwen3_vl", "num_experts": 4},
+}
+
+
+@pytest.mark.parametrize("widths", sorted(CHECKPOINTS))
 def test_colocated_bf16_grpo_steps(widths: str, data_dir: Path, tmp_path: Path) -> None:
     from mm_rl.models.tiny import build_tiny_checkpoint
 
-    overrides = QWEN2_5_VL_3B_WIDTHS if widths == "qwen2_5_vl_3b" else {}
-    hf_dir = build_tiny_checkpoint(tmp_path / "hf", seed=0, **overrides)
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", seed=0, **CHECKPOINTS[widths])
     history, memory, route = _run(_job(tmp_path / "out", hf_dir, data_dir))
 
     assert len(history) == STEPS  # every step after the first went through sleep -> wake again
@@ -151,6 +158,23 @@ def test_a_colocated_tp2_engine_spans_the_devices_of_two_ranks(data_dir: Path, t
     history, _, route = _run(_job(tmp_path / "out", hf_dir, data_dir, devices=2, extra=extra))
     assert len(history) == STEPS and route.stages[0].ranks == ((None, 1),)
     assert all(step["rollout/replicas"] == 1 and step["rollout/logprob_gap_mean"] < GAP_MEAN_BF16 for step in history)
+
+
+@pytest.mark.skipif(device_count() < 2, reason="needs 2 or more devices of one kind")
+def test_moe_trains_at_tp2_under_sequence_parallelism(data_dir: Path, tmp_path: Path) -> None:
+    """Two devices, the tiny Qwen3-VL-MoE at TP2: each rank routes its half of the tokens (sequence parallelism,
+    which megatron's MoE layer needs to train under TP) to experts split over both ranks; bf16 steps finish,
+    every expert is used and the engine generates from the synced weights."""
+    from mm_rl.models.tiny import build_tiny_checkpoint
+
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", seed=0, **CHECKPOINTS["tiny_qwen3_vl_moe"])
+    extra = ("backend_config.actor_config.tensor_model_parallel_size=2",)
+    history, _, _ = _run(_job(tmp_path / "out", hf_dir, data_dir, devices=2, extra=extra))
+    assert len(history) == STEPS
+    for step in history:
+        assert step["rollout/logprob_gap_mean"] < GAP_MEAN_BF16 and step["actor/moe/load_min"] > 0
+    print(f"device smoke MoE TP2 on {device_kind()}: gap mean {max(s['rollout/logprob_gap_mean'] for s in history):.2e}"
+          f", expert load max {history[-1]['actor/moe/load_max']:.2f}")
 
 
 def test_micro_batch_reaches_the_rank_device_and_results_come_back() -> None:

@@ -108,7 +108,8 @@ def text_decoder_config(
     ``tp`` / ``pp`` default to the flags' values (then to 1); ``pp`` must equal the number of entries of
     ``text_decoder.pipeline_num_layers`` when > 1. ``context_parallel_size`` stays 1 whatever the CP size:
     the model's Ulysses attention does context parallelism around megatron's local attention (megatron's
-    own CP needs Transformer Engine). Dropout is off (RL recomputes log-probs and must be deterministic);
+    own CP needs Transformer Engine); ``sequence_parallel`` is on when TP > 1 (see ``model.TorchNorm``). Dropout is
+    off (RL recomputes log-probs and must be deterministic);
     ``overrides`` go last.
     """
     from megatron.core.transformer import TransformerConfig
@@ -153,6 +154,9 @@ def text_decoder_config(
         "pipeline_model_parallel_size": pp,
         "pipeline_model_parallel_layout": pipeline_layout(text.pipeline_num_layers) if pp > 1 else None,
         "context_parallel_size": 1,
+        # megatron's sequence parallelism whenever there is TP: activations between the TP linears cut by TP,
+        # and megatron's MoE layer refuses TP in training without it (moe/moe_layer.py, MoELayer.forward)
+        "sequence_parallel": tp > 1,
         "variable_seq_lengths": True,  # prompts + responses differ per micro-batch: exchange shapes first
         "moe_token_dispatcher_type": "alltoall",  # megatron rejects its default (allgather) with variable lengths
         "bias_activation_fusion": False,

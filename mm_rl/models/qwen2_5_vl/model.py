@@ -35,6 +35,14 @@ stage gathers log-probs / entropy / logits back to the whole sequence, so the lo
 and without CP; each rank's gradient covers its own tokens and megatron's loss x cp scaling with DP x CP
 gradient averaging makes the sum exact.
 
+Sequence parallelism (megatron's, on whenever TP > 1): between the LLM's tensor-parallel linears each TP rank
+holds a contiguous 1/TP of its (CP rank's) tokens, so norms, residuals and the MoE router see only their share
+(megatron's MoE layer trains under TP only this way). The first LLM stage splices the images in over the whole
+sequence and then keeps its share of the embeddings and of the DeepStack additions; the column-parallel linears
+all-gather the tokens (the output layer too, so the log-probs see the whole sequence), the row-parallel ones
+reduce-scatter them, and the norms' gradients are summed over TP (:class:`TorchNorm`). The token row is padded to
+a multiple of CP x TP.
+
 Use, on one rank (after ``initialize_model_parallel(tp, pp, context_parallel_size=cp,
 get_embedding_ranks=embedding_ranks(model_cfg))``)::
 
@@ -325,9 +333,6 @@ class ContextParallel:
     rank: int
     size: int
 
-    def padded_length(self, seq: int) -> int:
-        return -(-seq // self.size) * self.size
-
     def local(self, x: Tensor, dim: int) -> Tensor:
         """This rank's chunk of ``x`` along ``dim``."""
         return x.chunk(self.size, dim=dim)[self.rank]
@@ -335,6 +340,15 @@ class ContextParallel:
     def gather(self, x: Tensor) -> Tensor:
         """[B, S/cp, ...] -> [B, S, ...] (see _GatherSequence)."""
         return _GatherSequence.apply(x, self.group, self.rank, self.size)  # type: ignore[no-any-return]
+
+
+def _sequence_parallel_share(x: Tensor) -> Tensor:
+    """This TP rank's contiguous 1/TP of ``x`` [S, B, H] along S (megatron's scatter: the backward all-gathers);
+    a copy, so the whole tensor is not kept alive by the view (megatron's embedding clones it for the same
+    reason)."""
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.scatter_to_sequence_parallel_region(x).clone()  # type: ignore[no-any-return]
 
 
 def _pad_sequence(x: Tensor | None, length: int, value: int, dim: int = -1) -> Tensor | None:
@@ -421,13 +435,15 @@ class Qwen2_5_VLModel(torch.nn.Module):
 
     def _text_decoder(self, padded_vocab: int) -> torch.nn.Module:
         from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
         text = self.model_cfg.text_decoder
         spec = llm_layer_spec(text.normalization, ulysses=self.cp is not None, qk_layernorm=text.qk_layernorm,
                               num_experts=text.num_moe_experts)
         decoder = GPTModel(
             config=self.config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[spec] * len(self.layout.llm_layers),
+                                                              layer_norm=spec.submodules.input_layernorm),
             vocab_size=padded_vocab,
             max_sequence_length=text.max_position_embeddings,
             pre_process=self.layout.has_embedding,
@@ -436,6 +452,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
             share_embeddings_and_output_weights=not text.untie_embeddings_and_output_weights,
             position_embedding_type="mrope",
             rotary_base=text.rope_theta,  # type: ignore[arg-type]  # megatron annotates int; rope_theta is float
+            scatter_embedding_sequence_parallel=False,  # images are spliced in first (see decoder_input)
         )
         if text.mrope_interleaved:
             from mm_rl.models.qwen2_5_vl.rotary import InterleavedMultimodalRotaryEmbedding
@@ -456,6 +473,13 @@ class Qwen2_5_VLModel(torch.nn.Module):
                                      "the word embeddings (the first LLM stage)")
                 layer.register_forward_hook(functools.partial(self._add_deepstack, index))
         return decoder
+
+    @property
+    def sequence_split(self) -> int:
+        """The LLM's sequence is cut into this many contiguous shares: CP ranks x (under sequence parallelism)
+        TP ranks; a micro-batch's token row is padded to a multiple of it."""
+        sp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+        return (self.cp.size if self.cp is not None else 1) * sp
 
     @property
     def deepstack_layers(self) -> int:
@@ -617,9 +641,9 @@ class Qwen2_5_VLModel(torch.nn.Module):
             input_ids, labels, position_ids = packed.pack(input_ids), packed.pack(labels), packed.pack(position_ids)
             attention_mask = None
         seq = input_ids.shape[1]
-        if self.cp is not None:  # pad to a multiple of the CP size (right padding: invisible to real tokens)
-            length = self.cp.padded_length(seq)
-            if attention_mask is None and length != seq and packed is None:
+        length = -(-seq // self.sequence_split) * self.sequence_split
+        if length != seq:  # right padding to a multiple of CP x SP (invisible to real tokens)
+            if attention_mask is None and packed is None:
                 attention_mask = torch.ones_like(input_ids)
             input_ids, attention_mask, labels = (_pad_sequence(t, length, 0) for t in (input_ids, attention_mask,
                                                                                         labels))
@@ -634,6 +658,9 @@ class Qwen2_5_VLModel(torch.nn.Module):
             decoder_input = self.cp.local(decoder_input, dim=0) if decoder_input is not None else None
             self.deepstack = [self.cp.local(features, dim=0) for features in self.deepstack]
             labels = self.cp.local(labels, dim=1) if labels is not None else None
+        if self.config.sequence_parallel:  # this TP rank's share of the tokens; the layers' linears gather them
+            decoder_input = _sequence_parallel_share(decoder_input) if decoder_input is not None else None
+            self.deepstack = [_sequence_parallel_share(features) for features in self.deepstack]
         output = self.text_decoder(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -649,7 +676,8 @@ class Qwen2_5_VLModel(torch.nn.Module):
     def _last_stage_outputs(
         self, logits: Tensor, labels: Tensor | None, seq: int, return_logits: bool, temperature: float
     ) -> dict[str, Tensor]:
-        """log_probs / entropy (labels given) and logits (asked for, or no labels), whole sequence under CP."""
+        """log_probs / entropy (labels given) and logits (asked for, or no labels) of the ``seq`` tokens, whole
+        sequence under CP."""
         result: dict[str, Tensor] = {}
         if labels is not None:
             result["log_probs"], result["entropy"] = log_probs_and_entropy(
@@ -658,8 +686,8 @@ class Qwen2_5_VLModel(torch.nn.Module):
         if labels is None or return_logits:
             result["logits"] = logits
         if self.cp is not None:
-            result = {key: self.cp.gather(value)[:, :seq] for key, value in result.items()}
-        return result
+            result = {key: self.cp.gather(value) for key, value in result.items()}
+        return {key: value[:, :seq] for key, value in result.items()}  # without the CP / SP padding
 
 
 def _context_parallel() -> ContextParallel | None:
@@ -698,19 +726,45 @@ def _build_image_encoder(
     )
 
 
+class TorchNorm:
+    """torch's LayerNorm / RMSNorm, as megatron's ``WrappedTorchNorm`` builds them, also under sequence parallelism.
+
+    ``WrappedTorchNorm`` refuses sequence parallelism only because it does not mark its parameters: with each TP
+    rank normalising its own share of the tokens, a norm's gradient is that share's, and megatron's
+    ``finalize_model_grads`` sums over TP exactly the parameters marked ``sequence_parallel``
+    (``distributed/finalize_model_grads.py``, ``_allreduce_non_tensor_model_parallel_grads``; apex's
+    ``FusedLayerNorm`` marks its own the same way)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:  # type: ignore[misc]
+        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in norms:
+            raise ValueError(f"normalization {config.normalization!r}: the LLM takes one of {sorted(norms)}")
+        norm = norms[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+        return norm
+
+
 def llm_layer_spec(normalization: str, ulysses: bool, qk_layernorm: bool = False,
                    num_experts: int | None = None) -> Any:
     """The LLM layer: megatron's local spec with :class:`LLMCoreAttention` (fused attention without S x S scores,
-    packed rows per sequence), wrapped for Ulysses CP; ``qk_layernorm``: megatron's per-head query / key norm
-    (applied before the rotary, as Qwen3's q_norm / k_norm); ``num_experts``: megatron's MoE layer (router and
-    local experts, ``mlp.experts.local_experts.E``, MindSpeed-MM's names) in place of the dense MLP."""
+    packed rows per sequence), wrapped for Ulysses CP, and torch's norms as :class:`TorchNorm` (sequence
+    parallelism); ``qk_layernorm``: megatron's per-head query / key norm (applied before the rotary, as Qwen3's
+    q_norm / k_norm); ``num_experts``: megatron's MoE layer (router and local experts,
+    ``mlp.experts.local_experts.E``, MindSpeed-MM's names) in place of the dense MLP."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from mm_rl.models.qwen2_5_vl.llm_attention import LLMCoreAttention
 
     spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization=megatron_normalization(normalization),
                                     qk_layernorm=qk_layernorm)
-    spec.submodules.self_attention.submodules.core_attention = UlyssesAttention if ulysses else LLMCoreAttention
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    attention.core_attention = UlyssesAttention if ulysses else LLMCoreAttention
+    for parent, slot in ((layer, "input_layernorm"), (layer, "pre_mlp_layernorm"), (attention, "q_layernorm"),
+                         (attention, "k_layernorm")):
+        if getattr(parent, slot) is WrappedTorchNorm:
+            setattr(parent, slot, TorchNorm)
     return spec
 
 

@@ -104,7 +104,7 @@ def _common_kwargs(base: TransformerConfig | None) -> dict:
 
     Pipeline stages of the ViT are explicit (``num_layers`` / ``layer_offset``), so megatron's own layer
     offset arithmetic must see one stage; sequence parallelism and RoPE / bias-activation fusions are off
-    (the ViT is small next to the LLM and the local spec does not support sequence parallelism).
+    (the ViT is small next to the LLM).
     """
     inherited = {name: getattr(base, name) for name in _INHERITED_FIELDS} if base is not None else {}
     return {
