@@ -10,9 +10,10 @@ rollout phase's are compared with (1.00x = the trainer adds nothing around the e
 driver hands the roles per step (every log-prob pass and update, and the step's images, measured at the roles
 boundary) beside what the same passes would have shipped with a copy of the prompt's pixel values in every sample's
 row (the micro-batches before the image hand-off). Then the actor's passes (old log-probs, reference, update) beside
-a baseline measured in the same run: the last step's micro-batches through transformers' Qwen2.5-VL in this
-process with the actor's thread count (forward for a log-prob pass; forward, backward and an Adam step for the
-update). Then the same steps with ``rl_config.one_step_off_policy`` (each
+two baselines measured in the same run, both in this process with the actor's thread count: the last step's
+micro-batches through mm_rl's own actor rank without Ray or the other roles (what the passes cost alone), and through
+transformers' Qwen2.5-VL (forward for a log-prob pass; forward, backward and an Adam step for the update). Then the
+same steps with ``rl_config.one_step_off_policy`` (each
 step's batch generated while the previous step trained): the median step time of both, and their ratio.
 
     python bench/step.py [--job output/tiny_grpo/job.yaml] [--steps 5] [--repeat 3] [--json] [a.b.c=value ...]
@@ -21,6 +22,7 @@ step's batch generated while the previous step trained): the median step time of
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -93,6 +95,7 @@ class MeteredRoles:
         self.roles, self.images = roles, {}
         self.shipped = self.per_sample = 0
         self.passes: list[tuple[str, list[Any], float]] = []  # the step's passes: kind, micro-batches, denominator
+        self.loss: Any = None  # the last update's LossSpec
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.roles, name)
@@ -112,6 +115,7 @@ class MeteredRoles:
     def train_mini_batch(self, shards: Any, loss: Any, denominator: float) -> Any:
         self._count(shards)
         self.passes.append(("update", [batch for shard in shards for batch in shard], denominator))
+        self.loss = loss
         return self.roles.train_mini_batch(shards, loss, denominator)
 
     def _count(self, shards: Any) -> None:
@@ -178,6 +182,38 @@ def transformers_baseline(hf_dir: str, passes: list[tuple[str, list[Any], float]
     return statistics.median(run() for _ in range(max(1, repeat)))
 
 
+def actor_in_process(spec: Any, optimizer: Any, mm_dir: str, passes: list[tuple[str, list[Any], float]], images: Any,
+                     loss: Any, repeat: int) -> float:
+    """Seconds (median of ``repeat``) of the same micro-batches through mm_rl's own actor rank (``TrainingWorker``,
+    the job's spec and optimizer) in this process, without Ray or the other roles: the passes' own cost, so the
+    comparison with transformers separates the model from the job around it. Each pass starts with a fresh image
+    cache, as on ranks of their own."""
+    from actor import _free_port
+
+    from mm_rl.workers.training import TrainingWorker
+
+    worker = TrainingWorker(spec, 0)
+    worker.init_distributed("127.0.0.1", _free_port())
+    worker.build(mm_dir)
+    worker.setup_training(optimizer)
+
+    def run() -> float:
+        start = time.perf_counter()
+        for kind, batches, denominator in passes:
+            worker.set_images(images)
+            if kind == "log_probs":
+                worker.compute_log_probs(batches)
+            else:
+                worker.train_mini_batch(batches, loss, denominator)
+        return time.perf_counter() - start
+
+    try:
+        run()  # warm-up
+        return statistics.median(run() for _ in range(max(1, repeat)))
+    finally:
+        worker.shutdown()
+
+
 def report(rows: list[dict[str, float]], raw_tok_per_s: float) -> dict[str, float]:
     """Print the table; returns the numbers printed."""
     def median(key: str) -> float:
@@ -217,7 +253,8 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
     from mm_rl.trainer.job import convert_in
     from mm_rl.trainer.metrics import step_line
 
-    trainer = build_trainer(job, convert_in(job, print))
+    mm_dir = convert_in(job, print)
+    trainer = build_trainer(job, mm_dir)
     trainer.roles = meter = MeteredRoles(trainer.roles)
     try:
         rows = []
@@ -233,15 +270,19 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
             trainer.pending.result()
         raw = raw_generate(trainer, steps, repeat) if repeat else None
         threads = meter.roles.actor.run("threads")[0]
+        spec = dataclasses.replace(meter.roles.worker_spec(trained=True), num_threads=threads)
+        optimizer = meter.roles.optimizer_spec(spec.bf16)
     finally:
         trainer.close()
         ray.shutdown()
     if repeat:
         hf_dir = job.backend_config.megatron_training.tokenizer_name_or_path
         ours = statistics.median(sum(row.get(f"timing/{phase}", 0.0) for phase in ACTOR_PHASES) for row in rows[1:])
+        alone = actor_in_process(spec, optimizer, str(mm_dir), last_passes, images, meter.loss, repeat)
         theirs = transformers_baseline(hf_dir, last_passes, images, threads, repeat)
-        print(f"actor passes ({' + '.join(ACTOR_PHASES)}): {ours:.3f} s vs the same micro-batches through "
-              f"transformers in one process ({threads} threads) {theirs:.3f} s -> {ours / theirs:.2f}x")
+        print(f"actor passes ({' + '.join(ACTOR_PHASES)}): {ours:.3f} s in the job; the same micro-batches through "
+              f"mm_rl's actor rank in one process {alone:.3f} s and through transformers in one process {theirs:.3f} "
+              f"s ({threads} threads) -> job {ours / theirs:.2f}x, rank alone {alone / theirs:.2f}x")
     return rows, raw
 
 
