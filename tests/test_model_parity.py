@@ -10,6 +10,10 @@ of a log-prob + entropy loss, gathered over TP and renamed to TP1 names, vs the 
 Layouts: TP1, TP2, PP2 (vit [2, 0] / llm [1, 3], ViT and LLM sharing stage 0, tied embeddings), TP2 x PP2.
 The model packs each micro-batch's rows by default (``remove_padding``); at TP1, TP2, PP2 and CP2 the padded path
 runs too: log-probs and entropy on real tokens and every gradient (relative, in norm) within 1e-5 of the packed.
+With an output mask (a wanted span at the end of each row, as the response tokens are) only those positions reach
+the output layer: at TP1 (packed and padded), TP2 (sequence parallelism: each rank's share of the rows), PP2, CP2
+and TP2 x CP2 their log-probs and entropy match the full output's, every other position is 0, and the gradients of
+a loss over the wanted positions match the full run's (relative, in norm) within 1e-5.
 The TP1 run also checks the freeze switches and model.json switches (activation, norm, GQA off, rope theta,
 mRoPE sections, fewer layers). Each layout is launched once and checks everything inside it.
 """
@@ -236,8 +240,11 @@ def _loss(output: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     return -((output["log_probs"] + ENTROPY_COEF * output["entropy"]) * weights).sum()
 
 
-def run_schedule(model: Any, batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """Forward + backward over the micro-batches with megatron's schedule; the last stage's outputs."""
+def run_schedule(model: Any, batches: list[dict[str, torch.Tensor]], loss_mask: str = "attention_mask",
+                 select: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Forward + backward over the micro-batches with megatron's schedule, the loss over the batch's ``loss_mask``
+    positions; the last stage's outputs (with ``select``, only the ``loss_mask`` positions' log-probs and entropy,
+    the model's ``output_mask``; else every position's, and the logits)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     captured: list[dict[str, torch.Tensor]] = []
@@ -246,11 +253,12 @@ def run_schedule(model: Any, batches: list[dict[str, torch.Tensor]]) -> list[dic
         batch = next(data)
         output = chunk(batch["input_ids"], attention_mask=batch["attention_mask"],
                        pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
-                       labels=batch["labels"], return_logits=True)
+                       labels=batch["labels"], output_mask=batch[loss_mask] if select else None,
+                       return_logits=not select)
 
         def loss_func(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             captured.append({key: value.detach().clone() for key, value in out.items()})
-            loss = _loss(out, batch["attention_mask"])
+            loss = _loss(out, batch[loss_mask])
             return loss, {"loss": loss.detach().clone()}
 
         return output, loss_func
@@ -357,6 +365,8 @@ def _parallel_worker(rank: int, world: int, port: int, case: dict[str, Any], sha
     if case.get("padded_rerun"):
         result["packed_vs_padded"] = packed_vs_padded(case["json"], case["mm_dir"], inputs["batches"], captured,
                                                       packed_grads)
+    if case.get("selected_rerun"):
+        result["selected_vs_full"] = selected_vs_full(case["json"], case["mm_dir"], inputs["batches"])
     if case.get("frozen_rerun"):  # default freeze switches: the frozen ViT stages still pass the pipeline
         captured = run_schedule(_build_and_load(case["json"], case["mm_dir"]), inputs["batches"])
         if captured:
@@ -388,6 +398,9 @@ def _tp1_worker(rank: int, world: int, port: int, cases: dict[str, Any], shared:
         if key == "untied":
             result["packed_vs_padded"] = packed_vs_padded(cases[key]["json"], cases[key]["mm_dir"], batches,
                                                           captured, grads)
+            for packed in (True, False):
+                result[f"selected_vs_full_{'packed' if packed else 'padded'}"] = selected_vs_full(
+                    cases[key]["json"], cases[key]["mm_dir"], batches, remove_padding=packed)
     model = _build_and_load(cases["variant"]["json"], cases["variant"]["mm_dir"])
     result["variant"] = output_diffs(run_schedule(model, batches), inputs["reference"]["variant"]["outputs"],
                                      batches)
@@ -413,6 +426,42 @@ def packed_vs_padded(data: dict[str, Any], mm_dir: str, batches: list[dict[str, 
     grads = tp1_grads(model)
     diffs["grad_rel"] = max(((packed_grads[name] - grad).norm() / grad.norm().clamp_min(1e-30)).item()
                             for name, grad in grads.items())
+    return diffs
+
+
+def with_wanted_tail(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """The micro-batches with ``wanted``: the last 2 to 6 real positions of each row (as response tokens are)."""
+    out = []
+    for batch in batches:
+        valid = batch["attention_mask"].bool()
+        ends = valid.cumsum(-1)  # right or left padding alike: the rank of each real token in its row
+        tail = torch.tensor([2 + 2 * row for row in range(valid.shape[0])])[:, None]
+        out.append({**batch, "wanted": (valid & (ends > valid.sum(-1, keepdim=True) - tail)).float()})
+    return out
+
+
+def selected_vs_full(data: dict[str, Any], mm_dir: str, batches: list[dict[str, torch.Tensor]],
+                     remove_padding: bool = True) -> dict[str, float]:
+    """The micro-batches' log-probs and entropy at their ``wanted`` positions only (the model's ``output_mask``) vs
+    every position's, both with a loss over the wanted positions: the largest |difference| there, the largest
+    |value| elsewhere (must be 0), and every gradient's difference relative to its norm (TP1 names)."""
+    from mm_rl.config.schema import ActorConfig
+
+    batches = with_wanted_tail(batches)
+    runs, grads = [], []
+    for select in (False, True):
+        model = _build_and_load(data, mm_dir, ActorConfig(unfreeze_vision_encoder=True),
+                                remove_padding=remove_padding)
+        runs.append(run_schedule(model, batches, loss_mask="wanted", select=select))
+        grads.append(tp1_grads(model))
+    diffs = {"log_probs": 0.0, "entropy": 0.0, "unwanted": 0.0}
+    for full, selected, batch in zip(*runs, batches if runs[0] else [], strict=True):  # last stage
+        wanted = batch["wanted"].bool()
+        for key in ("log_probs", "entropy"):
+            diffs[key] = max(diffs[key], (full[key][wanted] - selected[key][wanted]).abs().max().item())
+            diffs["unwanted"] = max(diffs["unwanted"], selected[key][~wanted].abs().max().item())
+    diffs["grad_rel"] = max(((grads[1][name] - grad).norm() / grad.norm().clamp_min(1e-30)).item()
+                            for name, grad in grads[0].items())
     return diffs
 
 
@@ -468,6 +517,7 @@ CASES = {  # name: (tp, pp, cp, tied, json kwargs)
 }
 FROZEN_RERUN = {"pp3_vit_split"}
 PADDED_RERUN = {"tp2", "pp2", "cp2"}  # packed (the default) against padded rows, beside TP1's
+SELECTED_RERUN = {"tp2", "pp2", "cp2", "tp2_cp2"}  # only the wanted positions' outputs, beside TP1's
 
 
 @pytest.fixture(scope="module")
@@ -486,7 +536,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         key = "tied" if tied else "untied"
         data = model_json(tied=tied, **kwargs)
         parallel[name] = {"tp": tp, "pp": pp, "cp": cp, "hf": key, "json": data, "frozen_rerun": name in FROZEN_RERUN,
-                          "padded_rerun": name in PADDED_RERUN,
+                          "padded_rerun": name in PADDED_RERUN, "selected_rerun": name in SELECTED_RERUN,
                           "mm_dir": str(convert(hf[key], root / f"mm_{name}", data, tp))}
     batches = make_micro_batches()
     reference = {key: hf_reference(path, batches) for key, path in hf.items()}
@@ -516,6 +566,9 @@ def test_tp1_matches_transformers(setup: dict[str, Any]) -> None:
         assert not result[f"{key}_zero_grads"]
     _report("tp1 packed vs padded", result["packed_vs_padded"])
     assert max(result["packed_vs_padded"].values()) <= GRAD_TOL
+    for rows in ("packed", "padded"):
+        _report(f"tp1 {rows}: wanted positions only vs all", result[f"selected_vs_full_{rows}"])
+        assert max(result[f"selected_vs_full_{rows}"].values()) <= GRAD_TOL
 
 
 def test_freeze_switches(setup: dict[str, Any]) -> None:
@@ -553,6 +606,10 @@ def test_parallel_matches_transformers_and_tp1(setup: dict[str, Any], name: str,
         padded = [r["packed_vs_padded"] for r in results if "packed_vs_padded" in r]
         _report(f"{name} packed vs padded", {key: max(o[key] for o in padded) for key in padded[0]})
         assert len(padded) == world and max(max(o.values()) for o in padded) <= GRAD_TOL  # grads on every rank
+    if case["selected_rerun"]:
+        selected = [r["selected_vs_full"] for r in results]
+        _report(f"{name} wanted positions only vs all", {key: max(o[key] for o in selected) for key in selected[0]})
+        assert max(max(o.values()) for o in selected) <= GRAD_TOL  # grads on every rank
     if case["frozen_rerun"]:
         frozen = [r["outputs_frozen"] for r in results if "outputs_frozen" in r]
         _report(f"{name} frozen ViT", frozen[0])

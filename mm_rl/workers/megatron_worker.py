@@ -206,8 +206,9 @@ class MegatronWorker:
 
         A micro-batch holds ``input_ids``, ``attention_mask``, ``labels`` (labels[b, s]: the token position s
         predicts) and, with images, ``image_grid_thw`` of its rows' images and either ``image_index`` (each row's
-        prompt among the step's images, see :meth:`set_images`) or their ``pixel_values``. Every rank must run
-        this; the last stage's TP-rank 0 of each DP replica returns the list, the others None.
+        prompt among the step's images, see :meth:`set_images`) or their ``pixel_values``, and optionally
+        ``response_mask``: then only those positions get log-probs (0 elsewhere; the model's ``output_mask``). Every
+        rank must run this; the last stage's TP-rank 0 of each DP replica returns the list, the others None.
         """
         import torch
 
@@ -379,7 +380,8 @@ def _forward_step(loss_of: Callable[..., torch.Tensor], temperature: float, imag
     output = model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
                    pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
                    labels=batch["labels"], temperature=temperature, encoded_grid_thw=batch.get("encoded_grid_thw"),
-                   image_slots=batch.get("image_slots"), image_keys=batch.get("image_keys"))
+                   image_slots=batch.get("image_slots"), image_keys=batch.get("image_keys"),
+                   output_mask=batch.get("response_mask"))
 
     def loss_func(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         return loss_of(batch, out), {}

@@ -15,7 +15,8 @@ the image embeddings over the image-token positions (in the order transformers u
 left to right); the tensor handed between LLM stages is megatron's [S, B, H]. Positions are the 3D mRoPE ids
 of :mod:`rope_index`, computed on every stage from the token ids (or passed in). The last stage turns its
 vocab-parallel logits into the log-probs of given labels and the entropy (:mod:`logprobs`) without
-gathering the vocabulary.
+gathering the vocabulary; given an ``output_mask`` (the response tokens), only those positions reach the output
+layer (:class:`OutputRows`): a GRPO pass reads no prompt token's log-prob.
 
 The samples of one prompt share its image. Given ``image_slots`` (which encoded image fills each image of the
 micro-batch, in sample order), the ViT encodes each distinct image once (``pixel_values`` / ``encoded_grid_thw``)
@@ -351,6 +352,51 @@ def _sequence_parallel_share(x: Tensor) -> Tensor:
     return tensor_parallel.scatter_to_sequence_parallel_region(x).clone()  # type: ignore[no-any-return]
 
 
+@dataclass(frozen=True)
+class OutputRows:
+    """The token positions of a micro-batch whose log-probs are wanted (the response tokens), and the rows of the
+    hidden states that reach the output layer for them: only those, since a prompt's logits are never read and the
+    output layer and the log-prob function are the widest steps of the LLM (vocab columns per token).
+
+    Under sequence parallelism TP rank r holds the r-th contiguous share of the tokens and the output layer
+    all-gathers the shares, so every rank keeps the same number of rows (``width``: its wanted rows, then unwanted
+    ones of its share as fillers; every rank sees the whole mask, so all agree without talking) and the gathered
+    rows come in rank order. ``positions`` is each gathered row's place in the [S, B] token grid flattened,
+    ``valid`` False on the fillers."""
+
+    local: Tensor  # [width] rows of this rank's [S / shares * B] hidden states
+    positions: Tensor  # [shares * width]
+    valid: Tensor  # [shares * width]
+    shape: tuple[int, int]  # (B, S)
+
+    @classmethod
+    def of(cls, mask: Tensor, shares: int, rank: int) -> OutputRows:
+        """``mask`` [B, S] (nonzero: wanted) of this rank's tokens (CP-local), cut into ``shares`` along S."""
+        grid = (mask != 0).t().reshape(shares, -1)  # share r: its [S / shares, B] rows, as the hidden states hold them
+        counts = grid.sum(1)
+        width = max(int(counts.max()), 1)
+        # the wanted rows of each share first, in order (a stable sort of "not wanted"), then fillers
+        order = torch.sort((~grid).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+        valid = torch.arange(width, device=mask.device) < counts[:, None]
+        positions = order + torch.arange(shares, device=mask.device)[:, None] * grid.shape[1]
+        return cls(order[rank], positions.reshape(-1), valid.reshape(-1), (mask.shape[0], mask.shape[1]))
+
+    def pick(self, hidden: Tensor) -> Tensor:
+        """[S / shares, B, H] -> [width, 1, H]."""
+        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, self.local).unsqueeze(1)
+
+    def labels(self, labels: Tensor) -> Tensor:
+        """[B, S] -> [1, shares * width], in the gathered rows' order."""
+        return labels.t().reshape(-1).index_select(0, self.positions).unsqueeze(0)
+
+    def place(self, values: Tensor) -> Tensor:
+        """[1, shares * width] -> [B, S], zeros where nothing was wanted (out of place: gradients reach ``values``)."""
+        rows, cols = self.shape
+        out = values.new_zeros(cols * rows)
+        out = out.index_put((self.positions[self.valid],), values[0][self.valid])
+        return out.reshape(cols, rows).t()
+
+
 def _pad_sequence(x: Tensor | None, length: int, value: int, dim: int = -1) -> Tensor | None:
     """``x`` right-padded with ``value`` to ``length`` along ``dim`` (CP needs a multiple of its size)."""
     if x is None or x.shape[dim] == length:
@@ -425,6 +471,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
         self.deepstack: list[Tensor] = []  # this micro-batch's DeepStack additions, [S, B, H] per early LLM layer
         self.routing = RoutingCounts(model_cfg.text_decoder.num_layers, model_cfg.text_decoder.num_moe_experts or 0)
         self.cp = _context_parallel()
+        self.output_rows: OutputRows | None = None  # this micro-batch's, set per forward
         if image_encoder is not None:
             self.image_encoder = image_encoder
         if layout.has_llm:
@@ -463,6 +510,8 @@ class Qwen2_5_VLModel(torch.nn.Module):
             # positions arrive already cut to this rank's contiguous chunk: megatron must not re-slice the
             # rotary table for its own (load-balanced) CP layout
             decoder.rotary_pos_emb.cp_group = None
+        if self.layout.has_output:
+            decoder.output_layer.register_forward_pre_hook(self._pick_output_rows, with_kwargs=True)
         for local, layer in enumerate(decoder.decoder.layers):
             index = self.layout.llm_layers.start + local
             if text.num_moe_experts:
@@ -480,6 +529,21 @@ class Qwen2_5_VLModel(torch.nn.Module):
         TP ranks; a micro-batch's token row is padded to a multiple of it."""
         sp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
         return (self.cp.size if self.cp is not None else 1) * sp
+
+    def _sequence_shares(self) -> tuple[int, int]:
+        """(shares, this rank's share) of the LLM's (CP-local) tokens at the output layer: TP under sequence
+        parallelism, else one."""
+        from megatron.core import parallel_state
+
+        if not self.config.sequence_parallel:
+            return 1, 0
+        return self.config.tensor_model_parallel_size, parallel_state.get_tensor_model_parallel_rank()
+
+    def _pick_output_rows(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        """The output layer's input cut to this micro-batch's wanted rows (see :class:`OutputRows`)."""
+        if self.output_rows is None:
+            return None
+        return (self.output_rows.pick(args[0]), *args[1:]), kwargs
 
     @property
     def deepstack_layers(self) -> int:
@@ -609,6 +673,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
         encoded_grid_thw: Tensor | None = None,
         image_slots: Tensor | None = None,
         image_keys: Tensor | None = None,
+        output_mask: Tensor | None = None,
         return_logits: bool = False,
         temperature: float = 1.0,
     ) -> Tensor | dict[str, Tensor]:
@@ -622,7 +687,8 @@ class Qwen2_5_VLModel(torch.nn.Module):
         image of ``image_grid_thw`` (which stays per sample: the positions need it); ``image_keys`` [N_encoded, 2]
         name the encoded images in the step (the frozen ViT's per-step cache, see ``Qwen2_5VisionModel``).
         ``position_ids`` [3, B, S] may be passed precomputed. ``labels`` [B, S]: labels[b, s] is the token
-        that position s predicts.
+        that position s predicts; ``output_mask`` [B, S] (nonzero: wanted, e.g. the response mask) limits the
+        log-probs and the entropy to those positions (0 elsewhere): the other tokens skip the output layer.
 
         Returns what the next stage receives (see StageLayout.received) on all but the last stage. The last
         stage returns a dict: ``log_probs`` and ``entropy`` [B, S] (fp32) when ``labels`` are given, and
@@ -639,14 +705,14 @@ class Qwen2_5_VLModel(torch.nn.Module):
             if position_ids is None:
                 position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask)
             input_ids, labels, position_ids = packed.pack(input_ids), packed.pack(labels), packed.pack(position_ids)
-            attention_mask = None
+            output_mask, attention_mask = packed.pack(output_mask), None
         seq = input_ids.shape[1]
         length = -(-seq // self.sequence_split) * self.sequence_split
         if length != seq:  # right padding to a multiple of CP x SP (invisible to real tokens)
             if attention_mask is None and packed is None:
                 attention_mask = torch.ones_like(input_ids)
-            input_ids, attention_mask, labels = (_pad_sequence(t, length, 0) for t in (input_ids, attention_mask,
-                                                                                        labels))
+            input_ids, attention_mask, labels, output_mask = (
+                _pad_sequence(t, length, 0) for t in (input_ids, attention_mask, labels, output_mask))
             position_ids = _pad_sequence(position_ids, length, 0)
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask)
@@ -658,19 +724,25 @@ class Qwen2_5_VLModel(torch.nn.Module):
             decoder_input = self.cp.local(decoder_input, dim=0) if decoder_input is not None else None
             self.deepstack = [self.cp.local(features, dim=0) for features in self.deepstack]
             labels = self.cp.local(labels, dim=1) if labels is not None else None
+            output_mask = self.cp.local(output_mask, dim=1) if output_mask is not None else None
         if self.config.sequence_parallel:  # this TP rank's share of the tokens; the layers' linears gather them
             decoder_input = _sequence_parallel_share(decoder_input) if decoder_input is not None else None
             self.deepstack = [_sequence_parallel_share(features) for features in self.deepstack]
-        output = self.text_decoder(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=padding_attention_mask(attention_mask),
-            decoder_input=decoder_input,
-            packed_seq_params=segments,
-        )
-        if not self.layout.has_output:
-            return output
-        result = self._last_stage_outputs(output, labels, seq, return_logits, temperature)
+        wanted = self.layout.has_output and labels is not None and output_mask is not None and not return_logits
+        self.output_rows = OutputRows.of(output_mask, *self._sequence_shares()) if wanted else None
+        try:
+            output = self.text_decoder(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=padding_attention_mask(attention_mask),
+                decoder_input=decoder_input,
+                packed_seq_params=segments,
+            )
+            if not self.layout.has_output:
+                return output
+            result = self._last_stage_outputs(output, labels, seq, return_logits, temperature)
+        finally:
+            self.output_rows = None
         return {key: packed.unpack(value) for key, value in result.items()} if packed is not None else result
 
     def _last_stage_outputs(
@@ -679,10 +751,13 @@ class Qwen2_5_VLModel(torch.nn.Module):
         """log_probs / entropy (labels given) and logits (asked for, or no labels) of the ``seq`` tokens, whole
         sequence under CP."""
         result: dict[str, Tensor] = {}
+        rows = self.output_rows
         if labels is not None:
-            result["log_probs"], result["entropy"] = log_probs_and_entropy(
-                logits, labels, vocab_size=self.vocab_size, temperature=temperature
-            )
+            log_probs, entropy = log_probs_and_entropy(
+                logits, labels if rows is None else rows.labels(labels), vocab_size=self.vocab_size,
+                temperature=temperature)
+            result["log_probs"], result["entropy"] = (log_probs, entropy) if rows is None else \
+                (rows.place(log_probs), rows.place(entropy))
         if labels is None or return_logits:
             result["logits"] = logits
         if self.cp is not None:
