@@ -10,11 +10,12 @@ rollout phase's are compared with (1.00x = the trainer adds nothing around the e
 driver hands the roles per step (every log-prob pass and update, and the step's images, measured at the roles
 boundary) beside what the same passes would have shipped with a copy of the prompt's pixel values in every sample's
 row (the micro-batches before the image hand-off). Then the actor's passes (old log-probs, reference, update) beside
-two baselines measured in the same run, both in this process with the actor's thread count: the last step's
-micro-batches through mm_rl's own actor rank without Ray or the other roles (what the passes cost alone), and through
-transformers' Qwen2.5-VL (forward for a log-prob pass; forward, backward and an Adam step for the update). Then the
-same steps with ``rl_config.one_step_off_policy`` (each
-step's batch generated while the previous step trained): the median step time of both, and their ratio.
+two baselines, both in this process with the actor's thread count and measured right after each step on that
+step's micro-batches (``--repeat`` runs, median; the machine's speed drifts over minutes, so each step is compared
+with baselines of the same moment, and the per-step ratios' median printed): mm_rl's own actor rank without Ray or
+the other roles (what the passes cost alone), and transformers' Qwen2.5-VL (forward for a log-prob pass; forward,
+backward and an Adam step for the update). Then the same steps with ``rl_config.one_step_off_policy`` (each step's
+batch generated while the previous step trained): the median step time of both, and their ratio.
 
     python bench/step.py [--job output/tiny_grpo/job.yaml] [--steps 5] [--repeat 3] [--json] [a.b.c=value ...]
 """
@@ -134,33 +135,35 @@ class MeteredRoles:
         return counts
 
 
-def transformers_baseline(hf_dir: str, passes: list[tuple[str, list[Any], float]], images: Any, threads: int,
-                          repeat: int) -> float:
-    """Seconds (median of ``repeat``) of the same micro-batches through transformers' Qwen2.5-VL in this process
-    with the actor's thread count: forward, log-probs and entropy for a log-prob pass; the same plus a policy loss,
-    backward and an Adam step (the LLM and the merger train, the ViT is frozen, as in the actor) for the update."""
-    import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+class TransformersPasses:
+    """The actor's passes through transformers' Qwen2.5-VL in this process with the actor's thread count: forward,
+    log-probs and entropy for a log-prob pass; the same plus a policy loss, backward and an Adam step (the LLM and
+    the merger train, the ViT is frozen, as in the actor) for the update."""
 
-    torch.set_num_threads(threads)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32)
-    for name, param in model.named_parameters():
-        param.requires_grad_(".visual." not in name or ".merger." in name)
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    def __init__(self, hf_dir: str, threads: int) -> None:
+        import torch
+        from transformers import Qwen2_5_VLForConditionalGeneration
 
-    def inputs(batch: dict[str, Any]) -> dict[str, Any]:
-        rows = [index for index in batch["image_index"].tolist() if images[index][0].numel()]
-        pixels = {"pixel_values": torch.cat([images[index][0] for index in rows]),
-                  "image_grid_thw": batch["image_grid_thw"]} if rows else {}
-        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], **pixels}
+        torch.set_num_threads(threads)
+        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32)
+        for name, param in self.model.named_parameters():
+            param.requires_grad_(".visual." not in name or ".merger." in name)
+        self.optimizer = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad], lr=1e-6)
 
-    def log_probs(batch: dict[str, Any]) -> tuple[Any, Any]:
-        logits = model(**inputs(batch)).logits.float()
-        all_log_probs = torch.log_softmax(logits, dim=-1)
-        entropy = -(all_log_probs.exp() * all_log_probs).sum(-1)
-        return all_log_probs.gather(-1, batch["labels"][..., None]).squeeze(-1), entropy
+    def __call__(self, passes: list[tuple[str, list[Any], float]], images: Any, loss: Any) -> float:
+        """Seconds of one run of ``passes``."""
+        import torch
 
-    def run() -> float:
+        def log_probs(batch: dict[str, Any]) -> tuple[Any, Any]:
+            rows = [index for index in batch["image_index"].tolist() if images[index][0].numel()]
+            pixels = {"pixel_values": torch.cat([images[index][0] for index in rows]),
+                      "image_grid_thw": batch["image_grid_thw"]} if rows else {}
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                **pixels).logits.float()
+            all_log_probs = torch.log_softmax(logits, dim=-1)
+            entropy = -(all_log_probs.exp() * all_log_probs).sum(-1)
+            return all_log_probs.gather(-1, batch["labels"][..., None]).squeeze(-1), entropy
+
         start = time.perf_counter()
         for kind, batches, denominator in passes:
             if kind == "log_probs":
@@ -168,50 +171,43 @@ def transformers_baseline(hf_dir: str, passes: list[tuple[str, list[Any], float]
                     for batch in batches:
                         log_probs(batch)
                 continue
-            optimizer.zero_grad()
+            self.optimizer.zero_grad()
             for batch in batches:
                 values, _ = log_probs(batch)
-                mask = batch["response_mask"]
                 ratio = torch.exp(values - values.detach())
-                loss = -(ratio * batch["advantages"] * mask).sum() / denominator
-                loss.backward()
-            optimizer.step()
+                (-(ratio * batch["advantages"] * batch["response_mask"]).sum() / denominator).backward()
+            self.optimizer.step()
         return time.perf_counter() - start
 
-    run()  # warm-up
-    return statistics.median(run() for _ in range(max(1, repeat)))
 
+class RankPasses:
+    """The actor's passes through mm_rl's own actor rank (``TrainingWorker``, the job's spec and optimizer) in this
+    process, without Ray or the other roles: the passes' own cost, so the comparison with transformers separates
+    the model from the job around it. Each pass starts with a fresh image cache, as on ranks of their own."""
 
-def actor_in_process(spec: Any, optimizer: Any, mm_dir: str, passes: list[tuple[str, list[Any], float]], images: Any,
-                     loss: Any, repeat: int) -> float:
-    """Seconds (median of ``repeat``) of the same micro-batches through mm_rl's own actor rank (``TrainingWorker``,
-    the job's spec and optimizer) in this process, without Ray or the other roles: the passes' own cost, so the
-    comparison with transformers separates the model from the job around it. Each pass starts with a fresh image
-    cache, as on ranks of their own."""
-    from actor import _free_port
+    def __init__(self, spec: Any, optimizer: Any, mm_dir: str) -> None:
+        from actor import _free_port
 
-    from mm_rl.workers.training import TrainingWorker
+        from mm_rl.workers.training import TrainingWorker
 
-    worker = TrainingWorker(spec, 0)
-    worker.init_distributed("127.0.0.1", _free_port())
-    worker.build(mm_dir)
-    worker.setup_training(optimizer)
+        self.worker = TrainingWorker(spec, 0)
+        self.worker.init_distributed("127.0.0.1", _free_port())
+        self.worker.build(mm_dir)
+        self.worker.setup_training(optimizer)
 
-    def run() -> float:
+    def __call__(self, passes: list[tuple[str, list[Any], float]], images: Any, loss: Any) -> float:
+        """Seconds of one run of ``passes``."""
         start = time.perf_counter()
         for kind, batches, denominator in passes:
-            worker.set_images(images)
+            self.worker.set_images(images)
             if kind == "log_probs":
-                worker.compute_log_probs(batches)
+                self.worker.compute_log_probs(batches)
             else:
-                worker.train_mini_batch(batches, loss, denominator)
+                self.worker.train_mini_batch(batches, loss, denominator)
         return time.perf_counter() - start
 
-    try:
-        run()  # warm-up
-        return statistics.median(run() for _ in range(max(1, repeat)))
-    finally:
-        worker.shutdown()
+    def close(self) -> None:
+        self.worker.shutdown()
 
 
 def report(rows: list[dict[str, float]], raw_tok_per_s: float) -> dict[str, float]:
@@ -245,8 +241,9 @@ def report(rows: list[dict[str, float]], raw_tok_per_s: float) -> dict[str, floa
 
 
 def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]], float | None]:
-    """``steps`` GRPO steps of ``job`` (the trainer's step counter advanced as ``fit`` does), and the raw engine
-    baseline when ``repeat``."""
+    """``steps`` GRPO steps of ``job`` (the trainer's step counter advanced as ``fit`` does), and with ``repeat``
+    the raw engine baseline and, right after each step (this machine's speed drifts over minutes, so each step is
+    compared with baselines measured beside it), its actor passes through both in-process baselines."""
     import ray
 
     from mm_rl.trainer.grpo import build_trainer
@@ -256,33 +253,44 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
     mm_dir = convert_in(job, print)
     trainer = build_trainer(job, mm_dir)
     trainer.roles = meter = MeteredRoles(trainer.roles)
+    baselines: dict[str, Any] = {}
     try:
+        if repeat:
+            threads = meter.roles.actor.run("threads")[0]
+            spec = dataclasses.replace(meter.roles.worker_spec(trained=True), num_threads=threads)
+            baselines = {"rank": RankPasses(spec, meter.roles.optimizer_spec(spec.bf16), str(mm_dir)),
+                         "transformers": TransformersPasses(job.backend_config.megatron_training
+                                                            .tokenizer_name_or_path, threads)}
         rows = []
         for step in range(1, steps + 1):
             metrics = trainer.train_step(step)
-            last_passes, images = meter.passes, meter.images
+            passes, images = meter.passes, meter.images
             shipped, per_sample = meter.take()
             metrics |= {"driver/bytes": float(shipped), "driver/bytes_per_sample_images": float(per_sample)}
             trainer.step = step
+            for name, baseline in baselines.items():  # the first call of each is its warm-up, as step 1 is the job's
+                metrics[f"baseline/{name}"] = statistics.median(baseline(passes, images, meter.loss)
+                                                                for _ in range(repeat))
             print(step_line(step, steps, metrics) + f" | {metrics['timing/step']:.2f} s")
             rows.append(metrics)
         if trainer.pending is not None:
             trainer.pending.result()
         raw = raw_generate(trainer, steps, repeat) if repeat else None
-        threads = meter.roles.actor.run("threads")[0]
-        spec = dataclasses.replace(meter.roles.worker_spec(trained=True), num_threads=threads)
-        optimizer = meter.roles.optimizer_spec(spec.bf16)
     finally:
+        if "rank" in baselines:
+            baselines["rank"].close()
         trainer.close()
         ray.shutdown()
     if repeat:
-        hf_dir = job.backend_config.megatron_training.tokenizer_name_or_path
-        ours = statistics.median(sum(row.get(f"timing/{phase}", 0.0) for phase in ACTOR_PHASES) for row in rows[1:])
-        alone = actor_in_process(spec, optimizer, str(mm_dir), last_passes, images, meter.loss, repeat)
-        theirs = transformers_baseline(hf_dir, last_passes, images, threads, repeat)
-        print(f"actor passes ({' + '.join(ACTOR_PHASES)}): {ours:.3f} s in the job; the same micro-batches through "
-              f"mm_rl's actor rank in one process {alone:.3f} s and through transformers in one process {theirs:.3f} "
-              f"s ({threads} threads) -> job {ours / theirs:.2f}x, rank alone {alone / theirs:.2f}x")
+        ours = [sum(row.get(f"timing/{phase}", 0.0) for phase in ACTOR_PHASES) for row in rows[1:]]
+        alone, theirs = ([row[f"baseline/{name}"] for row in rows[1:]] for name in ("rank", "transformers"))
+        ratio = statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+        ratio_alone = statistics.median(a / b for a, b in zip(alone, theirs, strict=True))
+        print(f"actor passes ({' + '.join(ACTOR_PHASES)}), medians over the counted steps: "
+              f"{statistics.median(ours):.3f} s in the job; the same micro-batches right after each step through "
+              f"mm_rl's actor rank in one process {statistics.median(alone):.3f} s and through transformers in one "
+              f"process {statistics.median(theirs):.3f} s ({threads} threads) -> job {ratio:.2f}x, rank alone "
+              f"{ratio_alone:.2f}x (medians of the per-step ratios)")
     return rows, raw
 
 
