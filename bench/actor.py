@@ -12,7 +12,7 @@ one rank with all cores:
   ``--log-prob-budget`` for the log-prob pass), each distinct image encoded once per rank and step (the frozen
   ViT's per-step cache; the reference pass runs as on ranks of its own, with their own cache), no old log-prob
   pass (the step is one mini-batch and one epoch: the update's own forward gives the old log-probs), the reference
-  pass, the update.
+  pass, the update; in every pass only the response tokens reach the output layer (the model's ``output_mask``).
 
 Both start from the same weights, so the update's loss and grad norm must agree (printed). Per path: wall time
 per pass, tokens computed (padding included) against tokens needed, ViT images encoded against the distinct images
@@ -137,6 +137,9 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
     worker.build(str(args.root / "mm"))
     worker.setup_training(OptimizerSpec(lr=1e-5, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
                                         clip_grad=1.0, lr_decay_style="constant", warmup_steps=0, total_steps=1))
+    if not now:  # the way before: every position's logits and log-probs, the prompts' too
+        forward = worker.model.forward
+        worker.model.forward = lambda *inputs, output_mask=None, **kwargs: forward(*inputs, **kwargs)
     images, encoder = step_images(samples, items), worker.model.image_encoder
     worker.set_images(images)  # now: a per-step cache of the frozen ViT's outputs
     encoded: list[int] = []  # images (one frame each) that reach the ViT blocks: a cache hit does not
