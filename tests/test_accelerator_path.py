@@ -154,28 +154,47 @@ def _plan_job(**overrides):
 
 def test_memory_estimate_counts_no_llm_attention_scores_whatever_use_flash_attn_says():
     """The LLM's core attention is fused on every device: the flag changes only the (frozen) ViT's term, and the
-    LLM's activations grow linearly with the sequence, not with its square."""
-    from mm_rl.config.plan import estimate_memory
+    LLM's activations grow linearly with the sequence, not with its square (the logits, of the responses only, do
+    not grow with it)."""
+    from mm_rl.config.plan import estimate_memory, logit_tokens
 
     key, seq = "backend_config.training.use-flash-attn", "backend_config.training.seq-length"
     flash, math_attention = estimate_memory(_plan_job(**{key: True})), estimate_memory(_plan_job(**{key: False}))
     assert [m.activations for m in flash] == [m.activations for m in math_attention]
-    short, long = (estimate_memory(_plan_job(**{seq: length})) for length in (4096, 16384))
-    assert all(b.activations == pytest.approx(4 * a.activations, rel=0.05) for a, b in zip(short, long, strict=True))
+    jobs = [_plan_job(**{seq: length}) for length in (4096, 16384)]
+    assert logit_tokens(jobs[0]) == logit_tokens(jobs[1])
+    b = jobs[0].backend_config
+    logits = 2 * 4 * logit_tokens(jobs[0]) * b.model.text_decoder.vocab_size / b.training.tensor_model_parallel_size
+    short, long = (estimate_memory(job) for job in jobs)
+    for a, z in zip(short, long, strict=True):
+        fixed = logits / 2**30 if a is short[-1] else 0.0
+        assert z.activations - fixed == pytest.approx(4 * (a.activations - fixed), rel=0.05)
 
 
 def test_memory_estimate_follows_the_micro_batch_token_budget():
-    """A budget of MBS x seq-length tokens is the fixed-count micro-batch's size: the same estimate; twice that
-    holds more activations and logits on every stage, and nothing else changes."""
+    """A budget of MBS x seq-length tokens is the fixed-count micro-batch's size: the same layers' activations, and
+    logits for every token of the budget (it may hold many short samples) where MBS samples have at most MBS x
+    max_tokens response tokens (only those reach the output layer); twice the budget holds more activations and
+    logits on every stage, and nothing else changes."""
     from mm_rl.config.plan import estimate_memory
 
-    actor = "backend_config.actor_config"
+    actor, sampling = "backend_config.actor_config", "backend_config.generate_config.sampling_config"
     counted = _plan_job()
-    rows = counted.backend_config.actor_config.micro_batch_size * counted.backend_config.training.seq_length
+    b = counted.backend_config
+    rows = b.actor_config.micro_batch_size * b.training.seq_length
+    responses = b.actor_config.micro_batch_size * b.generate_config.sampling_config.max_tokens
+    assert responses < rows  # the preset's responses are shorter than its sequences
     same = estimate_memory(_plan_job(**{f"{actor}.max_tokens_per_micro_batch": rows}))
     double = estimate_memory(_plan_job(**{f"{actor}.max_tokens_per_micro_batch": 2 * rows}))
-    assert same == estimate_memory(counted)
+    logits = 2 * 4 * (rows - responses) * b.model.text_decoder.vocab_size / b.training.tensor_model_parallel_size
+    for budget, count in zip(same, estimate_memory(counted), strict=True):
+        extra = logits / 2**30 if budget is same[-1] else 0.0  # the last stage holds the output layer
+        assert budget.activations == pytest.approx(count.activations + extra, rel=1e-9)
+        assert budget.weights == count.weights
     assert all(d.activations > s.activations and d.weights == s.weights for d, s in zip(double, same, strict=True))
+    half = b.generate_config.sampling_config.max_tokens // 2
+    shorter = estimate_memory(_plan_job(**{f"{sampling}.max_tokens": half}))
+    assert shorter[-1].activations < estimate_memory(counted)[-1].activations
 
 
 @pytest.mark.parametrize("packed", [True, False])

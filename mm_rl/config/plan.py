@@ -12,9 +12,9 @@ with the distributed optimizer (2 + 4 + 12 / DP in bf16; 4 + 4 + 8 / DP in fp32)
 weights, the colocated reference model its weights; activations per layer and micro-batch follow
 s*b*h*(10 + 24/t + 5*a*s/(h*t)) (the attention-score term vanishes with a fused attention: the LLM's always,
 ``mm_rl.models.qwen2_5_vl.llm_attention``; the ViT's SDPA with use-flash-attn), with 1F1B keeping PP - stage
-micro-batches in flight; the last stage adds fp32 logits and their gradient. The colocated rollout engine's share
-(its weights and KV cache at ``gpu_memory_utilization``) is estimated beside the training phase: it holds that
-share while it generates.
+micro-batches in flight; the last stage adds fp32 logits and their gradient (of the response tokens only). The
+colocated rollout engine's share (its weights and KV cache at ``gpu_memory_utilization``) is estimated beside the
+training phase: it holds that share while it generates.
 """
 
 from __future__ import annotations
@@ -109,6 +109,17 @@ def micro_batch_tokens(cfg: JobConfig) -> int:
     seq-length."""
     actor = cfg.backend_config.actor_config
     return actor.max_tokens_per_micro_batch or actor.micro_batch_size * cfg.backend_config.training.seq_length
+
+
+def logit_tokens(cfg: JobConfig) -> int:
+    """Positions of a training micro-batch that reach the output layer on one CP rank: only response tokens do (the
+    model's output mask), at most MBS responses of max_tokens, which may all sit in one CP rank's chunk (they end
+    their sequences); under a token budget the whole chunk (a budget may hold many short samples)."""
+    b = cfg.backend_config
+    chunk = micro_batch_tokens(cfg) // b.training.context_parallel_size
+    if b.actor_config.max_tokens_per_micro_batch:
+        return chunk
+    return min(chunk, b.actor_config.micro_batch_size * b.generate_config.sampling_config.max_tokens)
 
 
 def image_tokens(cfg: JobConfig) -> int:
@@ -211,7 +222,7 @@ def estimate_memory(cfg: JobConfig) -> list[StageMemory]:
         in_flight = min(pp - s, micro_batches)
         act = in_flight * _stage_activations(cfg, s, vit_layers, llm_layers, tp, cp)
         if s == pp - 1:
-            act += 2 * 4 * (rows_tokens // cp) * model.text_decoder.vocab_size / tp
+            act += 2 * 4 * logit_tokens(cfg) * model.text_decoder.vocab_size / tp
         stage = StageMemory(
             stage=s,
             weights=total_params * weight_bytes / GIB,
