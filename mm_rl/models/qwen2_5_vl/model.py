@@ -361,12 +361,13 @@ class OutputRows:
     Under sequence parallelism TP rank r holds the r-th contiguous share of the tokens and the output layer
     all-gathers the shares, so every rank keeps the same number of rows (``width``: its wanted rows, then unwanted
     ones of its share as fillers; every rank sees the whole mask, so all agree without talking) and the gathered
-    rows come in rank order. ``positions`` is each gathered row's place in the [S, B] token grid flattened,
-    ``valid`` False on the fillers."""
+    rows come in rank order. ``kept`` are the gathered rows that are not fillers, ``positions`` their places in the
+    [S, B] token grid flattened."""
 
     local: Tensor  # [width] rows of this rank's [S / shares * B] hidden states
-    positions: Tensor  # [shares * width]
-    valid: Tensor  # [shares * width]
+    labels_at: Tensor  # [shares * width]: each gathered row's place in the flattened grid, fillers included
+    kept: Tensor  # [wanted]
+    positions: Tensor  # [wanted]
     shape: tuple[int, int]  # (B, S)
 
     @classmethod
@@ -377,9 +378,10 @@ class OutputRows:
         width = max(int(counts.max()), 1)
         # the wanted rows of each share first, in order (a stable sort of "not wanted"), then fillers
         order = torch.sort((~grid).to(torch.uint8), dim=1, stable=True).indices[:, :width]
-        valid = torch.arange(width, device=mask.device) < counts[:, None]
-        positions = order + torch.arange(shares, device=mask.device)[:, None] * grid.shape[1]
-        return cls(order[rank], positions.reshape(-1), valid.reshape(-1), (mask.shape[0], mask.shape[1]))
+        valid = (torch.arange(width, device=mask.device) < counts[:, None]).reshape(-1)
+        places = (order + torch.arange(shares, device=mask.device)[:, None] * grid.shape[1]).reshape(-1)
+        kept = valid.nonzero().squeeze(1)
+        return cls(order[rank], places, kept, places.index_select(0, kept), (mask.shape[0], mask.shape[1]))
 
     def pick(self, hidden: Tensor) -> Tensor:
         """[S / shares, B, H] -> [width, 1, H]."""
@@ -387,13 +389,13 @@ class OutputRows:
 
     def labels(self, labels: Tensor) -> Tensor:
         """[B, S] -> [1, shares * width], in the gathered rows' order."""
-        return labels.t().reshape(-1).index_select(0, self.positions).unsqueeze(0)
+        return labels.t().reshape(-1).index_select(0, self.labels_at).unsqueeze(0)
 
     def place(self, values: Tensor) -> Tensor:
         """[1, shares * width] -> [B, S], zeros where nothing was wanted (out of place: gradients reach ``values``)."""
         rows, cols = self.shape
         out = values.new_zeros(cols * rows)
-        out = out.index_put((self.positions[self.valid],), values[0][self.valid])
+        out = out.index_put((self.positions,), values[0].index_select(0, self.kept))
         return out.reshape(cols, rows).t()
 
 
@@ -753,11 +755,9 @@ class Qwen2_5_VLModel(torch.nn.Module):
         result: dict[str, Tensor] = {}
         rows = self.output_rows
         if labels is not None:
-            log_probs, entropy = log_probs_and_entropy(
-                logits, labels if rows is None else rows.labels(labels), vocab_size=self.vocab_size,
-                temperature=temperature)
-            result["log_probs"], result["entropy"] = (log_probs, entropy) if rows is None else \
-                (rows.place(log_probs), rows.place(entropy))
+            values = log_probs_and_entropy(logits, labels if rows is None else rows.labels(labels),
+                                           vocab_size=self.vocab_size, temperature=temperature)
+            result["log_probs"], result["entropy"] = values if rows is None else map(rows.place, values)
         if labels is None or return_logits:
             result["logits"] = logits
         if self.cp is not None:
