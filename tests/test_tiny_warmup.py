@@ -11,6 +11,7 @@ import random  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from mm_rl import cache  # noqa: E402
 from mm_rl.data.synthetic import write_synthetic_geo3k  # noqa: E402
 from mm_rl.models import tiny_warmup  # noqa: E402
 from mm_rl.models.tiny import build_tiny_checkpoint  # noqa: E402
@@ -95,7 +96,19 @@ def test_second_call_is_a_no_op_and_other_arguments_are_refused(warmed, data_dir
     assert weights.stat().st_mtime_ns == stamps[0]
 
 
-def test_same_seed_gives_identical_weights(warmed, data_dir, tmp_path):
+def test_a_second_warm_up_of_the_same_build_comes_from_the_cache(warmed, data_dir, tmp_path, monkeypatch):
+    hf_dir, _, metrics, _ = warmed
+    again = build_tiny_checkpoint(tmp_path / "again", seed=0)
+    monkeypatch.setattr(tiny_warmup, "_run_pinned", lambda *a: pytest.fail("warmed up again"))
+    assert warm_up_format(again, data_dir, seed=0, steps=STEPS) == metrics
+    for name in ("model.safetensors", MARKER):
+        assert (again / name).read_bytes() == (hf_dir / name).read_bytes()
+
+
+def test_same_seed_gives_identical_weights(warmed, data_dir, tmp_path, monkeypatch):
+    """A warm-up from scratch (an empty cache) repeats the cached one byte for byte: the cache holds what a build
+    gives, not a one-off."""
+    monkeypatch.setenv(cache.ENV, str(tmp_path / "empty_cache"))
     hf_dir, _, metrics, _ = warmed
     again = build_tiny_checkpoint(tmp_path / "again", seed=0)
     repeat = warm_up_format(again, data_dir, seed=0, steps=STEPS)

@@ -16,9 +16,10 @@ Why these sizes (the real architecture, shrunk so every code path still runs):
   vocab-parallel log-prob and the output layer are cheap on CPU, and 1024 splits evenly for TP=2/4.
 
 Weights are drawn per tensor from a generator seeded by (seed, tensor name), so the same seed gives the same
-bytes and changing one size leaves the other tensors' values alone. The build writes into a temporary directory
-beside ``out_dir`` and renames it when complete; a marker file records the build arguments so a matching
-checkpoint is reused instead of rebuilt.
+bytes and changing one size leaves the other tensors' values alone. A build goes into the per-machine cache
+(``mm_rl.cache``, keyed by the arguments, this builder's and the family's sources and the library versions) and is
+copied from there into ``out_dir``, swapped in whole; a marker file records the build arguments so a matching
+checkpoint already in ``out_dir`` is reused as it is.
 """
 
 from __future__ import annotations
@@ -27,13 +28,11 @@ import contextlib
 import hashlib
 import itertools
 import json
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mm_rl.files import replace_dir
+from mm_rl import cache
 
 if TYPE_CHECKING:
     from mm_rl.config.schema import ModelConfig
@@ -375,19 +374,26 @@ def build_tiny_checkpoint(
         return out_dir
     if out_dir.exists() and not (out_dir / _MARKER).is_file() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not a tiny checkpoint; refusing to overwrite it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
-    try:
-        _write_checkpoint(staging, model_family(family), seed, tie_word_embeddings, config_overrides)
-        _write_json(staging / _MARKER, args)  # written last: its presence means the directory is complete
-        for path in staging.iterdir():  # some writers create 0600 files; mkdtemp creates the directory 0700
-            path.chmod(0o644)
-        staging.chmod(0o755)
-        try:  # an existing out_dir (empty, or an older tiny build) is moved aside and removed
-            replace_dir(staging, out_dir)
-        except OSError:
-            if not _is_complete(out_dir, args):  # lost a race only if the winner built the same thing
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    built = cache.entry(cache.key("tiny", args, build_sources(family)),
+                        lambda staging: _build_into(staging, family, seed, tie_word_embeddings, config_overrides, args))
+    try:  # an existing out_dir (empty, or an older tiny build) is moved aside and removed
+        cache.copy_out(built, out_dir)
+    except OSError:
+        if not _is_complete(out_dir, args):  # lost a race only if the winner built the same thing
+            raise
     return out_dir
+
+
+def build_sources(family: str) -> list[str]:
+    """The modules whose code determines a tiny checkpoint's bytes (its cache key): this builder, the family's
+    tiny sizes and its tensor rules (the published fused layout)."""
+    chosen = model_family(family)
+    return [__name__, "mm_rl.models.family", chosen.tiny_module().__name__, f"mm_rl.models.{chosen.name}.family"]
+
+
+def _build_into(staging: Path, family: str, seed: int, tie_word_embeddings: bool, overrides: dict[str, Any],
+                args: dict[str, Any]) -> None:
+    _write_checkpoint(staging, model_family(family), seed, tie_word_embeddings, overrides)
+    _write_json(staging / _MARKER, args)  # written last: its presence means the directory is complete
+    for path in staging.iterdir():  # some writers create 0600 files
+        path.chmod(0o644)

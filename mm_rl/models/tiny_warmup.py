@@ -42,7 +42,9 @@ Files: the new weights are written as ``model.safetensors`` into a temporary fil
 (same key names, dtypes and metadata as the tiny builder's) and renamed over the old one; the other files are
 kept. A marker ``tiny_warmup.json`` (arguments, the base build marker, metrics) is written last, the same way;
 calling again with the same arguments returns the stored metrics without touching anything. A checkpoint warmed
-up with other arguments is refused: build a fresh one first.
+up with other arguments is refused: build a fresh one first. On the synthetic set the warm-up runs once per machine:
+its weights and marker go into the per-machine cache (``mm_rl.cache``, keyed by the arguments, the build, the data
+set's arguments and the sources of the code that computes them) and later calls copy them from there.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import contextlib
 import json
 import random
 import re
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -58,6 +61,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mm_rl import cache
 from mm_rl.files import atomic_path, write_atomic
 from mm_rl.models import tiny
 from mm_rl.models.family import family_for_hf, hf_token_types
@@ -291,6 +295,32 @@ def warm_up_format(
     stored = _stored_metrics(hf_dir, record)
     if stored is not None:
         return stored
+    if not isinstance(record["data"], dict):  # not the synthetic set: nothing names the data, so no cache key
+        return _warm_in_place(hf_dir, data_dir, args, record)
+    warmed = cache.entry(cache.key("tiny-warmup", record, _sources(record)),
+                         lambda staging: _warm_copy(staging, hf_dir, data_dir, args, record))
+    with atomic_path(hf_dir / _WEIGHTS, suffix=".tmp", mode=0o644) as tmp:  # weights first, the marker last
+        shutil.copyfile(warmed / _WEIGHTS, tmp)
+    write_atomic(hf_dir / MARKER, (warmed / MARKER).read_bytes(), sync=False, suffix=".tmp")
+    return json.loads((warmed / MARKER).read_text(encoding="utf-8"))["metrics"]
+
+
+def _sources(record: dict[str, Any]) -> list[str]:
+    """The modules whose code determines the warmed weights and metrics (the cache key): the warm-up, the data it
+    reads (the synthetic set's writer, the prompt processing), the reward it measures, and the tiny builder."""
+    return [__name__, "mm_rl.data.synthetic", "mm_rl.data.dataset", "mm_rl.rewards.geo3k",
+            *tiny.build_sources(record["build"]["family"])]
+
+
+def _warm_copy(staging: Path, hf_dir: Path, data_dir: Path, args: WarmupArgs, record: dict[str, Any]) -> None:
+    """A warmed copy of ``hf_dir`` in ``staging`` (a cache entry being built); ``hf_dir`` is left alone."""
+    for path in hf_dir.iterdir():
+        if path.is_file():
+            shutil.copy2(path, staging / path.name)
+    _warm_in_place(staging, data_dir, args, record)
+
+
+def _warm_in_place(hf_dir: Path, data_dir: Path, args: WarmupArgs, record: dict[str, Any]) -> dict[str, Any]:
     metrics = _run_pinned(hf_dir, data_dir, args)
     marker = {"args": record, "metrics": metrics}
     write_atomic(hf_dir / MARKER, json.dumps(marker, indent=2, sort_keys=True) + "\n", sync=False, suffix=".tmp")
