@@ -34,9 +34,15 @@ import torch
 from mm_rl.convert.errors import ConversionError
 from mm_rl.convert.layout import (
     CHECKPOINT_VERSION,
+    COMPLETE,
+    ITER_RE,
     LATEST,
     RANK_FILE,
+    complete_steps,
+    describe_os_error,
+    incomplete_reason,
     iteration_name,
+    iteration_steps,
     rank_file,
     read_latest,
     write_latest,
@@ -53,10 +59,8 @@ from mm_rl.files import (
 logger = logging.getLogger(__name__)
 
 TRAINER_STATE = "trainer_state.pt"
-COMPLETE = "complete"
 OPTIM_KEYS = ("optimizer", "opt_param_scheduler")
 RNG_KEYS = ("rng_state",)
-_ITER_RE = re.compile(r"iter_(\d{7})")
 _STAGING_RE = re.compile(r"\.iter_(\d{7})\.tmp-[0-9a-f]+")
 _RANK_DIR_RE = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){0,2})")  # TP, then PP and / or EP ranks (layout.rank_dir_name)
 
@@ -224,17 +228,15 @@ class CheckpointManager:
     # ----------------------------------------------------------------------------------------- finding
     def complete_steps(self) -> list[int]:
         """The steps of every complete ``iter_NNNNNNN`` directory, oldest first."""
-        return [s for s in self._iteration_steps() if self.incomplete_reason(s) is None]
+        return complete_steps(self.save_dir)
 
     def _iteration_steps(self) -> list[int]:
         """The steps of every ``iter_NNNNNNN`` directory, complete or not, oldest first."""
-        if not self.save_dir.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in self.save_dir.iterdir() if (m := _ITER_RE.fullmatch(p.name)))
+        return iteration_steps(self.save_dir)
 
     def incomplete_reason(self, step: int) -> str | None:
         """Why iteration ``step`` cannot be loaded, or None when it is complete."""
-        return _incomplete_reason(self.save_dir / iteration_name(step))
+        return incomplete_reason(self.save_dir / iteration_name(step))
 
     def latest(self) -> int | None:
         """The step ``resume_mode: auto`` resumes from: the one the latest file names when it is complete;
@@ -298,14 +300,14 @@ class CheckpointManager:
         if resume_mode == "disable":
             return None, []
         path = Path(resume_mode)
-        match = _ITER_RE.fullmatch(path.name)
+        match = ITER_RE.fullmatch(path.name)
         if match is None:
             raise CheckpointRefused(resume_mode, "it is neither 'auto', 'disable' nor an iter_NNNNNNN checkpoint "
                                     "directory", self._choices())
         if path.parent.resolve() != self.save_dir.resolve():
             raise CheckpointRefused(resume_mode, f"checkpoint {path} is not inside the save directory "
                                     f"{self.save_dir}", f"set save to {path.parent}, or {self._choices()}")
-        reason = _incomplete_reason(path)
+        reason = incomplete_reason(path)
         if reason is not None:
             raise CheckpointRefused(resume_mode, f"{path} is not a complete checkpoint: {reason}", self._choices())
         return int(match.group(1)), []
@@ -340,48 +342,13 @@ class CheckpointManager:
 
     def _complete_marker(self, step: int) -> dict[str, Any]:
         directory = self.save_dir / iteration_name(step)
-        reason = _incomplete_reason(directory)
+        reason = incomplete_reason(directory)
         if reason is not None:
             raise CheckpointError(f"cannot load step {step}: {reason}")
         return json.loads((directory / COMPLETE).read_text())
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _incomplete_reason(directory: Path) -> str | None:
-    """A directory is complete when its marker exists and every file it lists has the recorded size (the marker
-    is written after the files are flushed, so a size match means the whole file reached the disk)."""
-    if not directory.is_dir():
-        return f"{directory} does not exist"
-    marker_path = directory / COMPLETE
-    if not marker_path.exists():
-        return f"{directory} has no '{COMPLETE}' marker (a save that did not finish, or not written by mm_rl)"
-    try:
-        marker = json.loads(marker_path.read_text())
-        files = marker["files"]
-        _ = marker["tp"], marker["pp"]
-    except OSError as err:
-        return f"{marker_path} cannot be read ({describe_os_error(err)})"
-    except (ValueError, KeyError, TypeError):
-        return f"{marker_path} is damaged (not the JSON a save writes)"
-    for name, size in files.items():
-        path = directory / name
-        if not path.is_file():
-            top = directory / Path(name).parts[0]
-            return f"{top} is missing" if not top.exists() else f"{path} is missing"
-        actual = path.stat().st_size
-        if actual != size:
-            return f"{path} is {'truncated' if actual < size else 'altered'} ({actual} bytes, its marker says {size})"
-    return None
-
-
-def describe_os_error(err: OSError, path: str | os.PathLike[str] | None = None) -> str:
-    """"no space left on device: <path>": the errno's meaning and the path (``path`` when the error names none:
-    a full disk fails a write, not an open), as a user reads it, instead of a traceback."""
-    what = os.strerror(err.errno).lower() if err.errno else (str(err) or type(err).__name__)
-    where = err.filename if err.filename is not None else path
-    return f"{what}: {where}" if where is not None else what
-
-
 @contextlib.contextmanager
 def _naming(path: Path) -> Iterator[None]:
     """An OSError raised inside names ``path`` when the failing call did not."""

@@ -13,6 +13,7 @@ the latest one, not even after a crash.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -27,10 +28,63 @@ from mm_rl.convert.errors import ConversionError, listing
 from mm_rl.files import fsync_tree, replace_dir, write_atomic
 
 LATEST = "latest_checkpointed_iteration.txt"
+COMPLETE = "complete"  # the trainer's marker, written last into an iteration: the layout and every file's size
+ITER_RE = re.compile(r"iter_(\d{7})")
 RELEASE = "release"
 RANK_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
 Iteration = int | str
+
+
+# -------------------------------------------------------------------------------------------- complete
+# The trainer's checkpoints (mm_rl.checkpoint) and mg2hf both ask which iterations are complete, so the answer
+# lives here, with the layout, below both.
+def iteration_steps(root: Path) -> list[int]:
+    """The steps of every ``iter_NNNNNNN`` directory in ``root``, complete or not, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := ITER_RE.fullmatch(p.name)))
+
+
+def complete_steps(root: Path) -> list[int]:
+    """The steps of every complete ``iter_NNNNNNN`` directory in ``root``, oldest first."""
+    return [s for s in iteration_steps(root) if incomplete_reason(root / iteration_name(s)) is None]
+
+
+def incomplete_reason(directory: Path) -> str | None:
+    """Why an iteration directory cannot be loaded, or None. It is complete when its marker exists and every file
+    it lists has the recorded size (the marker is written after the files are flushed, so a size match means the
+    whole file reached the disk)."""
+    if not directory.is_dir():
+        return f"{directory} does not exist"
+    marker_path = directory / COMPLETE
+    if not marker_path.exists():
+        return f"{directory} has no '{COMPLETE}' marker (a save that did not finish, or not written by mm_rl)"
+    try:
+        marker = json.loads(marker_path.read_text())
+        files = marker["files"]
+        _ = marker["tp"], marker["pp"]
+    except OSError as err:
+        return f"{marker_path} cannot be read ({describe_os_error(err)})"
+    except (ValueError, KeyError, TypeError):
+        return f"{marker_path} is damaged (not the JSON a save writes)"
+    for name, size in files.items():
+        path = directory / name
+        if not path.is_file():
+            top = directory / Path(name).parts[0]
+            return f"{top} is missing" if not top.exists() else f"{path} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{path} is {'truncated' if actual < size else 'altered'} ({actual} bytes, its marker says {size})"
+    return None
+
+
+def describe_os_error(err: OSError, path: str | os.PathLike[str] | None = None) -> str:
+    """"no space left on device: <path>": the errno's meaning and the path (``path`` when the error names none:
+    a full disk fails a write, not an open), as a user reads it, instead of a traceback."""
+    what = os.strerror(err.errno).lower() if err.errno else (str(err) or type(err).__name__)
+    where = err.filename if err.filename is not None else path
+    return f"{what}: {where}" if where is not None else what
 
 
 # ----------------------------------------------------------------------------------------------- names

@@ -23,8 +23,11 @@ from mm_rl.convert.errors import ConversionError, listing
 from mm_rl.convert.fused import FusingWriter, fuse_specs
 from mm_rl.convert.hf_writer import DEFAULT_MAX_SHARD_BYTES, ShardedWriter, TensorSpec, copy_side_files
 from mm_rl.convert.layout import (
+    COMPLETE,
     Iteration,
     check_rank_dirs,
+    complete_steps,
+    incomplete_reason,
     iteration_name,
     load_model_state,
     rank_file,
@@ -79,15 +82,13 @@ def _complete_iteration(root: Path, iteration: Iteration | None) -> Path:
     """The directory of ``iteration`` (None: the latest); in a training checkpoint directory (its iterations
     carry the trainer's completion markers) it must be complete, and every error names the complete one to ask
     for instead."""
-    from mm_rl.checkpoint import CheckpointManager
-
     trained = _trained_here(root)
     try:
         path = resolve_iteration(root, iteration)
     except ConversionError as err:
         raise ConversionError(f"{err}{_complete_hint(root, None) if trained else ''}") from None
     step = _step_of(path)
-    reason = CheckpointManager(root, 0).incomplete_reason(step) if trained and step is not None else None
+    reason = incomplete_reason(root / iteration_name(step)) if trained and step is not None else None
     if reason is not None:
         raise ConversionError(f"iteration {step} is incomplete: {reason}{_complete_hint(root, step)}")
     return path
@@ -95,8 +96,6 @@ def _complete_iteration(root: Path, iteration: Iteration | None) -> Path:
 
 def _trained_here(root: Path) -> bool:
     """Whether ``root`` was written by mm_rl's trainer: one of its iterations carries a completion marker."""
-    from mm_rl.checkpoint import COMPLETE
-
     return root.is_dir() and any((p / COMPLETE).exists() for p in root.glob("iter_*"))
 
 
@@ -106,9 +105,7 @@ def _step_of(path: Path) -> int | None:
 
 def _complete_hint(root: Path, before: int | None) -> str:
     """"; iteration N (path) is complete: convert it with --iteration N", or that none (before ``before``) is."""
-    from mm_rl.checkpoint import CheckpointManager
-
-    steps = [s for s in CheckpointManager(root, 0).complete_steps() if before is None or s < before]
+    steps = [s for s in complete_steps(root) if before is None or s < before]
     earlier = "" if before is None else "earlier "
     if not steps:
         return f"; no {earlier}iteration in {root} is complete"
