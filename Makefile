@@ -1,4 +1,5 @@
-# The two entry points of the README: `make demo` and `make test`. Both set up .venv first (once).
+# The two entry points of the README: `make demo` and `make test` (and `make test-quick` for the edit loop).
+# Each sets up .venv first (once).
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ DEMO := output/$(MODEL)_grpo
 # Extra pip arguments for torch, e.g. the CPU wheel index on machines without the wheel on disk.
 TORCH_PIP_ARGS ?=
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test test-quick lint
 
 setup: $(STAMP)
 
@@ -29,6 +30,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The edit loop: unit, algorithm, config, conversion and parity tests; no whole job or learning run (marked slow),
+# no test on the real Ray / engine / rank stack (marked stack). About 5 minutes on 2 cores.
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not stack"
 
 lint: $(STAMP)
 	$(BIN)/ruff check mm_rl cli tests bench

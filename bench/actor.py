@@ -68,7 +68,7 @@ def build_checkpoint(root: Path) -> Path:
     """The bench model as a Megatron TP1 directory (the tiny builder's weights at the sizes above)."""
     from mm_rl.config.schema import Hf2MgCfg, HfConfig, ParallelConfig
     from mm_rl.convert import hf2mg, model_config_from_hf
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.demo.tiny import build_tiny_checkpoint
 
     hf_dir = build_tiny_checkpoint(root / "hf", seed=0, vision_config=VISION, **TEXT)
     model = model_config_from_hf(hf_dir)
@@ -82,7 +82,7 @@ def workload(prompts: int, max_response: int) -> tuple[list[Any], dict[int, Any]
     """The step's samples (group by group, as the trainer orders them) and their prompts' images."""
     import torch
 
-    from mm_rl.models.tiny import IMAGE_TOKEN_ID, VISION_END_TOKEN_ID, VISION_START_TOKEN_ID
+    from mm_rl.demo.tiny import IMAGE_TOKEN_ID, VISION_END_TOKEN_ID, VISION_START_TOKEN_ID
     from mm_rl.trainer.batch import Sample
 
     g = torch.Generator().manual_seed(0)

@@ -48,8 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def prepare(root: Path, prompts: int) -> tuple[Path, list[Any]]:
     """The tiny checkpoint and ``prompts`` data-set items (built once, reused when already there)."""
     from mm_rl.data.dataset import PromptDataset, PromptProcessor
-    from mm_rl.data.synthetic import write_synthetic_geo3k
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.demo.synthetic import write_synthetic_geo3k
+    from mm_rl.demo.tiny import build_tiny_checkpoint
 
     model = build_tiny_checkpoint(root / "tiny", seed=0)
     data = write_synthetic_geo3k(root / "geo3k", seed=0, train_size=8, test_size=max(prompts, 8))

@@ -51,7 +51,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def load(job_path: Path, out_dir: Path, overrides: list[str]) -> Any:
     """The job with its outputs in ``out_dir`` and its model and data where the job yaml points."""
     from mm_rl.config.loader import ConfigError, load_job
-    from mm_rl.config.validate import validate
+    from mm_rl.job.validate import validate
 
     if not job_path.is_file():
         sys.exit(f"{job_path} not found: run `make demo` (or `ascendfactory-cli config --af_model_name tiny "
@@ -246,8 +246,8 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
     compared with baselines measured beside it), its actor passes through both in-process baselines."""
     import ray
 
+    from mm_rl.job.run import convert_in
     from mm_rl.trainer.grpo import build_trainer
-    from mm_rl.trainer.job import convert_in
     from mm_rl.trainer.metrics import step_line
 
     mm_dir = convert_in(job, print)

@@ -60,7 +60,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------------- set-up
 def build_checkpoint(root: Path, args: argparse.Namespace) -> Path:
     """The tiny builder with large widths (head_dim 128, so mRoPE sections [16, 24, 24])."""
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.demo.tiny import build_tiny_checkpoint
 
     heads = args.hidden // 128
     return build_tiny_checkpoint(root / "hf", seed=0, hidden_size=args.hidden, intermediate_size=args.ffn,

@@ -51,7 +51,7 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_config(args: argparse.Namespace, overrides: list[str]) -> int:
-    from mm_rl.config.create import ClusterSpec, create_job, write_job
+    from mm_rl.job.create import ClusterSpec, create_job, write_job
     from mm_rl.config.presets import load_preset, model_names
 
     embedded = args.af_model_name in model_names() and load_preset(args.af_model_name).embedded
@@ -71,13 +71,13 @@ def _run_config(args: argparse.Namespace, overrides: list[str]) -> int:
 def _materialise_embedded(job: JobConfig) -> None:
     """The tiny default's model and data are built by mm_rl itself (seeded), so the written job runs as it is.
 
-    The random tiny model never samples the answer format, so it gets a short warm-up (mm_rl.models.tiny_warmup):
+    The random tiny model never samples the answer format, so it gets a short warm-up (mm_rl.demo.tiny_warmup):
     GRPO then starts, like a real run from an instruct model, with the format right, a quarter of the sampled
     answers right and the greedy answer off by one.
     """
-    from mm_rl.data.synthetic import DEMO_TEMPLATES, write_synthetic_geo3k
-    from mm_rl.models.tiny import build_tiny_checkpoint, tiny_overrides
-    from mm_rl.models.tiny_warmup import warm_up_format
+    from mm_rl.demo.synthetic import DEMO_TEMPLATES, write_synthetic_geo3k
+    from mm_rl.demo.tiny import build_tiny_checkpoint, tiny_overrides
+    from mm_rl.demo.tiny_warmup import warm_up_format
 
     b = job.backend_config
     variant = tiny_overrides(b.model)
@@ -123,7 +123,7 @@ def _validated_job(path: str, overrides: list[str]) -> JobConfig:
     """The job yaml with the overrides, every rule checked (all problems raised at once, unknown keys and type
     errors included)."""
     from mm_rl.config.loader import load_checked
-    from mm_rl.config.validate import validate
+    from mm_rl.job.validate import validate
 
     return load_checked(path, overrides, validate)[1]
 
@@ -177,7 +177,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from mm_rl.trainer.job import failure_message, run_job, summary
+    from mm_rl.job.run import failure_message, run_job, summary
     from mm_rl.trainer.runtime import show_worker_output
 
     show_worker_output(args.verbose)
@@ -207,7 +207,7 @@ def _add_submit(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_submit(args: argparse.Namespace, overrides: list[str]) -> int:
-    from mm_rl.trainer.submit import SubmitError, submit
+    from mm_rl.job.submit import SubmitError, submit
 
     try:
         return submit(args.job, overrides, args.address, wait=not args.no_wait)

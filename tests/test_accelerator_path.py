@@ -145,7 +145,7 @@ def test_rank_rng_state_round_trips_with_its_device_entry(tmp_path):
 
 # ------------------------------------------------------------------------------------------- planner
 def _plan_job(**overrides):
-    from mm_rl.config.create import ClusterSpec, create_job
+    from mm_rl.job.create import ClusterSpec, create_job
 
     _, job, _ = create_job("qwen2_5_vl_7b", "geo3k", ClusterSpec(nnodes=1, nproc_per_node=8, device="npu"),
                            overrides=[f"{k}={v}" for k, v in overrides.items()])
@@ -335,8 +335,8 @@ def test_planner_offloads_what_a_colocated_rollout_needs_and_writes_it_into_the_
     """A 7B on one 8-device node: with 141 GB devices the engine's share fits once the gradients are dropped; with
     64 GB only with the Adam state away too. The planner picks the least offload that fits, and the job carries
     it."""
-    from mm_rl.config.create import ClusterSpec, create_job
     from mm_rl.config.plan import OFFLOAD_KINDS
+    from mm_rl.job.create import ClusterSpec, create_job
 
     chosen = []
     for memory in (141, 64):

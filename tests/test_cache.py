@@ -109,12 +109,12 @@ def test_the_key_follows_arguments_sources_and_versions(monkeypatch):
     assert cache.key("k", {"seed": 0}, modules) != base
 
 
-_KEY_SCRIPT = ("from mm_rl import cache; from mm_rl.models.tiny import _build_args, build_sources; "
+_KEY_SCRIPT = ("from mm_rl import cache; from mm_rl.demo.tiny import _build_args, build_sources; "
                "print(cache.key('tiny', _build_args('qwen2_5vl', 0, False, {}), build_sources('qwen2_5vl')))")
 
 
 def test_a_changed_byte_of_the_builder_gives_a_new_key(tmp_path):
-    """The real builder's key, from a copy of the package: one byte of ``models/tiny.py`` changed (a comment's
+    """The real builder's key, from a copy of the package: one byte of ``demo/tiny.py`` changed (a comment's
     letter, so the code still runs) -> another key."""
     shutil.copytree(REPO / "mm_rl", tmp_path / "mm_rl", ignore=shutil.ignore_patterns("__pycache__"))
 
@@ -125,7 +125,7 @@ def test_a_changed_byte_of_the_builder_gives_a_new_key(tmp_path):
         return done.stdout.strip()
 
     before = key()
-    source = tmp_path / "mm_rl" / "models" / "tiny.py"
+    source = tmp_path / "mm_rl" / "demo" / "tiny.py"
     text = source.read_text()
     assert "# Fixed token ids" in text
     source.write_text(text.replace("# Fixed token ids", "# Fixed token IDs", 1))
@@ -136,7 +136,7 @@ def test_a_changed_byte_of_the_builder_gives_a_new_key(tmp_path):
 
 def test_tiny_checkpoints_come_from_the_cache(cache_dir, tmp_path, monkeypatch):
     """The second build of the same arguments copies the entry: the same bytes, and the writer is not called."""
-    from mm_rl.models import tiny
+    from mm_rl.demo import tiny
 
     first = tiny.build_tiny_checkpoint(tmp_path / "a", seed=0, num_hidden_layers=2)
     monkeypatch.setattr(tiny, "_write_checkpoint", lambda *a, **k: pytest.fail("built again"))

@@ -8,8 +8,8 @@ from job_inputs import write_data_dir, write_hf_dir
 
 from mm_rl.config.loader import ConfigError, all_key_paths, compose, load_job, parse_overrides, to_job
 from mm_rl.config.schema import defaults
-from mm_rl.config.validate import validate
 from mm_rl.config.writer import job_yaml
+from mm_rl.job.validate import validate
 
 TEXT = "backend_config.model.text_decoder"
 VIT = "backend_config.model.image_encoder.vision_encoder"

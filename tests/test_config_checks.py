@@ -6,11 +6,11 @@ import json
 import pytest
 from job_inputs import write_data_dir, write_hf_dir, write_rows
 
-from mm_rl.config.create import ClusterSpec, create_job, write_job
 from mm_rl.config.loader import load_job
 from mm_rl.config.schema import BasicDataParameters
-from mm_rl.config.validate import validate
 from mm_rl.data.dataset import count_usable_rows, find_split
+from mm_rl.job.create import ClusterSpec, create_job, write_job
+from mm_rl.job.validate import validate
 from mm_rl_cli.main import main
 
 B = "backend_config"
@@ -253,7 +253,7 @@ def test_a_split_that_fills_the_rollout_batch_is_accepted(check, tmp_path):
 
 
 def test_verl_parquet_data_set_is_accepted(check, tmp_path):
-    from mm_rl.data.synthetic import write_synthetic_geo3k
+    from mm_rl.demo.synthetic import write_synthetic_geo3k
 
     data = write_synthetic_geo3k(tmp_path / "verl", train_size=16, test_size=2)
     assert check(f"{DATA}.dataset_dir={data}") == []

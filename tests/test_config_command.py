@@ -3,11 +3,11 @@
 import pytest
 from job_inputs import write_data_dir, write_hf_dir
 
-from mm_rl.config.create import ClusterSpec, create_job
 from mm_rl.config.loader import ConfigError, load_job, load_section
 from mm_rl.config.plan import batch_sizes, split_layers
 from mm_rl.config.presets import load_preset
 from mm_rl.config.schema import ModelConfig
+from mm_rl.job.create import ClusterSpec, create_job
 from mm_rl_cli.main import main
 
 REAL = ["qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b", "qwen2_vl_2b", "qwen2_vl_72b",

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mm_rl.config.loader import ConfigError, load_checked, load_job
-from mm_rl.config.validate import validate
+from mm_rl.job.validate import validate
 from mm_rl_cli.main import main
 
 TEXT = "backend_config.model.text_decoder"

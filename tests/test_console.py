@@ -4,13 +4,13 @@ summary, notices), while the rollout engine's, the ranks' and Ray's output goes 
 traceback.
 
 The routing pieces run without Ray (a worker's hook in a child process, ``ray.init``'s options, the "ray" logger of
-the driver with a stand-in ``ray.init``); the end-to-end cases run the tiny job (slow).
+the driver with a stand-in ``ray.init``); the interrupt case starts the tiny job (slow). A whole run's console is
+checked in ``test_trainer.py`` (the resumed run of its SIGKILL test).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import subprocess
 import sys
 import textwrap
@@ -18,17 +18,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from trainer_utils import job_for, train_cli
+from trainer_utils import job_for
 
 from mm_rl.trainer import runtime
 from mm_rl.trainer.runtime import LOG_ENV, VERBOSE_ENV, WORKER_LOG, Resources
 
-# Every line the console may show: the stage, Ray, role, step, validation, checkpoint and summary lines, notices and
-# the user warnings of the job itself.
-OUR_LINE = re.compile(r"\[[123]/3\] |      done in |ray: |actor: |reference: |rollout: |notice: |warning: "
-                      r"|waiting for Ray |step +\d+/\d+ \||validation |checkpoint: |resumed from |done in "
-                      r"|  [A-Za-z ]+: ")
-ENGINE_LINE = "rollout engine (vllm) started in pid"
 RESOURCES = Resources(device="cpu", world_size=1, bundle_cpus=1.0, actor_share=0.5, ref_share=0.5,
                       device_share_actor=0.4, device_share_ref=0.2, device_share_rollout=0.4, threads=1)
 
@@ -178,7 +172,7 @@ def test_a_slow_placement_is_reported(monkeypatch):
 
 
 def test_the_summary_names_the_worker_log(tmp_path, monkeypatch):
-    from mm_rl.trainer.job import JobResult, summary
+    from mm_rl.job.run import JobResult, summary
 
     monkeypatch.delenv(VERBOSE_ENV, raising=False)
     result = JobResult(out_dir=tmp_path, checkpoint_dir=tmp_path / "ckpt", hf_dir=None, plot=None)
@@ -203,25 +197,6 @@ def test_the_engines_thread_binding_warning_is_dropped():
 
 
 # --------------------------------------------------------------------------------------------- end to end
-@pytest.mark.slow
-def test_the_console_shows_only_the_jobs_lines(tiny_base, tmp_path):
-    """2 steps with validation: every console line is one of the job's; the engine's lines are in the log."""
-    out = tmp_path / "out"
-    proc = train_cli(tiny_base / "job.yaml", tiny_base, out, "backend_config.megatron_training.train_iters=2",
-                     "backend_config.rl_config.val_freq=2")
-    console, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, console[-4000:]
-    lines = [line for line in console.splitlines() if line.strip()]
-    strangers = [line for line in lines if not OUR_LINE.match(line)]
-    assert strangers == [], console
-    assert sum(line.startswith("step ") for line in lines) == 2
-    log = out.resolve() / WORKER_LOG
-    assert f"worker log:       {out / WORKER_LOG}" in console
-    text = log.read_text()
-    assert ENGINE_LINE in text and "Ray worker started" in text
-    assert ENGINE_LINE not in console
-
-
 @pytest.mark.slow
 def test_an_interrupt_in_start_up_stops_the_local_ray(tiny_base, tmp_path, monkeypatch, capfd):
     """Ctrl-C while the engine starts (after Ray, the placement and the ranks): no Ray left, no traceback."""

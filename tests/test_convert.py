@@ -24,7 +24,7 @@ from mm_rl.convert.mapping import hf_to_megatron, megatron_to_hf, merge_tp_shard
 from mm_rl.convert.mg2hf import mg2hf  # noqa: E402
 from mm_rl.convert.model_config import model_config_from_hf  # noqa: E402
 from mm_rl.convert.stages import plan_pipeline  # noqa: E402
-from mm_rl.models.tiny import build_tiny_checkpoint  # noqa: E402
+from mm_rl.demo.tiny import build_tiny_checkpoint  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,7 @@ from test_convert import hf_tensors, model_for, randomize, rank_state, to_hf, to
 from mm_rl.config.loader import ConfigError
 from mm_rl.convert.errors import ConversionError
 from mm_rl.convert.layout import save_model_state
-from mm_rl.models.tiny import build_tiny_checkpoint
+from mm_rl.demo.tiny import build_tiny_checkpoint
 from mm_rl_cli.main import main
 
 hf2mg_module = importlib.import_module("mm_rl.convert.hf2mg")  # the package attribute is the function

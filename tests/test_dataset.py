@@ -14,8 +14,8 @@ from PIL import Image
 from mm_rl.config.schema import DataConfig
 from mm_rl.data.dataset import DEFAULT_INSTRUCTION, PromptDataset, PromptProcessor, to_rgb
 from mm_rl.data.sampler import PromptSampler
-from mm_rl.data.synthetic import write_synthetic_geo3k
-from mm_rl.models.tiny import IMAGE_TOKEN_ID, build_tiny_checkpoint
+from mm_rl.demo.synthetic import write_synthetic_geo3k
+from mm_rl.demo.tiny import IMAGE_TOKEN_ID, build_tiny_checkpoint
 from mm_rl.platform import cpu_wheels
 
 cpu_wheels.install()  # the reference AutoProcessor builds the video processor, which imports torchvision

@@ -71,7 +71,7 @@ def mm_dir(tmp_path_factory) -> Path:
     """The tiny checkpoint converted to MindSpeed-MM's layout (TP1 / PP1)."""
     from mm_rl.config.schema import Hf2MgCfg, HfConfig, ParallelConfig
     from mm_rl.convert import hf2mg, model_config_from_hf
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.demo.tiny import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny")
     hf_dir = build_tiny_checkpoint(root / "hf", seed=0)

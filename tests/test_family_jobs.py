@@ -3,8 +3,8 @@ vLLM engine and weight syncs, mg2hf, and the result loaded by transformers.
 
 The first test: the tiny job's yaml with its model section replaced by the family's tiny preset
 (``configs/models/``) and its checkpoint by the family's tiny build (not format-warmed: this checks the pipeline,
-not learning). The second: the family's embedded default as ``make demo MODEL=...`` runs it (its warm-up, its 40
-steps), which must learn.
+not learning), for the layouts no learning run covers. The second: the family's embedded default as ``make demo
+MODEL=...`` runs it (its warm-up, its 40 steps), which must learn and passes the same whole-job checks.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_utils import REPO, assert_learns
+from trainer_utils import REPO, assert_learns, configure
 
 from mm_rl.trainer.metrics import read_metrics
 
@@ -30,18 +30,20 @@ TP2 = (TWO_RANKS, "backend_config.actor_config.tensor_model_parallel_size=2")
 ONE_RANK = ["mp_rank_00"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("preset", "family", "variant", "layout", "rank_dirs"), [
-    ("tiny_qwen2_vl", "qwen2vl", {}, (), ONE_RANK), ("tiny_qwen3_vl", "qwen3_vl", {}, (), ONE_RANK),
-    (*MOE, (), ONE_RANK), (*MOE, EP2, ["mp_rank_00_000", "mp_rank_00_001"]), (*MOE, TP2, ["mp_rank_00", "mp_rank_01"]),
-], ids=["qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_vl_moe_ep2", "qwen3_vl_moe_tp2"])
+    ("tiny_qwen2_vl", "qwen2vl", {}, (), ONE_RANK),
+    (*MOE, EP2, ["mp_rank_00_000", "mp_rank_00_001"]), (*MOE, TP2, ["mp_rank_00", "mp_rank_01"]),
+], ids=["qwen2_vl", "qwen3_vl_moe_ep2", "qwen3_vl_moe_tp2"])
 def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: Path, preset: str, family: str,
                                                      variant: dict, layout: tuple[str, ...], rank_dirs: list[str]):
     """EP2: two actor ranks (DP 2), each holding two of the four experts; the sync gathers them, the checkpoint
     has one rank directory per EP rank, and mg2hf puts the experts back together. TP2: every expert split over
-    two ranks, which train under sequence parallelism (each routes its half of the tokens)."""
+    two ranks, which train under sequence parallelism (each routes its half of the tokens). Qwen3-VL and the MoE
+    at EP1 are checked the same way by their learning runs below."""
     from omegaconf import OmegaConf
 
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.demo.tiny import build_tiny_checkpoint
 
     hf_dir = build_tiny_checkpoint(tmp_path / "tiny_hf", seed=0, family=family, **variant)
     node = OmegaConf.load(tiny_base / "job.yaml")
@@ -60,22 +62,30 @@ def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: 
                            "backend_config.rl_config.entropy_coeff=0.01", *layout],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
-    gaps = [r["rollout/logprob_gap_max"] for r in records]
-    print(f"\n{preset}: engine vs actor log-prob gap per step {gaps}")
-    assert max(gaps) < GAP_TOL  # step 2 samples from the synced weights of step 1's update
+    _check_family_job(preset, records, tmp_path / "out", hf_dir, bool(variant), rank_dirs)
+
+
+def _check_family_job(preset: str, records: list[dict], out: Path, hf_dir: Path, moe: bool,
+                      rank_dirs: list[str]) -> None:
+    """The engine-actor gap after each sync, a gradient, the MoE routing, the checkpoint's rank directories, and
+    an mg2hf output that transformers loads and that the update reached."""
+    gaps = [r["rollout/logprob_gap_max"] for r in records if r["step"] > 0]
+    print(f"\n{preset}: engine vs actor log-prob gap per step, max {max(gaps):.2e}")
+    assert max(gaps) < GAP_TOL  # every step after the first samples from the synced weights of the last update
     assert records[-1]["actor/grad_norm"] > 0
-    if variant:  # MoE: the routing over every rank's tokens, no token dropped
+    if moe:  # the routing over every rank's tokens, no token dropped
         print(f"routing: load max {records[-1]['actor/moe/load_max']:.2f}, min {records[-1]['actor/moe/load_min']:.2f}")
         assert records[-1]["actor/moe/load_max"] >= 1.0 >= records[-1]["actor/moe/load_min"] > 0
         assert records[-1]["actor/moe/dropped_tokens"] == 0
-    ranks = sorted(p.name for p in (tmp_path / "out" / "ckpt" / "iter_0000002").iterdir() if p.name.startswith("mp_"))
+    latest = (out / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip()
+    ranks = sorted(p.name for p in (out / "ckpt" / f"iter_{int(latest):07d}").iterdir() if p.name.startswith("mp_"))
     assert ranks == rank_dirs
 
     from transformers import AutoModelForImageTextToText
 
-    trained = AutoModelForImageTextToText.from_pretrained(tmp_path / "out" / "ckpt_converted_mg2hf")
+    trained = AutoModelForImageTextToText.from_pretrained(out / "ckpt_converted_mg2hf")
     initial = AutoModelForImageTextToText.from_pretrained(hf_dir)
     changed = [name for name, p in trained.state_dict().items() if not torch.equal(p, initial.state_dict()[name])]
     assert any(name.startswith("model.language_model.") for name in changed)  # the update reached the HF output
@@ -85,11 +95,13 @@ def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: 
 @pytest.mark.parametrize("preset", ["tiny_qwen3_vl", "tiny_qwen3_vl_moe"])
 def test_a_family_default_learns(tmp_path: Path, preset: str):
     """``config`` (the family's tiny build, the warm-up, the demo data) then ``train``, as ``make demo
-    MODEL=<preset>``; the learning bar of the Qwen2.5-VL default."""
+    MODEL=<preset>``; the learning bar of the Qwen2.5-VL default, and the whole-job checks of the family (one
+    rank: the MoE at EP1, every expert on it)."""
     cli = str(Path(sys.executable).parent / "ascendfactory-cli")
-    job, out = tmp_path / "job.yaml", tmp_path / "out"
-    subprocess.run([cli, "config", "--af_model_name", preset, "--exp_name", preset, "--output_file_path", str(job),
-                    f"af_output_dir={out}"], cwd=REPO, check=True, capture_output=True, text=True, timeout=900)
+    out = tmp_path / "out"
+    job = configure(preset, out / "job.yaml")
     done = subprocess.run([cli, "train", str(job)], cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert_learns(read_metrics(out / "metrics.jsonl"), preset)
+    records = read_metrics(out / "metrics.jsonl")
+    assert_learns(records, preset)
+    _check_family_job(preset, records, out, out / "tiny_hf", preset.endswith("_moe"), ONE_RANK)

@@ -72,7 +72,7 @@ def build_checkpoint(root: Path, family: str) -> Path:
     one expert's fan-in)."""
     from transformers import AutoModelForImageTextToText
 
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.demo.tiny import build_tiny_checkpoint
 
     model_id, _, overrides = FAMILIES[family]
     source = build_tiny_checkpoint(root / "source", seed=0, family=model_id, **overrides)

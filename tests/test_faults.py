@@ -20,13 +20,13 @@ import torch
 from test_checkpoint import states, trainer_state
 from test_trainer_loop import FakePrompts, FakeRoles, _job, _trainer
 
-import mm_rl.trainer.job as job_module
+import mm_rl.job.run as job_module
 from mm_rl.checkpoint import CheckpointError, CheckpointManager, CheckpointRefused
 from mm_rl.config.loader import ConfigError
-from mm_rl.config.validate import validate
 from mm_rl.convert.errors import ConversionError
+from mm_rl.job.run import RERUN, failure_message, resume
+from mm_rl.job.validate import validate
 from mm_rl.trainer.grpo import TrainingStopped
-from mm_rl.trainer.job import RERUN, failure_message, resume
 from mm_rl.trainer.metrics import METRICS_FILE, MetricsLogger, read_metrics, rewind
 from mm_rl.workers.group import WorkerError
 from mm_rl_cli import main as cli
@@ -264,7 +264,7 @@ def trained(tmp_path_factory):
     """A training checkpoint directory with complete iterations 3 and 5 of the tiny model (TP1, one stage)."""
     from test_convert import model_for, rank_state, to_mg
 
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.demo.tiny import build_tiny_checkpoint
 
     hf = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "hf", seed=0)
     model = rank_state(to_mg(hf, tmp_path_factory.mktemp("mm") / "mm", 1, [2], [4]), 0, 0, 1)["model"]

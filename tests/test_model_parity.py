@@ -80,7 +80,7 @@ def build_hf_checkpoint(directory: Path, tied: bool, **overrides: Any) -> Path:
     """The tiny checkpoint with biases and norm weights redrawn (the builder makes them 0 and 1)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.demo.tiny import build_tiny_checkpoint
 
     source = build_tiny_checkpoint(directory / "source", seed=0, tie_word_embeddings=tied, **overrides)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(source, dtype=torch.float32)

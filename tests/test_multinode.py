@@ -65,9 +65,9 @@ def test_job_ranks_run_on_two_nodes(cluster, tiny_base, tmp_path, monkeypatch):
     import ray
 
     from mm_rl.config.loader import load_job
-    from mm_rl.config.validate import validate
+    from mm_rl.job.run import run_job
+    from mm_rl.job.validate import validate
     from mm_rl.trainer import grpo
-    from mm_rl.trainer.job import run_job
 
     where: dict[str, list[str]] = {}
     fit = grpo.GRPOTrainer.fit

@@ -15,8 +15,8 @@ from PIL import Image  # noqa: E402
 
 from mm_rl.config.schema import GenerateConfig, SamplingConfig, ValSamplingConfig  # noqa: E402
 from mm_rl.data.dataset import PromptDataset, PromptProcessor  # noqa: E402
-from mm_rl.data.synthetic import write_synthetic_geo3k  # noqa: E402
-from mm_rl.models import tiny  # noqa: E402
+from mm_rl.demo import tiny  # noqa: E402
+from mm_rl.demo.synthetic import write_synthetic_geo3k  # noqa: E402
 from mm_rl.rollout.base import RolloutRequest, SamplingSpec, sampling_for  # noqa: E402
 from mm_rl.rollout.bounds import (  # noqa: E402
     BoundsPolicy,
@@ -26,6 +26,8 @@ from mm_rl.rollout.bounds import (  # noqa: E402
     token_ids_of,
 )
 from mm_rl.sync.buckets import GroupAssembler, bucket_by_group, weight_group  # noqa: E402
+
+pytestmark = pytest.mark.stack  # Ray, vLLM engines or Megatron ranks: in `make test`, not `make test-quick`
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 224 * 224
 MAX_TOKENS = 12

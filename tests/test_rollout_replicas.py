@@ -12,7 +12,7 @@ from ray_utils import kill_and_wait
 
 from mm_rl.config.loader import load_job
 from mm_rl.config.topology import topology
-from mm_rl.config.validate import validate
+from mm_rl.job.validate import validate
 from mm_rl.rollout.base import (
     BatchTiming,
     RolloutMetrics,

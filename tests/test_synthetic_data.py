@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from mm_rl.data.synthetic import (
+from mm_rl.demo.synthetic import (
     DATA_SOURCE,
     INSTRUCTION,
     MARKER,

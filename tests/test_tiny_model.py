@@ -12,8 +12,8 @@ from PIL import Image  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from mm_rl.models import tiny  # noqa: E402
-from mm_rl.models.tiny import build_tiny_checkpoint  # noqa: E402
+from mm_rl.demo import tiny  # noqa: E402
+from mm_rl.demo.tiny import build_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +172,12 @@ def test_forward_and_generate(model, image_inputs):
     out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     new = out[0, inputs["input_ids"].shape[1] :]
     assert new.shape == (4,) and int(new.max()) < tiny.VOCAB_SIZE
+
+
+def test_every_family_tiny_vocabulary_is_the_tiny_tokenizers():
+    """The families' tiny sizes (in their own packages, below the demo) state the demo tokenizer's vocabulary."""
+    from mm_rl.demo.tiny import VOCAB_SIZE
+    from mm_rl.models.family import families
+
+    sizes = {f.name: f.tiny_module().TEXT_CONFIG["vocab_size"] for f in families() if f.tiny}
+    assert len(sizes) == 3 and set(sizes.values()) == {VOCAB_SIZE}

@@ -12,11 +12,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from mm_rl import cache  # noqa: E402
-from mm_rl.data.synthetic import write_synthetic_geo3k  # noqa: E402
-from mm_rl.models import tiny_warmup  # noqa: E402
-from mm_rl.models.tiny import build_tiny_checkpoint  # noqa: E402
-from mm_rl.models.tiny_warmup import MARKER, target_response, warm_up_format  # noqa: E402
+from mm_rl.demo import tiny_warmup  # noqa: E402
+from mm_rl.demo.synthetic import write_synthetic_geo3k  # noqa: E402
+from mm_rl.demo.tiny import build_tiny_checkpoint  # noqa: E402
+from mm_rl.demo.tiny_warmup import MARKER, target_response, warm_up_format  # noqa: E402
 from mm_rl.rewards.geo3k import compute_score  # noqa: E402
+
+pytestmark = pytest.mark.stack  # the warm-up trains (a minute a run): in `make test`, not `make test-quick`
 
 STEPS = 120  # the mechanics need a short warm-up; the default one is checked on the session's tiny job
 

@@ -19,9 +19,10 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from trainer_utils import assert_learns, deterministic, job_for, train_cli  # noqa: E402
+from trainer_utils import ENGINE_LINE, OUR_LINE, assert_learns, deterministic, job_for, train_cli  # noqa: E402
 
 from mm_rl.trainer.metrics import read_metrics  # noqa: E402
+from mm_rl.trainer.runtime import WORKER_LOG  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,7 @@ def assets(tiny_base):
 def _run_job(job):
     import ray
 
-    from mm_rl.trainer.job import run_job
+    from mm_rl.job.run import run_job
 
     lines: list[str] = []
     try:
@@ -50,37 +51,6 @@ def _hf_weights(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def test_job_trains_checkpoints_and_converts_back(assets, tmp_path):
-    """hf2mg -> 4 steps (validation every 2) -> mg2hf; metrics, plot, TensorBoard, checkpoints, summary."""
-    job_yaml, root = assets
-    out = tmp_path / "run"
-    job = job_for(job_yaml, root, out, "backend_config.megatron_training.train_iters=4",
-                  "backend_config.megatron_training.save_interval=2",
-                  "backend_config.megatron_training.max_keep_ckpts=1", "backend_config.rl_config.val_freq=2")
-    result, lines = _run_job(job)
-    text = "\n".join(lines)
-    assert "[1/3] hf2mg" in text and "[2/3] GRPO" in text and "[3/3] mg2hf" in text
-    assert sum(line.startswith("step ") for line in lines) == 4
-    records = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    for key in ("reward/score", "reward/accuracy", "reward/format", "response_length/mean", "actor/pg_loss",
-                "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/lr", "timing/rollout", "timing/update",
-                "timing/sync", "timing/step", "throughput/tok_per_s"):
-        assert all(r.get(key) is not None and math.isfinite(r[key]) for r in records), key
-    assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in records)  # engine and actor agree token by token
-    assert [r["step"] for r in records if "val/reward/score" in r] == [2, 4]
-    assert (out / "metrics.png").stat().st_size > 0 and any((out / "tensorboard").iterdir())
-    ckpt = out / "ckpt"
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000004"]  # keep 1
-    trained, start = _hf_weights(result.hf_dir), _hf_weights(root / "tiny_hf")
-    assert trained.keys() == start.keys()
-    assert any(not torch.equal(trained[k], start[k]) for k in trained)  # the update reached the HF output
-    from transformers import AutoModelForImageTextToText
-
-    AutoModelForImageTextToText.from_pretrained(result.hf_dir)  # loads in transformers
-
-
 def _wait_for(predicate, proc, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -91,18 +61,21 @@ def _wait_for(predicate, proc, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def test_sigkill_then_resume_repeats_the_uninterrupted_run(assets, tmp_path):
-    """With two vLLM engine replicas: each step's prompts are split over both, each replica's sampled tokens score
-    the same under the actor (both received the weights), and the replicas' seeds and split repeat on resume."""
+def test_a_job_trains_converts_back_and_repeats_itself_after_sigkill(assets, tmp_path):
+    """One job, three runs. The uninterrupted run: hf2mg -> 4 steps over two vLLM engine replicas (validation and
+    a checkpoint every 2 steps, one checkpoint kept) -> mg2hf: the stages, a line per step, the metrics, plot,
+    TensorBoard, checkpoints, and an HF output that the update reached and transformers loads; each step's prompts
+    split over both replicas, whose sampled tokens score the same under the actor (both received the weights).
+    Then the same job through ``ascendfactory-cli train``, SIGKILLed (the driver and everything it started) after
+    its step-2 checkpoint, and started again with the same command: it skips hf2mg, resumes from step 2 and
+    repeats the uninterrupted run's metrics exactly (the replicas' seeds and split included), and its console holds
+    only the job's own lines (the engine's and Ray's go to the worker log)."""
     job_yaml, root = assets
     steps = ("backend_config.megatron_training.train_iters=4", "backend_config.megatron_training.save_interval=2",
+             "backend_config.megatron_training.max_keep_ckpts=1", "backend_config.rl_config.val_freq=2",
              "backend_config.generate_config.replicas=2")
-    reference, lines = _run_job(job_for(job_yaml, root, tmp_path / "straight", *steps))
-    straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
-    assert any("rollout: 2 x vllm engine ready" in line for line in lines)
-    for record in straight:
-        assert record["rollout/replicas"] == 2 and record["rollout/replica_prompts_min"] >= 1  # split over both
-        assert record["rollout/logprob_gap_max"] < 1e-3  # max over both replicas' samples: both got the weights
+    result, lines = _run_job(job_for(job_yaml, root, tmp_path / "straight", *steps))
+    straight = _check_uninterrupted(result, lines, tmp_path / "straight", root)
 
     out = tmp_path / "killed"
     proc = train_cli(job_yaml, root, out, *steps, start_new_session=True)
@@ -125,6 +98,48 @@ def test_sigkill_then_resume_repeats_the_uninterrupted_run(assets, tmp_path):
     for a, b in zip(straight, resumed, strict=True):
         assert deterministic(a) == deterministic(b), a["step"]
     assert json.loads((out / "ckpt" / "iter_0000004" / "complete").read_text())["step"] == 4
+    _check_console(log, out)
+
+
+def _check_uninterrupted(result, lines: list[str], out: Path, root: Path) -> list[dict]:
+    text = "\n".join(lines)
+    assert "[1/3] hf2mg" in text and "[2/3] GRPO" in text and "[3/3] mg2hf" in text
+    assert any("rollout: 2 x vllm engine ready" in line for line in lines)
+    assert sum(line.startswith("step ") for line in lines) == 4
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("reward/score", "reward/accuracy", "reward/format", "response_length/mean", "actor/pg_loss",
+                "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/lr", "timing/rollout", "timing/update",
+                "timing/sync", "timing/step", "throughput/tok_per_s"):
+        assert all(r.get(key) is not None and math.isfinite(r[key]) for r in records), key
+    for record in records:
+        assert record["rollout/replicas"] == 2 and record["rollout/replica_prompts_min"] >= 1  # split over both
+        assert record["rollout/logprob_gap_max"] < 1e-3  # max over both replicas' samples: both got the weights
+    assert [r["step"] for r in records if "val/reward/score" in r] == [2, 4]
+    assert (out / "metrics.png").stat().st_size > 0 and any((out / "tensorboard").iterdir())
+    ckpt = out / "ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000004"]  # keep 1
+    trained, start = _hf_weights(result.hf_dir), _hf_weights(root / "tiny_hf")
+    assert trained.keys() == start.keys()
+    assert any(not torch.equal(trained[k], start[k]) for k in trained)  # the update reached the HF output
+    from transformers import AutoModelForImageTextToText
+
+    AutoModelForImageTextToText.from_pretrained(result.hf_dir)  # loads in transformers
+    return records
+
+
+def _check_console(console: str, out: Path) -> None:
+    """Every console line of a ``train`` run is one of the job's; the engine's lines are in the worker log."""
+    lines = [line for line in console.splitlines() if line.strip()]
+    strangers = [line for line in lines if not OUR_LINE.match(line)]
+    assert strangers == [], console
+    assert sum(line.startswith("step ") for line in lines) == 2  # steps 3 and 4 after the resume
+    log = out.resolve() / WORKER_LOG
+    assert f"worker log:       {out / WORKER_LOG}" in console
+    text = log.read_text()
+    assert ENGINE_LINE in text and "Ray worker started" in text
+    assert ENGINE_LINE not in console
 
 
 @pytest.mark.parametrize("layout, rank_dirs", [

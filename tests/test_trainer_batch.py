@@ -133,7 +133,7 @@ def test_sampling_seeds_differ_per_step_and_batch_and_repeat():
 
 
 def test_submit_makes_directly_set_relative_paths_absolute(tmp_path):
-    from mm_rl.trainer.submit import absolute_paths
+    from mm_rl.job.submit import absolute_paths
 
     node = OmegaConf.create({"af_output_dir": "./out", "backend_config": {
         "megatron_training": {"tokenizer_name_or_path": "${af_output_dir}/hf", "save": "/abs/ckpt"},

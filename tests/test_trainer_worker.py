@@ -13,6 +13,8 @@ from probes import ProbeWorker
 from mm_rl.config.schema import Hf2MgCfg, HfConfig, ParallelConfig, RLConfig, TrainingFlags
 from mm_rl.workers.training import LossSpec, OptimizerSpec
 
+pytestmark = pytest.mark.stack  # Ray, vLLM engines or Megatron ranks: in `make test`, not `make test-quick`
+
 SPEC = OptimizerSpec(lr=1e-3, min_lr=1e-4, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, clip_grad=1.0,
                      lr_decay_style="cosine", warmup_steps=2, total_steps=6)
 LOSS = LossSpec(RLConfig(kl_loss_coef=0.0, use_kl_loss=False), max_response_len=4)
@@ -21,7 +23,7 @@ LOSS = LossSpec(RLConfig(kl_loss_coef=0.0, use_kl_loss=False), max_response_len=
 @pytest.fixture(scope="module")
 def mm_dir(tmp_path_factory):
     from mm_rl.convert import hf2mg, model_config_from_hf
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.demo.tiny import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny")
     hf_dir = build_tiny_checkpoint(root / "hf", seed=0)
@@ -248,7 +250,7 @@ def test_colocated_schedule_frees_actor_and_reference_during_the_rollout(ray_ses
 
 def test_context_parallel_ranks_train_like_one_and_resume_their_optimizer_shards(ray_session, mm_dir, tmp_path):
     """CP2 (Ulysses: each rank keeps half of every sequence) against CP1 on the same batches: equal log-probs,
-    gradient norm and loss, and after an update the same weights (fp32 sums in another order: 1e-5 relative).
+    gradient norm and loss, and after an update the same weights (fp32 sums in another order: 5e-5 relative).
     With the distributed optimizer the Adam state is sharded over the two CP ranks: saved, loaded into fresh
     ranks, the next step is bit-identical to the ranks that went on."""
     spec = OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0, "use_distributed_optimizer": True})
@@ -260,8 +262,10 @@ def test_context_parallel_ranks_train_like_one_and_resume_their_optimizer_shards
                    for group in (single, split)]
         assert metrics[1]["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-5)  # gradients, unscaled
         assert metrics[1]["pg_loss"] == pytest.approx(metrics[0]["pg_loss"], rel=1e-5, abs=1e-7)
+        # Adam divides by sqrt(v) + 1e-8, so elements whose gradient is near 1e-8 pass the gradients' 1e-6 noise
+        # on amplified: measured up to 1.2e-5 relative on one machine (linear_proj of layer 2), 1e-5 elsewhere
         one, two = single.run("parameter_sums")[0], split.run("parameter_sums")[0]
-        assert one.keys() == two.keys() and all(abs(one[k] - two[k]) <= 1e-5 * (1 + abs(one[k])) for k in one)
+        assert one.keys() == two.keys() and all(abs(one[k] - two[k]) <= 5e-5 * (1 + abs(one[k])) for k in one)
         rank_dir = _save_iteration_1(split, tmp_path / "ckpt")
         assert sorted(p.name for p in rank_dir.glob("distrib_*")) == [f"distrib_optim_dp00{i}.pt" for i in (0, 1)]
         batch = _batch(split, 3)

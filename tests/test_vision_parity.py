@@ -119,7 +119,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     cpu_wheels.install()  # transformers' image utilities import torchvision when it is installed
     from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
 
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.demo.tiny import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("vision")
     ckpt = build_tiny_checkpoint(root / "tiny", seed=0)

@@ -36,6 +36,8 @@ from mm_rl.sync.buckets import weight_group  # noqa: E402
 from mm_rl.sync.sender import strip_vocab_padding  # noqa: E402
 from mm_rl.sync.transport import SharedBucket, pack_bucket, unpack_bucket  # noqa: E402
 
+pytestmark = pytest.mark.stack  # Ray, vLLM engines or Megatron ranks: in `make test`, not `make test-quick`
+
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 224 * 224
 BUCKET_BYTES = 1 << 20  # the tiny model is ~4.4 MB: several buckets per stage
 LOGPROB_TOL = 1e-2
@@ -63,7 +65,7 @@ def ray_session():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from mm_rl.models import tiny
+    from mm_rl.demo import tiny
 
     root = tmp_path_factory.mktemp("tiny")
     return {tied: peaky(tiny.build_tiny_checkpoint(root / ("tied" if tied else "untied"), seed=0,
@@ -86,7 +88,7 @@ def peaky(hf_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory, checkpoints):
     from mm_rl.data.dataset import PromptDataset, PromptProcessor
-    from mm_rl.data.synthetic import write_synthetic_geo3k
+    from mm_rl.demo.synthetic import write_synthetic_geo3k
 
     data = write_synthetic_geo3k(tmp_path_factory.mktemp("data") / "geo3k", seed=0, train_size=4, test_size=4)
     dataset = PromptDataset(data, "test", PromptProcessor(checkpoints[False], MIN_PIXELS, MAX_PIXELS),

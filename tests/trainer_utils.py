@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import budget
 
 from mm_rl.config.loader import load_job
 from mm_rl.config.schema import JobConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "mm_rl_cli.main"]
+CONFIG_CLI = str(Path(sys.executable).parent / "ascendfactory-cli")
 
 ASSET_KEYS = ("af_output_dir", "backend_config.megatron_training.tokenizer_name_or_path",
               "backend_config.data.dataset_param.basic_parameters.dataset_dir")
@@ -23,6 +28,18 @@ SHORT = (
     "backend_config.generate_config.sampling_config.max_tokens=24",
     "backend_config.actor_config.lr=2e-4",
 )
+
+
+def configure(preset: str, job: Path, *overrides: str) -> Path:
+    """``ascendfactory-cli config --af_model_name <preset>`` writing ``job`` (outputs beside it unless an override
+    moves them): the tiny model and its warm-up come from the cache, built there the first time on a machine.
+    That first build (~3 min a model) is the machine's, not the calling test file's (``budget.note_build``)."""
+    start = time.perf_counter()
+    subprocess.run([CONFIG_CLI, "config", "--af_model_name", preset, "--exp_name", f"{preset}_test",
+                    "--output_file_path", str(job), f"af_output_dir={job.parent}", *overrides], cwd=REPO,
+                   check=True, capture_output=True, text=True, timeout=1200)
+    budget.note_build(time.perf_counter() - start)
+    return job
 
 
 def write_job(base: Path, folder: Path) -> Path:
@@ -55,6 +72,13 @@ def train_cli(job_yaml: Path, assets: Path, out: Path, *extra: str, **popen: Any
     return subprocess.Popen([*CLI, "train", str(job_yaml), *overrides(assets, out, *extra)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
+
+# Every line the console of ``train`` may show: the stage, Ray, role, step, validation, checkpoint and summary
+# lines, notices and the user warnings of the job itself.
+OUR_LINE = re.compile(r"\[[123]/3\] |      done in |ray: |actor: |reference: |rollout: |notice: |warning: "
+                      r"|waiting for Ray |step +\d+/\d+ \||validation |checkpoint: |resumed from |done in "
+                      r"|  [A-Za-z ]+: ")
+ENGINE_LINE = "rollout engine (vllm) started in pid"
 
 DETERMINISTIC_PREFIXES = ("reward/", "actor/", "advantages/", "response_length/", "batch/", "val/reward",
                           "rollout/logprob_gap")

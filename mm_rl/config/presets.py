@@ -36,7 +36,7 @@ _REAL_RUN: dict[str, Any] = {
 }
 
 # The embedded default: small images and short answers so that a GRPO run on 2 CPU cores takes minutes.
-# lr 2e-4 with cosine decay and a KL weight of 0.05. The warm-up (mm_rl.models.tiny_warmup) leaves the model
+# lr 2e-4 with cosine decay and a KL weight of 0.05. The warm-up (mm_rl.demo.tiny_warmup) leaves the model
 # boxing the number it read in a quarter of its samples and its successor in the rest, so greedy validation
 # starts near 0. Measured on 2 cores (AMD EPYC, AVX2): sampled accuracy 0.34 at step 1, 0.75 at step 10, 0.85-0.97
 # from step 15; greedy validation accuracy 0.78 at step 10, 1.0 from step 20. The earlier warm-up left the boxed

@@ -90,7 +90,7 @@ class ModelFamily:
         megatron: module providing ``build_model(model, flags, actor, ...)`` and ``embedding_ranks(model)``.
         tiny: module providing the tiny builder's ``hf_config(text, vision, ids, tied)``, its default text and
             vision fields (``TEXT_CONFIG``, ``VISION_CONFIG``) and ``PROCESSOR_CLASS``; None: no tiny model.
-        rules: extra model.json rules of this family (findings); the shared ones are in ``config.validate``.
+        rules: extra model.json rules of this family (findings); the shared ones are in ``job.validate``.
         hf_aliases: other spellings of HF tensor names (prefix, published prefix), mapped when reading.
         hf_fused: stored tensors that hold several of the table's HF tensors (fused experts).
         vision_tokens: special tokens a response may not contain (the trainer cuts a response before one).

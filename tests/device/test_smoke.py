@@ -48,7 +48,7 @@ QWEN2_5_VL_3B_WIDTHS = {
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mm_rl.data.synthetic import DEMO_TEMPLATES, write_synthetic_geo3k
+    from mm_rl.demo.synthetic import DEMO_TEMPLATES, write_synthetic_geo3k
 
     return write_synthetic_geo3k(tmp_path_factory.mktemp("data"), seed=0, templates=DEMO_TEMPLATES)
 
@@ -60,9 +60,9 @@ def _job(out: Path, hf_dir: Path, data_dir: Path, devices: int = 1, extra: tuple
 
     from omegaconf import OmegaConf
 
-    from mm_rl.config.create import ClusterSpec, create_job
     from mm_rl.config.loader import to_job
     from mm_rl.convert import model_config_from_hf
+    from mm_rl.job.create import ClusterSpec, create_job
 
     actor = "backend_config.actor_config"
     node, _, _ = create_job("tiny", "device_smoke", ClusterSpec(1, devices, device_kind()), overrides=[
@@ -85,8 +85,8 @@ def _run(job: JobConfig) -> tuple[list[dict[str, float]], list[tuple[int, int, i
     weight sync's device route."""
     import ray
 
+    from mm_rl.job.run import convert_in
     from mm_rl.trainer.grpo import build_trainer
-    from mm_rl.trainer.job import convert_in
 
     mm_dir = convert_in(job, print)
     trainer = build_trainer(job, mm_dir, print, worker_cls=ProbeWorker)
@@ -110,7 +110,7 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {  # name: the tiny builder's keywords
 
 @pytest.mark.parametrize("widths", sorted(CHECKPOINTS))
 def test_colocated_bf16_grpo_steps(widths: str, data_dir: Path, tmp_path: Path) -> None:
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.demo.tiny import build_tiny_checkpoint
 
     hf_dir = build_tiny_checkpoint(tmp_path / "hf", seed=0, **CHECKPOINTS[widths])
     history, memory, route = _run(_job(tmp_path / "out", hf_dir, data_dir))
@@ -133,7 +133,7 @@ def test_colocated_bf16_grpo_steps(widths: str, data_dir: Path, tmp_path: Path) 
 def test_two_colocated_engine_replicas_share_the_rollout(data_dir: Path, tmp_path: Path) -> None:
     """Two devices, DP2, an engine replica beside each rank (the default): every step's prompts are split over
     both replicas and both generate from the synced weights."""
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.demo.tiny import build_tiny_checkpoint
 
     hf_dir = build_tiny_checkpoint(tmp_path / "hf", seed=0)
     history, _, route = _run(_job(tmp_path / "out", hf_dir, data_dir, devices=2))
@@ -151,7 +151,7 @@ def test_two_colocated_engine_replicas_share_the_rollout(data_dir: Path, tmp_pat
 def test_a_colocated_tp2_engine_spans_the_devices_of_two_ranks(data_dir: Path, tmp_path: Path) -> None:
     """Two devices, engine TP 2 colocated: one replica whose two vLLM workers sit beside ranks 0 and 1; the worker on
     the sender's device maps its buffers, the other takes the broadcast; the engine generates from synced weights."""
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.demo.tiny import build_tiny_checkpoint
 
     hf_dir = build_tiny_checkpoint(tmp_path / "hf", seed=0)
     extra = ("backend_config.generate_config.infer_tensor_parallel_size=2",)
@@ -165,7 +165,7 @@ def test_moe_trains_at_tp2_under_sequence_parallelism(data_dir: Path, tmp_path: 
     """Two devices, the tiny Qwen3-VL-MoE at TP2: each rank routes its half of the tokens (sequence parallelism,
     which megatron's MoE layer needs to train under TP) to experts split over both ranks; bf16 steps finish,
     every expert is used and the engine generates from the synced weights."""
-    from mm_rl.models.tiny import build_tiny_checkpoint
+    from mm_rl.demo.tiny import build_tiny_checkpoint
 
     hf_dir = build_tiny_checkpoint(tmp_path / "hf", seed=0, **CHECKPOINTS["tiny_qwen3_vl_moe"])
     extra = ("backend_config.actor_config.tensor_model_parallel_size=2",)

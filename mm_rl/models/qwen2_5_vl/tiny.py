@@ -1,4 +1,4 @@
-"""The tiny Qwen2.5-VL (``mm_rl.models.tiny`` builds it): its HF config class and the sizes of the tiny default.
+"""The tiny Qwen2.5-VL (``mm_rl.demo.tiny`` builds it): its HF config class and the sizes of the tiny default.
 
 ViT: 2 blocks with block 1 full attention, so both window attention (window 112 = 8 patches of 14) and the
 full-attention path, the 2D vision rotary and the 2x2 patch merger all run.
@@ -7,8 +7,6 @@ full-attention path, the 2D vision rotary and the 2x2 patch merger all run.
 from __future__ import annotations
 
 from typing import Any
-
-from mm_rl.models.tiny import VOCAB_SIZE
 
 PROCESSOR_CLASS = "Qwen2_5_VLProcessor"
 IMAGE_PROCESSOR: dict[str, Any] = {"patch_size": 14}
@@ -38,7 +36,7 @@ TEXT_CONFIG: dict[str, Any] = {
     "mrope_section": [4, 6, 6],
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 4096,
-    "vocab_size": VOCAB_SIZE,
+    "vocab_size": 1024,  # the tiny tokenizer's ids (mm_rl.demo.tiny.VOCAB_SIZE; a test holds them equal)
     "hidden_act": "silu",
 }
 

@@ -1,4 +1,4 @@
-"""The tiny Qwen2-VL (``mm_rl.models.tiny`` builds it): the tiny Qwen2.5-VL's text decoder and a 2-block
+"""The tiny Qwen2-VL (``mm_rl.demo.tiny`` builds it): the tiny Qwen2.5-VL's text decoder and a 2-block
 full-attention ViT of the same width."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tiny Qwen3-VL (``mm_rl.models.tiny`` builds it): 4 Qwen3 layers (head_dim 32, interleaved mRoPE
+"""The tiny Qwen3-VL (``mm_rl.demo.tiny`` builds it): 4 Qwen3 layers (head_dim 32, interleaved mRoPE
 [6, 5, 5]) and a 3-block ViT with 16-pixel patches, a 4 x 4 learned position table and DeepStack from
 blocks 0 and 1 into LLM layers 0 and 1. With ``num_experts=4`` it is the tiny Qwen3-VL-MoE: every layer's MLP
 is 4 experts of width 32, top-2 (``tiny_qwen3_vl_moe``; EP 2 gives each rank two)."""
@@ -6,8 +6,6 @@ is 4 experts of width 32, top-2 (``tiny_qwen3_vl_moe``; EP 2 gives each rank two
 from __future__ import annotations
 
 from typing import Any
-
-from mm_rl.models.tiny import VOCAB_SIZE
 
 PROCESSOR_CLASS = "Qwen3VLProcessor"
 IMAGE_PROCESSOR: dict[str, Any] = {"patch_size": 16}
@@ -36,7 +34,7 @@ TEXT_CONFIG: dict[str, Any] = {
     "mrope_section": [6, 5, 5],
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 4096,
-    "vocab_size": VOCAB_SIZE,
+    "vocab_size": 1024,  # the tiny tokenizer's ids (mm_rl.demo.tiny.VOCAB_SIZE; a test holds them equal)
     "hidden_act": "silu",
     # MoE (Qwen3-VL-MoE) when num_experts > 0: every layer routes each token to 2 of the experts
     "num_experts": 0,

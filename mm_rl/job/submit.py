@@ -18,8 +18,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from mm_rl.config.loader import load_checked
-from mm_rl.config.validate import validate
 from mm_rl.config.writer import write_job_yaml
+from mm_rl.job.validate import validate
 from mm_rl.workers.group import error_line
 
 # Keys holding paths the user sets directly (the others interpolate these).

@@ -3,7 +3,7 @@
 Each stage announces itself. hf2mg is skipped only when ``mm_dir`` holds a conversion of the same source files
 with the same model.json and layout (checked from the record the conversion wrote, not assumed from the
 directory's existence). A run whose ``save`` directory holds a checkpoint resumes from it (``resume_mode``); one
-that names no usable checkpoint is refused by ``check`` (``mm_rl.config.validate``), and again here, in the same
+that names no usable checkpoint is refused by ``check`` (``mm_rl.job.validate``), and again here, in the same
 format, should the directory change in between.
 ``failure_message`` is what ``train`` prints when the run fails: the error, then a rerun only where one can help.
 """

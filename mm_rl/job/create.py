@@ -21,8 +21,8 @@ from mm_rl.config.plan import (
 )
 from mm_rl.config.presets import BACKENDS, Preset, load_preset, model_names
 from mm_rl.config.schema import JobConfig, defaults
-from mm_rl.config.validate import validate
 from mm_rl.config.writer import write_job_yaml
+from mm_rl.job.validate import validate
 
 
 @dataclass(frozen=True)

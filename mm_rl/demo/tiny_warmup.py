@@ -62,8 +62,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mm_rl import cache
+from mm_rl.demo import tiny
 from mm_rl.files import atomic_path, write_atomic
-from mm_rl.models import tiny
 from mm_rl.models.family import family_for_hf, hf_token_types
 
 if TYPE_CHECKING:
@@ -308,7 +308,7 @@ def warm_up_format(
 def _sources(record: dict[str, Any]) -> list[str]:
     """The modules whose code determines the warmed weights and metrics (the cache key): the warm-up, the data it
     reads (the synthetic set's writer, the prompt processing), the reward it measures, and the tiny builder."""
-    return [__name__, "mm_rl.data.synthetic", "mm_rl.data.dataset", "mm_rl.rewards.geo3k",
+    return [__name__, "mm_rl.demo.synthetic", "mm_rl.data.dataset", "mm_rl.rewards.geo3k",
             *tiny.build_sources(record["build"]["family"])]
 
 

@@ -1,0 +1,83 @@
+"""The suite's time budget per test file, and the guard that holds it (pytest hooks, taken up by conftest).
+
+`make test` must stay within 25 minutes on the 2-core machine with a warm cache of tiny models, so each file has a
+share (seconds: setup, call and teardown of its tests together, measured on that machine plus headroom). At the
+end of a run the guard prints every file's time against its share; a file over its share gets a loud
+``SUITE BUDGET`` line, and a file over twice its share fails the run, so that the next slow test is seen when it is
+added. Building the tiny models into the cache (the ``embedded_models`` fixture, the first time on a machine) is
+counted apart: it is the machine's one-time cost, not a file's. A new file gets ``DEFAULT_SHARE_S`` until it is
+listed here. Only whole runs are judged (``make test``, ``make test-quick``): a run of a few selected tests is not.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+DEFAULT_SHARE_S = 20.0
+FAIL_FACTOR = 2.0
+SHARE_S: dict[str, float] = {}
+
+_spent: dict[str, float] = defaultdict(float)
+_builds: list[float] = []  # seconds spent building the cache, each once
+_pending = [0.0]  # built since the last report: taken off the next phase's time (the test that waited for it)
+
+
+def note_build(seconds: float) -> None:
+    """Seconds a test (or its set-up) spent building the embedded models into the cache: not its file's."""
+    _builds.append(seconds)
+    _pending[0] += seconds
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def share(path: str) -> float:
+    return SHARE_S.get(Path(path).name, DEFAULT_SHARE_S)
+
+
+def over_budget(spent: dict[str, float]) -> tuple[list[str], list[str]]:
+    """(files over their share, files over FAIL_FACTOR x their share), each as a line for the report."""
+    warn, fail = [], []
+    for path, seconds in sorted(spent.items()):
+        limit = share(path)
+        if seconds > limit:
+            line = f"SUITE BUDGET: {path} took {seconds:.0f} s, its share is {limit:.0f} s (tests/budget.py)"
+            (fail if seconds > FAIL_FACTOR * limit else warn).append(line)
+    return warn, fail
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _spent[_file(report.nodeid)] += max(0.0, report.duration - _pending[0])
+    _pending[0] = 0.0
+
+
+def _whole_run(config: pytest.Config) -> bool:
+    """Only a run of whole files is judged: ``-k`` / node ids / a marker other than the quick suite's pick a few
+    tests, whose files then look cheaper or dearer than they are."""
+    return not config.getoption("keyword") and not any("::" in arg for arg in config.args)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _spent or not _whole_run(config):
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("time per test file (s) against its share")
+    for path, seconds in sorted(_spent.items(), key=lambda kv: -kv[1]):
+        write(f"{seconds:8.1f} / {share(path):6.0f}  {path}")
+    if _builds:
+        write(f"{sum(_builds):8.1f}           the embedded tiny models from the cache (built there once per machine)")
+    warn, fail = over_budget(_spent)
+    for line in warn + fail:
+        write(line, red=True, bold=True)
+    if fail:
+        write(f"SUITE BUDGET: {len(fail)} file(s) over {FAIL_FACTOR:.0f}x their share: the run fails", red=True,
+              bold=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _spent and _whole_run(session.config) and over_budget(_spent)[1] and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
