@@ -34,6 +34,7 @@ def test_a_tp_group_split_over_nodes_is_refused_with_the_counts():
 
 
 # ---------------------------------------------------------------------------------------- engine executor
+@pytest.mark.stack
 def test_engine_with_tp_uses_vllms_multiprocessing_executor_inside_a_placement_group(tmp_path):
     """Inside a Ray placement group vLLM would pick its Ray executor for TP > 1 (which wants a bundle per rank and
     refuses the engine's one multi-device bundle); the engine's settings name the multiprocessing executor, and

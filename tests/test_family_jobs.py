@@ -3,8 +3,9 @@ vLLM engine and weight syncs, mg2hf, and the result loaded by transformers.
 
 The first test: the tiny job's yaml with its model section replaced by the family's tiny preset
 (``configs/models/``) and its checkpoint by the family's tiny build (not format-warmed: this checks the pipeline,
-not learning), for the layouts no learning run covers. The second: the family's embedded default as ``make demo
-MODEL=...`` runs it (its warm-up, its 40 steps), which must learn and passes the same whole-job checks.
+not learning), for the layouts no learning run covers. The second: the Qwen3-VL family's embedded MoE default as
+``make demo MODEL=tiny_qwen3_vl_moe`` runs it (its warm-up, its 40 steps), which must learn and passes the same
+whole-job checks.
 """
 
 from __future__ import annotations
@@ -32,15 +33,15 @@ ONE_RANK = ["mp_rank_00"]
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("preset", "family", "variant", "layout", "rank_dirs"), [
-    ("tiny_qwen2_vl", "qwen2vl", {}, (), ONE_RANK),
+    ("tiny_qwen2_vl", "qwen2vl", {}, (), ONE_RANK), ("tiny_qwen3_vl", "qwen3_vl", {}, (), ONE_RANK),
     (*MOE, EP2, ["mp_rank_00_000", "mp_rank_00_001"]), (*MOE, TP2, ["mp_rank_00", "mp_rank_01"]),
-], ids=["qwen2_vl", "qwen3_vl_moe_ep2", "qwen3_vl_moe_tp2"])
+], ids=["qwen2_vl", "qwen3_vl", "qwen3_vl_moe_ep2", "qwen3_vl_moe_tp2"])
 def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: Path, preset: str, family: str,
                                                      variant: dict, layout: tuple[str, ...], rank_dirs: list[str]):
     """EP2: two actor ranks (DP 2), each holding two of the four experts; the sync gathers them, the checkpoint
     has one rank directory per EP rank, and mg2hf puts the experts back together. TP2: every expert split over
-    two ranks, which train under sequence parallelism (each routes its half of the tokens). Qwen3-VL and the MoE
-    at EP1 are checked the same way by their learning runs below."""
+    two ranks, which train under sequence parallelism (each routes its half of the tokens). The MoE at EP1 is
+    checked the same way by the family's learning run below."""
     from omegaconf import OmegaConf
 
     from mm_rl.demo.tiny import build_tiny_checkpoint
@@ -92,11 +93,13 @@ def _check_family_job(preset: str, records: list[dict], out: Path, hf_dir: Path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tiny_qwen3_vl", "tiny_qwen3_vl_moe"])
+@pytest.mark.parametrize("preset", ["tiny_qwen3_vl_moe"])
 def test_a_family_default_learns(tmp_path: Path, preset: str):
     """``config`` (the family's tiny build, the warm-up, the demo data) then ``train``, as ``make demo
     MODEL=<preset>``; the learning bar of the Qwen2.5-VL default, and the whole-job checks of the family (one
-    rank: the MoE at EP1, every expert on it)."""
+    rank: the MoE at EP1, every expert on it). One learning run per family: Qwen3-VL's is its MoE variant, which
+    runs every part of the dense model and the routing besides (the dense default learned 0.36 -> 0.76, greedy
+    0.00 -> 0.89, when it was in the suite)."""
     cli = str(Path(sys.executable).parent / "ascendfactory-cli")
     out = tmp_path / "out"
     job = configure(preset, out / "job.yaml")

@@ -98,5 +98,7 @@ def assert_learns(records: list[dict[str, Any]], label: str) -> None:
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"\n{label}: reward of the first 5 steps {first:.3f}, of the last 5 {last:.3f}; greedy val accuracy at "
           f"steps 0, 10, .., 40: {[round(v, 3) for v in val]}")
-    assert len(rewards) == 40 and first <= 0.55 and last >= first + 0.25  # measured (tiny, on policy): 0.47 -> 0.92
-    assert len(val) == 5 and val[0] <= 0.3 and val[-1] >= 0.7  # measured (tiny, on policy): 0.14 .. 1.0
+    # The warm-up's weights, and so where RL starts, depend on the CPU's rounding. Measured (tiny, on policy): AMD
+    # EPYC (AVX2) reward 0.47 -> 0.92, greedy val 0.14 .. 1.0; Intel Xeon (AVX-512) 0.55 -> 0.92, 0.33 .. 1.0.
+    assert len(rewards) == 40 and first <= 0.6 and last >= first + 0.25
+    assert len(val) == 5 and val[0] <= 0.4 and val[-1] >= 0.7 and val[-1] >= val[0] + 0.4
