@@ -51,8 +51,8 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_config(args: argparse.Namespace, overrides: list[str]) -> int:
-    from mm_rl.job.create import ClusterSpec, create_job, write_job
     from mm_rl.config.presets import load_preset, model_names
+    from mm_rl.job.create import ClusterSpec, create_job, write_job
 
     embedded = args.af_model_name in model_names() and load_preset(args.af_model_name).embedded
     device = args.device or ("cpu" if embedded else "npu")
