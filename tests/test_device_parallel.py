@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from mp_utils import free_port, gather_cat, gather_list, init_megatron
+from mp_utils import free_port, gather_cat, gather_list, init_megatron, start
 
 SEED = 1234
 NUM_LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB = 4, 64, 4, 2, 128, 128
@@ -241,12 +240,12 @@ def _pp2_worker(rank: int, port: int, ref_path: str, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("tp1") / "reference.pt"
-    mp.spawn(_reference_worker, args=(free_port(), str(path)), nprocs=1, join=True)
+    start(_reference_worker, 1, free_port(), str(path))
     return str(path)
 
 
 def _run_two_ranks(worker, reference: str, out_dir: Path) -> dict[str, float]:
-    mp.spawn(worker, args=(free_port(), reference, str(out_dir)), nprocs=2, join=True)
+    start(worker, 2, free_port(), reference, str(out_dir))
     diffs: dict[str, float] = {}
     for rank in range(2):
         for key, value in torch.load(out_dir / f"rank{rank}.pt", weights_only=True).items():

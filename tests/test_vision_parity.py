@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import warnings
 from datetime import timedelta
 from functools import cache
@@ -26,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from mp_utils import spawn
 
 MODEL_JSON = Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny.json"
 SEED = 1234
@@ -150,12 +149,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 # ---------------------------------------------------------------------------- workers (spawned processes)
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _init(rank: int, world: int, port: int) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
@@ -323,7 +316,7 @@ def _worker(rank: int, world: int, port: int, ref_path: str, out_dir: str) -> No
 
 
 def _spawn(ref_path: str, out_dir: Path, world: int) -> list[dict[str, Any]]:
-    mp.spawn(_worker, args=(world, _free_port(), ref_path, str(out_dir)), nprocs=world, join=True)
+    spawn(_worker, world, ref_path, str(out_dir))
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=True) for rank in range(world)]
 
 

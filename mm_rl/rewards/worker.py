@@ -88,6 +88,11 @@ class RewardPool:
         load_reward_function(config.function)  # fail here, clearly, rather than inside an actor
         actor = ray.remote(RewardWorker).options(num_cpus=num_cpus)
         self.workers = [actor.remote(config.function, **reward_kwargs(config)) for _ in range(config.num_workers)]
+
+    def started(self) -> None:
+        """Wait until every worker has started (they start in the background; a score call would wait too)."""
+        import ray
+
         ray.get([worker.ready.remote() for worker in self.workers])
 
     def score(self, responses: Sequence[str], truths: Sequence[str]) -> RewardResult:

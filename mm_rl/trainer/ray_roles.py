@@ -61,14 +61,27 @@ class RayRoles:
         self.connection = connect(self.job, self.resources)
         self.report(f"ray: {self.connection.where}")
         self.placement = make_placement(self.resources, with_rollout=True, report=self.report)
-        # The ranks' processes first (they fix which device is each rank's), then the engine replicas, asleep when
-        # colocated, and only then the models: vLLM starts only with gpu_memory_utilization of its device free.
+        # Every role's processes start side by side (a start is mostly imports), and the models are built last:
+        # vLLM starts only with gpu_memory_utilization of its device free. On accelerators the engine replicas
+        # also wait for the ranks (which fix each rank's device and hold its context): vLLM sizes its KV cache from
+        # the device's free memory measured while it starts (vllm/utils/mem_utils.py, MemorySnapshot.measure:
+        # device-wide), which another process's start must not move. Colocated replicas then sleep.
         self._start_actor(worker_cls)
         self._start_reference()
+        self._start_rewards()
+        if self.resources.device != "cpu":
+            self._ranks_started()
         self._start_engine()
+        self._ranks_started()
         self._build_models(mm_dir)
         self._join_sync()
-        self._start_rewards()
+        with named("reward workers"):
+            self.rewards.started()
+
+    def _ranks_started(self) -> None:
+        for group in (self.actor, self.ref):
+            if group is not None:
+                group.started()
 
     def _notices(self) -> None:
         """Flags this device cannot honour are said once, not silently dropped."""

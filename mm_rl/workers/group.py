@@ -57,9 +57,17 @@ class WorkerGroup:
                 self.spec, rank)
             for rank, bundle in enumerate(self.bundles)
         ]
+        # The ranks join their process group in the background (Ray hands rank 0's address and port to every
+        # rank's call), so the caller can start other roles meanwhile; the group's first call waits for it.
+        address, port = self.workers[0].rendezvous_address.options(num_returns=2).remote()
+        self._joining = [worker.init_distributed.remote(address, port) for worker in self.workers]
         self.coords: list[RankCoords] = []
-        address, port = self._get([self.workers[0].rendezvous_address.remote()], "rendezvous_address")[0]
-        self.coords = self.run("init_distributed", address, port)
+
+    def started(self) -> WorkerGroup:
+        """Wait until every rank has joined the process group (a no-op once it has); the group's calls do."""
+        if not self.coords:
+            self.coords = self._get(self._joining, "init_distributed")
+        return self
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """``method(*args, **kwargs)`` started on every rank; returns the object refs in rank order.
@@ -67,6 +75,7 @@ class WorkerGroup:
         Large arguments are put into the object store once and shared by all ranks."""
         import ray
 
+        self.started()
         args = tuple(ray.put(a) if _large(a) else a for a in args)
         return [getattr(worker, method).remote(*args, **kwargs) for worker in self.workers]
 
@@ -78,6 +87,7 @@ class WorkerGroup:
         """``method(shards[dp], *args)`` on every rank, ``dp`` being the rank's data-parallel replica."""
         import ray
 
+        self.started()
         if len(shards) != self.spec.dp:
             raise ValueError(f"{len(shards)} shards for {self.spec.dp} data-parallel replicas")
         refs = [ray.put(shard) for shard in shards]
@@ -173,6 +183,7 @@ class WorkerGroup:
         """``method`` on the ranks placed in ``bundles`` (every rank when None); rank-local calls only."""
         if bundles is None:
             return self.run(method, *args)
+        self.started()
         ranks = [rank for rank, bundle in enumerate(self.bundles) if bundle in bundles]
         return self._get([getattr(self.workers[rank], method).remote(*args) for rank in ranks], method, ranks)
 
