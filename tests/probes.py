@@ -1,8 +1,9 @@
-"""Test probes on the Megatron ranks: a worker class with hooks that production ranks do not carry.
+"""Test probes on the Megatron ranks and the engine: classes with hooks that production ones do not carry.
 
 Pass :class:`ProbeWorker` as ``worker_cls`` of a ``WorkerGroup`` (or of ``RayRoles``): it is a ``TrainingWorker``
 (so it can also serve as a reference rank) that can perturb and restore its weights, poison its next update,
 report parameter sums and resident bytes, and logs its sync and memory-switch calls in order.
+:class:`ProbeRollout` is an engine replica's worker that logs the calls a schedule makes on it, in order.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import ray.cloudpickle
 
+from mm_rl.rollout.engine_worker import RolloutWorker
 from mm_rl.workers.training import TrainingWorker
 
 # Ray workers import classes by module name; this module lives in tests/, which they may not see.
@@ -136,3 +138,38 @@ def device_allocated() -> int:
 
     kind = device_kind()
     return 0 if kind == "cpu" else int(getattr(torch, kind).memory_allocated())
+
+
+class ProbeRollout(RolloutWorker):
+    """An engine replica's worker that logs generate, the weight update, sleep and wake calls (``calls``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._calls: list[str] = []
+
+    def calls(self) -> list[str]:
+        return list(self._calls)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self._calls.append("generate")
+        return super().generate(*args, **kwargs)
+
+    def begin_weight_update(self) -> None:
+        self._calls.append("begin_weight_update")
+        super().begin_weight_update()
+
+    def update_weights(self, *args: Any, **kwargs: Any) -> int:
+        self._calls.append("update_weights")
+        return super().update_weights(*args, **kwargs)
+
+    def end_weight_update(self) -> None:
+        self._calls.append("end_weight_update")
+        super().end_weight_update()
+
+    def sleep(self, *args: Any, **kwargs: Any) -> None:
+        self._calls.append("sleep")
+        super().sleep(*args, **kwargs)
+
+    def wake_up(self, *args: Any, **kwargs: Any) -> None:
+        self._calls.append("wake_up")
+        super().wake_up(*args, **kwargs)

@@ -284,8 +284,9 @@ def test_vllm_multiprocess_engine_takes_weights_through_files(vllm_engine, model
         assert engine.update_weights(weights.items()) == len(weights)
         assert same_outputs(greedy(engine, requests_[:1]), baseline)
         engine.sleep(1)
+        assert engine.asleep  # released, until woken
         engine.wake_up()
-        assert engine.call_order()[-2:] == ["sleep", "wake_up"]
+        assert not engine.asleep and same_outputs(greedy(engine, requests_[:1]), baseline)  # level 1 kept weights
     finally:
         engine.close()
     assert same_outputs(greedy(vllm_engine, requests_[:1]), before)
@@ -429,14 +430,14 @@ def test_engines_apply_the_bounds_without_crashing(engine, processor, requests_)
 
 
 # ------------------------------------------------------------------------------------------------ sleep / seed
-def test_sleep_and_wake_are_called_and_logged_in_order(engine, requests_):
+def test_an_asleep_engine_refuses_to_generate_until_woken(engine, requests_):
     engine.sleep(1)
+    assert engine.asleep
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate(requests_[:1], SamplingConfig(max_tokens=2, n=1))
     engine.wake_up()
-    engine.generate(requests_[:1], SamplingConfig(max_tokens=2, n=1))
-    assert engine.call_order()[-3:] == ["sleep", "wake_up", "generate"]
-    assert engine.call_log[-3] == ("sleep", 1)
+    assert not engine.asleep
+    assert engine.generate(requests_[:1], SamplingConfig(max_tokens=2, n=1))[0].samples
 
 
 def test_only_asleep_memory_is_woken_and_generation_waits_for_all_of_it(engine, requests_, monkeypatch):
@@ -493,8 +494,6 @@ def test_ray_rollout_worker(model_dir, config, lean_requests, items, weights):
         ray.get(worker.sleep.remote(1))
         ray.get(worker.wake_up.remote())
         out = ray.get(worker.generate.remote(lean_requests[:1], SamplingConfig(max_tokens=4, temperature=0.0, n=1)))
-        assert out[0].samples[0].finish_reason == "stop"
-        log = ray.get(worker.call_log.remote())
-        assert [name for name, _ in log] == ["generate", "update_weights", "sleep", "wake_up", "generate"]
+        assert out[0].samples[0].finish_reason == "stop"  # the update outlived the sleep
     finally:
         ray.shutdown()

@@ -86,6 +86,7 @@ class FakeRoles:
         self.scored: dict[str, int] = {}  # samples scored per role by the log-prob passes
         self.passes: list[list[int]] = []  # rows of each micro-batch of each log-prob pass
         self.updates = 0
+        self.lr_schedule: list[int] = []  # where each step left the actor's LR schedule
 
     def data_parallel_size(self, role):
         return 1
@@ -131,6 +132,9 @@ class FakeRoles:
                for shard in shards]
         return {"loss": 0.1, "pg_loss": 0.1, "kl_loss": 0.01, "grad_norm": 1.0, "lr": 1e-3, "skipped": skipped}, own
 
+    def schedule_lr_at(self, updates):
+        self.lr_schedule.append(updates)
+
     def save(self, staging: Path):
         (staging / "mp_rank_00").mkdir()
         torch.save({"model": {}}, staging / "mp_rank_00" / "model_optim_rng.pt")
@@ -172,6 +176,33 @@ def test_dynamic_sampling_draws_batches_until_enough_groups_vary(tmp_path):
     assert phases == ["before_rollout", "before_training", "send_images", "log_probs"]  # reference only: on-policy
     assert ("send_images", [1, 2]) in roles.calls  # the images of the trained groups' prompts, each once
     assert [c[1] for c in roles.calls if c[0] == "log_probs"] == ["reference"]
+
+
+class BoundedRoles(FakeRoles):
+    """The rollout bounds drop the second prompt of every other step (odd steps keep both)."""
+
+    def start_generate(self, requests, sampling, seed):
+        outputs = super().start_generate(requests, sampling, seed).result()
+        if len(self.lr_schedule) % 2:
+            outputs[1] = RolloutOutput(outputs[1].prompt_ids, [], outputs[1].timing, outputs[1].uid,
+                                       skipped="prompt too long")
+        return SimpleNamespace(result=lambda: outputs)
+
+
+def test_the_lr_schedule_stays_on_plan_when_groups_are_dropped(tmp_path):
+    """Every second step trains on one of its two groups (the bounds dropped the other): one optimizer step
+    runs there instead of two, yet each step leaves the LR schedule at its planned count and the last step at the
+    schedule's end (the total the optimizer was given), where the LR is min_lr (test_trainer_worker.py)."""
+    job = _job(tmp_path, "--backend_config.megatron_training.global_batch_size=2",
+               "--backend_config.megatron_training.train_iters=4")
+    rl = job.backend_config.rl_config
+    roles = BoundedRoles(2, lambda s, uid, k: float(k))
+    trainer = _trainer(job, roles)
+    for step in range(1, 5):
+        trainer.train_step(step)
+    assert rl.updates_per_step == 2 and roles.updates == 2 + 1 + 2 + 1
+    assert roles.lr_schedule == [2, 4, 6, 8]
+    assert roles.lr_schedule[-1] == job.backend_config.megatron_training.train_iters * rl.updates_per_step
 
 
 def test_validation_syncs_generates_greedy_and_reports_val_metrics(tmp_path):

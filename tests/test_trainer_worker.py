@@ -127,6 +127,10 @@ def test_weight_decay_spares_biases_and_norms_and_lr_follows_the_schedule(ray_se
         assert not any(k.endswith((".bias", "layernorm.weight", "final_layernorm.weight")) for k in moved)
         assert lrs[0] < lrs[1] < lrs[2] and lrs[2] == pytest.approx(1e-3)  # warm-up over 2 steps
         assert lrs[2] > lrs[3] > lrs[4] > lrs[5] >= 1e-4  # cosine decay towards min_lr
+        # the driver puts the schedule where the plan says (a GRPO step that dropped groups ran fewer steps)
+        for updates, lr in ((spec.total_steps, spec.min_lr), (2, spec.lr), (4, lrs[4])):
+            group.run("schedule_lr_at", updates)
+            assert group.run("train_mini_batch", batch, LOSS, 8.0)[0].metrics["lr"] == pytest.approx(lr)
     finally:
         group.shutdown()
 

@@ -28,7 +28,7 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from probes import ProbeWorker  # noqa: E402
+from probes import ProbeRollout, ProbeWorker  # noqa: E402
 
 from mm_rl.config.schema import ActorConfig, GenerateConfig, SamplingConfig, ValSamplingConfig  # noqa: E402
 from mm_rl.rollout.base import RolloutRequest  # noqa: E402
@@ -119,18 +119,19 @@ class Layout:
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def layout(request, ray_session, checkpoints, tmp_path_factory):
     """Engine actor and worker group of one layout (the engine starts while the workers come up)."""
+    import ray
+
     from mm_rl.config.schema import Hf2MgCfg, HfConfig, ParallelConfig
     from mm_rl.convert.hf2mg import hf2mg
     from mm_rl.convert.model_config import model_config_from_hf
-    from mm_rl.rollout.engine_worker import rollout_worker_actor
     from mm_rl.workers.group import WorkerGroup
     from mm_rl.workers.megatron_worker import WorkerSpec
 
     started = time.perf_counter()
     tp, pp, dp, tied, overrides = LAYOUTS[request.param]
     hf_dir = checkpoints[tied]
-    engine = rollout_worker_actor(num_cpus=1).remote(str(hf_dir), generate_config(), min_pixels=MIN_PIXELS,
-                                                     max_pixels=MAX_PIXELS, backend="vllm", dtype="float32")
+    engine = ray.remote(num_cpus=1)(ProbeRollout).remote(str(hf_dir), generate_config(), min_pixels=MIN_PIXELS,
+                                                         max_pixels=MAX_PIXELS, backend="vllm", dtype="float32")
     model = model_config_from_hf(hf_dir, overrides)
     parallel = ParallelConfig(tp_size=tp, llm_pp_layers=list(model.text_decoder.pipeline_num_layers),
                               vit_pp_layers=list(model.image_encoder.vision_encoder.pipeline_num_layers))
@@ -249,7 +250,7 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts):
     from mm_rl.trainer.schedule import RolloutSchedule
 
     actor = ActorConfig(offload_train_param=True, offload_train_grad=True, offload_train_optimizer=False)
-    engine_log = len(ray.get(layout.engine.call_log.remote()))
+    engine_log = len(ray.get(layout.engine.calls.remote()))
     worker_logs = [len(events) for events in layout.group.run("events")]
     schedule = RolloutSchedule(layout.group, [layout.engine], generate_config(colocate=True), actor)
     resident = layout.group.run("resident_bytes")
@@ -262,7 +263,7 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts):
     text = prompts[0].input_ids[:9]  # the leading text tokens (no image)
     layout.group.compute_log_probs([{"input_ids": text[None, :8], "labels": text[None, 1:]}])
     try:
-        calls = [name for name, _ in ray.get(layout.engine.call_log.remote())[engine_log:]]
+        calls = ray.get(layout.engine.calls.remote())[engine_log:]
         updates = calls.count("update_weights")
         assert updates >= 2 and calls == ["wake_up", "begin_weight_update"] + ["update_weights"] * updates + [
             "end_weight_update", "wake_up", "generate", "sleep"]

@@ -411,6 +411,13 @@ class RLConfig:
         """Validation runs at all (every val_freq steps or before training): the job needs its val split."""
         return self.val_freq > 0 or self.val_before_train
 
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps a GRPO step plans (ppo_epochs x full mini-batches of the rollout batch): the LR
+        schedule's unit. A step that runs fewer (groups dropped, a skipped update) still advances the schedule by
+        this many, so the schedule ends at min_lr on the last step whatever was dropped."""
+        return self.ppo_epochs * max(1, self.rollout_batch_size * self.n_samples_per_prompt // self.mini_batch_size)
+
 
 @dataclass
 class SamplingConfig:

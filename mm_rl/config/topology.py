@@ -38,9 +38,14 @@ class Topology:
         return self.nodes * self.devices_per_node - self.rollout_devices
 
     @property
+    def model_parallel(self) -> int:
+        """Ranks holding one copy of the model: TP x PP x CP."""
+        return self.tp * self.pp * self.cp
+
+    @property
     def dp(self) -> int:
         """Data-parallel replicas of the actor (at least one, for layouts that validation then rejects)."""
-        return max(1, self.world_size // (self.tp * self.pp * self.cp))
+        return max(1, self.world_size // self.model_parallel)
 
     def with_layout(self, tp: int, pp: int) -> Topology:
         """The same cluster with another model-parallel layout (the planner's candidates)."""

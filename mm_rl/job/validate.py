@@ -132,7 +132,7 @@ def one_step_off_policy_needs_a_free_engine(cfg: JobConfig) -> Iterator[Violatio
 @rule
 def world_divisible(cfg: JobConfig) -> Iterator[Violation]:
     topo = topology(cfg)
-    model_parallel, world = topo.tp * topo.pp * topo.cp, topo.world_size
+    model_parallel, world = topo.model_parallel, topo.world_size
     if world > 0 and model_parallel > 0 and world % model_parallel:
         engine = f" minus the separate engines' {topo.rollout_devices}" if topo.rollout_devices else ""
         yield Violation("env.NPROC_PER_NODE", cfg.env.NPROC_PER_NODE,
@@ -148,7 +148,7 @@ def gbs_multiple(cfg: JobConfig) -> Iterator[Violation]:
     mbs = cfg.backend_config.actor_config.micro_batch_size
     gbs = cfg.backend_config.megatron_training.global_batch_size
     topo = topology(cfg)
-    world, model_parallel = topo.world_size, topo.tp * topo.pp * topo.cp
+    world, model_parallel = topo.world_size, topo.model_parallel
     if mbs < 1:
         return  # positive_sizes
     if world < 1 or model_parallel < 1 or world % model_parallel:
@@ -158,7 +158,7 @@ def gbs_multiple(cfg: JobConfig) -> Iterator[Violation]:
                             "positive whole number yet", "fix the device count or TP / PP / CP first (see their "
                             "error), then use a multiple of MBS x DP")
         return
-    dp = world // model_parallel
+    dp = topo.dp  # the devices divide by TP x PP x CP here
     if cfg.backend_config.actor_config.max_tokens_per_micro_batch is not None:  # cut by tokens: MBS plays no part
         if gbs < dp:
             yield Violation(f"{MT}.global_batch_size", gbs, f"gives each of the DP = {dp} replicas less than one "

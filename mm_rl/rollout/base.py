@@ -251,17 +251,14 @@ class RolloutOutputs(list):  # list[RolloutOutput]; a list subclass so it pickle
 
 # --------------------------------------------------------------------------------------------------- engine
 class RolloutEngine(abc.ABC):
-    """A rollout engine: ``generate``, weight updates, sleep / wake, and a log of those calls in order.
+    """A rollout engine: ``generate``, weight updates, sleep / wake.
 
     ``generate`` applies the bounds policy (``mm_rl.rollout.bounds``), hands the admitted requests to the
-    backend's ``_generate`` and assembles index-aligned outputs with timing and counts. ``call_log`` records
-    ``(method, detail)`` for generate / update_weights / sleep / wake_up so callers and tests can check the
-    colocated schedule (sleep before training, wake and update before the next rollout).
+    backend's ``_generate`` and assembles index-aligned outputs with timing and counts.
     """
 
     def __init__(self, bounds: BoundsPolicy) -> None:
         self.bounds = bounds
-        self.call_log: list[tuple[str, Any]] = []
         self.asleep: set[str] = set()  # memory kinds released by sleep() and not yet taken back
 
     # ---- backend hooks
@@ -319,7 +316,6 @@ class RolloutEngine(abc.ABC):
         metrics.replica_prompts_min = len(requests)  # one engine: every prompt
         _count_samples(outputs, metrics)
         timing.wall_s, timing.generated_tokens = metrics.wall_s, metrics.generated_tokens
-        self.call_log.append(("generate", {"prompts": len(requests), "n": spec.n}))
         return outputs
 
     def _sample_all(self, requests: Sequence[RolloutRequest], spec: SamplingSpec) -> list[list[RolloutSample]]:
@@ -333,7 +329,6 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load HF-named tensors (an iterator is consumed lazily); returns how many were applied."""
         count = self._load_weights(named_tensors)
-        self.call_log.append(("update_weights", count))
         return count
 
     def device_identities(self) -> list[str | None]:
@@ -358,7 +353,6 @@ class RolloutEngine(abc.ABC):
         group as this runs, or read out of the sender's buffer (``handle``) by a process on its device. Returns
         how many tensors were applied; the loads are waited for (the sender reuses its buffer afterwards)."""
         count = self._receive_weights(key, stage, layout, nbytes, handle)
-        self.call_log.append(("update_weights", count))
         return count
 
     def _receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int,
@@ -374,25 +368,21 @@ class RolloutEngine(abc.ABC):
         """A sync's buckets follow (:meth:`update_weights`), then :meth:`end_weight_update`: the engine's per-sync
         set-up happens once, not once per bucket. ``update_weights`` also works alone (its own set-up)."""
         self._begin_weight_update()
-        self.call_log.append(("begin_weight_update", None))
 
     def end_weight_update(self) -> None:
         self._end_weight_update()
-        self.call_log.append(("end_weight_update", None))
 
     def reseed(self, seed: int) -> None:
         """Restart sampling from ``seed``: the same requests after the same seed give the same samples. The
         trainer reseeds before every rollout from (seed, step), so a resumed run samples what an uninterrupted
         one did."""
         self._reseed(seed)
-        self.call_log.append(("reseed", seed))
 
     def sleep(self, level: int = 1) -> None:
         """Free device memory for training (level 1: keep weights in host memory; 2: drop them)."""
         if not self.asleep:
             self._sleep(level)
         self.asleep = set(MEMORY_TAGS)
-        self.call_log.append(("sleep", level))
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-acquire device memory: all of it, or only that of ``"weights"`` / ``"kv_cache"`` (a colocated sync
@@ -404,11 +394,6 @@ class RolloutEngine(abc.ABC):
         if waking:
             self._wake_up(waking)
         self.asleep -= set(waking)
-        self.call_log.append(("wake_up", list(tags) if tags else None))
-
-    def call_order(self) -> list[str]:
-        """The method names of ``call_log`` in order (what a schedule check compares)."""
-        return [name for name, _ in self.call_log]
 
 
 def copy_sample(sample: RolloutSample) -> RolloutSample:

@@ -147,9 +147,6 @@ class RolloutWorker:
             empty_cache()
         self.engine.wake_up(tags)
 
-    def call_log(self) -> list[tuple[str, Any]]:
-        return list(self.engine.call_log)
-
     def close(self) -> None:
         self.engine.close()
 

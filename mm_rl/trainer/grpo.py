@@ -206,6 +206,7 @@ class GRPOTrainer:
         self._log_generations(step, "train", samples)
         with timer("update"):
             metrics.update(self.update(samples))
+            roles.schedule_lr_at(step * self.rl.updates_per_step)  # on plan, whatever this step dropped
         metrics.update(_engine_gap(samples))
         timer.seconds["step"] = time.perf_counter() - start
         metrics.update(timer.metrics())

@@ -126,8 +126,7 @@ class RayRoles:
 
         b = self.job.backend_config
         t, rl = b.training, b.rl_config
-        per_step = rl.ppo_epochs * max(1, rl.rollout_batch_size * rl.n_samples_per_prompt // rl.mini_batch_size)
-        total = b.megatron_training.train_iters * per_step
+        total = b.megatron_training.train_iters * rl.updates_per_step
         return OptimizerSpec(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                              adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, lr_decay_style=t.lr_decay_style,
                              warmup_steps=int(t.lr_warmup_fraction * total), total_steps=total,
@@ -273,6 +272,9 @@ class RayRoles:
     def train_mini_batch(self, shards: Sequence[MicroBatches], loss: LossSpec, denominator: float) -> \
             tuple[dict[str, float], list[list[torch.Tensor] | None]]:
         return self.actor.train_mini_batch(shards, loss, denominator)
+
+    def schedule_lr_at(self, updates: int) -> None:
+        self.actor.run("schedule_lr_at", updates)
 
     def save(self, staging: Path) -> None:
         self.actor.save_checkpoint(str(staging))

@@ -93,6 +93,11 @@ class Roles(Protocol):
         (exactly on-policy), else None."""
         ...
 
+    def schedule_lr_at(self, updates: int) -> None:
+        """Put the actor's LR schedule at ``updates`` optimizer steps (the planned count of the steps done, see
+        ``RLConfig.updates_per_step``); the next optimizer step takes its learning rate from there."""
+        ...
+
     def save(self, staging: Path) -> None:
         """Every actor rank writes its checkpoint files into the staging iteration directory."""
         ...

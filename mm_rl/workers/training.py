@@ -180,6 +180,11 @@ class TrainingWorker(MegatronWorker):
         self.scheduler.step(increment=1)
         return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0}
 
+    def schedule_lr_at(self, updates: int) -> None:
+        """Move the LR schedule to ``updates`` optimizer steps (forward or back; where it already is, nothing
+        changes): the driver keeps it on the planned count when a GRPO step ran fewer (or more) steps."""
+        self.scheduler.step(increment=updates - self.scheduler.num_steps)
+
     def _clip(self, grad_norm: float) -> None:
         """Scale every part's gradients to the global norm ``clip_grad`` allows, as megatron's
         ``ChainedOptimizer.step`` does (its ``clip_grad_norm`` reaches for a single inner optimizer, and an MoE model
