@@ -11,7 +11,10 @@ listed here. Only whole runs are judged (``make test``, ``make test-quick``): a 
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -45,6 +48,14 @@ def note_build(seconds: float) -> None:
     """Seconds a test (or its set-up) spent building the embedded models into the cache: not its file's."""
     _builds.append(seconds)
     _pending[0] += seconds
+
+
+@contextmanager
+def cache_build() -> Iterator[None]:
+    """The time inside is the cache's first build on this machine (a hit takes a moment): :func:`note_build`."""
+    start = time.perf_counter()
+    yield
+    note_build(time.perf_counter() - start)
 
 
 def _file(nodeid: str) -> str:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import budget
 import pytest
 import torch
 from trainer_utils import REPO, assert_learns, configure
@@ -46,7 +47,8 @@ def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: 
 
     from mm_rl.demo.tiny import build_tiny_checkpoint
 
-    hf_dir = build_tiny_checkpoint(tmp_path / "tiny_hf", seed=0, family=family, **variant)
+    with budget.cache_build():
+        hf_dir = build_tiny_checkpoint(tmp_path / "tiny_hf", seed=0, family=family, **variant)
     node = OmegaConf.load(tiny_base / "job.yaml")
     node.backend_config.model = json.loads((REPO / "configs" / "models" / f"{preset}.json").read_text())
     OmegaConf.update(node, "af_output_dir", str(tmp_path / "out"))

@@ -8,6 +8,7 @@ cpu_wheels.install()  # AutoProcessor builds the Qwen2-VL video processor, which
 import json  # noqa: E402
 import random  # noqa: E402
 
+import budget  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -31,10 +32,12 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory, data_dir):
     """(checkpoint dir, its files before the warm-up, the returned metrics, torch state before and after)."""
-    hf_dir = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
+    with budget.cache_build():
+        hf_dir = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
     before = {p.name: p.read_bytes() for p in hf_dir.iterdir()}
     threads, rng = torch.get_num_threads(), torch.random.get_rng_state()
-    metrics = warm_up_format(hf_dir, data_dir, seed=0, steps=STEPS)
+    with budget.cache_build():
+        metrics = warm_up_format(hf_dir, data_dir, seed=0, steps=STEPS)
     state = (threads, rng, torch.get_num_threads(), torch.random.get_rng_state())
     return hf_dir, before, metrics, state
 
@@ -111,7 +114,8 @@ def test_same_seed_gives_identical_weights(data_dir, tmp_path, monkeypatch):
     """A warm-up from scratch (an empty cache) repeats the cached one byte for byte: the cache holds what a build
     gives, not a one-off. (A short warm-up: the determinism of the whole one shows in the demo's resumed runs.)"""
     short = {"steps": 20, "eval_prompts": 2, "samples_per_prompt": 4}
-    cached = warm_up_format(build_tiny_checkpoint(tmp_path / "cached", seed=0), data_dir, seed=0, **short)
+    with budget.cache_build():
+        cached = warm_up_format(build_tiny_checkpoint(tmp_path / "cached", seed=0), data_dir, seed=0, **short)
     monkeypatch.setenv(cache.ENV, str(tmp_path / "empty_cache"))
     fresh = warm_up_format(build_tiny_checkpoint(tmp_path / "fresh", seed=0), data_dir, seed=0, **short)
     assert (tmp_path / "empty_cache").is_dir()  # the fresh warm-up really ran (into its own cache)

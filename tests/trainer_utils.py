@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +32,11 @@ SHORT = (
 def configure(preset: str, job: Path, *overrides: str) -> Path:
     """``ascendfactory-cli config --af_model_name <preset>`` writing ``job`` (outputs beside it unless an override
     moves them): the tiny model and its warm-up come from the cache, built there the first time on a machine.
-    That first build (~3 min a model) is the machine's, not the calling test file's (``budget.note_build``)."""
-    start = time.perf_counter()
-    subprocess.run([CONFIG_CLI, "config", "--af_model_name", preset, "--exp_name", f"{preset}_test",
-                    "--output_file_path", str(job), f"af_output_dir={job.parent}", *overrides], cwd=REPO,
-                   check=True, capture_output=True, text=True, timeout=1200)
-    budget.note_build(time.perf_counter() - start)
+    That first build (~3 min a model) is the machine's, not the calling test file's (``budget.cache_build``)."""
+    with budget.cache_build():
+        subprocess.run([CONFIG_CLI, "config", "--af_model_name", preset, "--exp_name", f"{preset}_test",
+                        "--output_file_path", str(job), f"af_output_dir={job.parent}", *overrides], cwd=REPO,
+                       check=True, capture_output=True, text=True, timeout=1200)
     return job
 
 
