@@ -8,6 +8,7 @@ process per pytest process (:data:`PRELOAD`), so each starts in well under a sec
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import warnings
@@ -41,8 +42,6 @@ def spawn(worker: Callable[..., None], nprocs: int, *args: Any) -> None:
 def start(worker: Callable[..., None], nprocs: int, *args: Any) -> None:
     """Run ``worker(rank, *args)`` in ``nprocs`` new processes, forked from a server that holds :data:`PRELOAD`,
     and wait for all of them."""
-    import multiprocessing
-
     multiprocessing.set_forkserver_preload(PRELOAD)
     mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 

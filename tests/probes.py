@@ -150,26 +150,15 @@ class ProbeRollout(RolloutWorker):
     def calls(self) -> list[str]:
         return list(self._calls)
 
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        self._calls.append("generate")
-        return super().generate(*args, **kwargs)
 
-    def begin_weight_update(self) -> None:
-        self._calls.append("begin_weight_update")
-        super().begin_weight_update()
+def _logged(name: str) -> Callable[..., Any]:
+    def method(self: ProbeRollout, *args: Any, **kwargs: Any) -> Any:
+        self._calls.append(name)
+        return getattr(RolloutWorker, name)(self, *args, **kwargs)
 
-    def update_weights(self, *args: Any, **kwargs: Any) -> int:
-        self._calls.append("update_weights")
-        return super().update_weights(*args, **kwargs)
+    method.__name__ = name
+    return method
 
-    def end_weight_update(self) -> None:
-        self._calls.append("end_weight_update")
-        super().end_weight_update()
 
-    def sleep(self, *args: Any, **kwargs: Any) -> None:
-        self._calls.append("sleep")
-        super().sleep(*args, **kwargs)
-
-    def wake_up(self, *args: Any, **kwargs: Any) -> None:
-        self._calls.append("wake_up")
-        super().wake_up(*args, **kwargs)
+for _name in ("generate", "begin_weight_update", "update_weights", "end_weight_update", "sleep", "wake_up"):
+    setattr(ProbeRollout, _name, _logged(_name))

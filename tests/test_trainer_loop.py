@@ -183,7 +183,7 @@ class BoundedRoles(FakeRoles):
 
     def start_generate(self, requests, sampling, seed):
         outputs = super().start_generate(requests, sampling, seed).result()
-        if len(self.lr_schedule) % 2:
+        if sum(call[0] == "generate" for call in self.calls) % 2 == 0:
             outputs[1] = RolloutOutput(outputs[1].prompt_ids, [], outputs[1].timing, outputs[1].uid,
                                        skipped="prompt too long")
         return SimpleNamespace(result=lambda: outputs)
