@@ -5,7 +5,7 @@ one sequence of ``S`` tokens, causal:
 
 - old: megatron's ``DotProductAttention`` (baddbmm scores, a causal mask, an fp32 softmax kept for backward: S x S
   per head);
-- new: :class:`mm_rl.models.qwen2_5_vl.llm_attention.LLMCoreAttention` on the packed row (the sequence as one
+- new: :class:`mm_rl.models.qwen_vl.llm_attention.LLMCoreAttention` on the packed row (the sequence as one
   segment), which runs torch's ``scaled_dot_product_attention`` (or ``npu_fusion_attention`` on Ascend).
 
 Each (variant, S) runs in its own process, so the peak memory is its own: what the passes add to the process's
@@ -57,7 +57,7 @@ def _layer(args: argparse.Namespace, variant: str) -> Any:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from mm_rl.models.qwen2_5_vl.llm_attention import LLMCoreAttention
+    from mm_rl.models.qwen_vl.llm_attention import LLMCoreAttention
     from mm_rl.platform.device import cpu_safe_transformer_kwargs
 
     config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=args.heads,
@@ -78,7 +78,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from mm_rl.models.qwen2_5_vl.llm_attention import CausalSegments
+    from mm_rl.models.qwen_vl.llm_attention import CausalSegments
     from mm_rl.platform.device import current_device, device_kind, dist_backend, setup_process, synchronize
 
     setup_process(num_threads=args.threads)

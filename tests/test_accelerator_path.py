@@ -205,8 +205,9 @@ def test_llm_core_attention_keeps_no_scores_for_backward(packed):
     sequence's real tokens."""
     import torch
 
-    from mm_rl.models.qwen2_5_vl.llm_attention import CausalSegments, LLMCoreAttention
-    from mm_rl.models.qwen2_5_vl.model import llm_layer_spec, padding_attention_mask
+    from mm_rl.models.qwen_vl.layers import llm_layer_spec
+    from mm_rl.models.qwen_vl.llm_attention import CausalSegments, LLMCoreAttention
+    from mm_rl.models.qwen_vl.model import padding_attention_mask
 
     spec = llm_layer_spec("RMSNorm", ulysses=False)
     assert spec.submodules.self_attention.submodules.core_attention is LLMCoreAttention

@@ -339,7 +339,7 @@ def test_collectives_of_a_device_rank_take_device_tensors(train_run):
 def test_moe_routing_counts_stay_on_the_routers_device():
     """The router hook adds to counts on the router's device (no host copy per layer and micro-batch); the
     counts reach the host once, through the reader's all-reduce."""
-    from mm_rl.models.qwen2_5_vl.model import RoutingCounts
+    from mm_rl.models.qwen_vl.routing import RoutingCounts
 
     counts = RoutingCounts(layers=2, experts=4)
     with labelled_device("cuda:0"):

@@ -220,10 +220,10 @@ def _build_and_load(data: dict[str, Any], mm_dir: str | None, actor: Any = None,
     from megatron.core import parallel_state
 
     from mm_rl.convert.layout import rank_file
-    from mm_rl.models.family import family_of
+    from mm_rl.models.registry import family_of
 
     model_cfg = load_model_config(data)
-    model = family_of(model_cfg).megatron_module().build_model(model_cfg, actor=actor, remove_padding=remove_padding)
+    model = family_of(model_cfg).build_model(model_cfg, actor=actor, remove_padding=remove_padding)
     if mm_dir is not None:
         path = rank_file(Path(mm_dir) / "release", parallel_state.get_tensor_model_parallel_rank(),
                          parallel_state.get_pipeline_model_parallel_rank(),
@@ -338,10 +338,10 @@ def _init(rank: int, world: int, port: int, data: dict[str, Any], tp: int = 1, p
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
     setup_process(num_threads=1)
-    from mm_rl.models.family import family_of
+    from mm_rl.models.registry import family_of
 
     model_cfg = load_model_config(data)
-    embedding_ranks = family_of(model_cfg).megatron_module().embedding_ranks(model_cfg)
+    embedding_ranks = family_of(model_cfg).embedding_ranks(model_cfg)
     init_megatron(rank, world, port, tp=tp, pp=pp, cp=cp, ep=ep, embedding_ranks=embedding_ranks)
 
 
@@ -501,7 +501,30 @@ def _switch_runs(batches: list[dict[str, torch.Tensor]]) -> dict[str, bool]:
         outputs = run_schedule(model, batches[:1])
         grads = [p.grad for p in model.parameters() if p.requires_grad]
         runs[label] = bool(outputs) and all(g is not None and torch.isfinite(g).all() for g in grads)
+    runs["hybrid decoder (the family's layer seam)"] = _hybrid_decoder_runs(batches)
     return runs
+
+
+def _hybrid_decoder_runs(batches: list[dict[str, torch.Tensor]]) -> bool:
+    """A family's ``decoder_layer`` chooses each LLM layer by its index (as a hybrid linear / full attention
+    decoder will): here q / k norms on the odd layers only. The stage builds exactly those layers and trains."""
+    from mm_rl.models.qwen_vl.layers import llm_layer_spec
+    from mm_rl.models.registry import family_of
+
+    asked: list[int] = []
+
+    def hybrid(text: Any, index: int, ulysses: bool) -> Any:
+        asked.append(index)
+        return llm_layer_spec(text.normalization, ulysses, qk_layernorm=index % 2 == 1)
+
+    model_cfg = load_model_config(model_json())
+    model = family_of(model_cfg).stage().build_model(model_cfg, decoder_layer=hybrid)
+    layers = model.text_decoder.decoder.layers
+    normed = [any(True for _ in layer.self_attention.q_layernorm.parameters()) for layer in layers]
+    outputs = run_schedule(model, batches[:1])
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    return (asked == list(range(len(layers))) and normed == [i % 2 == 1 for i in range(len(layers))]
+            and bool(outputs) and all(g is not None and torch.isfinite(g).all() for g in grads))
 
 
 # ------------------------------------------------------------------------------------------- fixtures
@@ -620,7 +643,7 @@ def test_parallel_matches_transformers_and_tp1(setup: dict[str, Any], name: str,
 @pytest.mark.parametrize(("vocab_size", "temperature"), [(None, 1.0), (37, 0.7)])
 def test_log_probs_and_entropy_match_autograd_reference(vocab_size: int | None, temperature: float) -> None:
     """Values and the analytic backward vs plain torch, with padded vocab rows masked and a temperature."""
-    from mm_rl.models.qwen2_5_vl.logprobs import log_probs_and_entropy
+    from mm_rl.models.qwen_vl.logprobs import log_probs_and_entropy
 
     g = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(2, 5, 40, generator=g, dtype=torch.float64)).requires_grad_()
@@ -646,7 +669,7 @@ def test_log_probs_and_entropy_match_autograd_reference(vocab_size: int | None, 
 def test_log_probs_upcast_before_the_temperature() -> None:
     """bf16 logits are divided by the temperature in fp32, as the sampler does: dividing in bf16 first rounds every
     scaled logit to bf16 again (the values differ from the fp32 division by up to ~1e-2 here)."""
-    from mm_rl.models.qwen2_5_vl.logprobs import log_probs_and_entropy
+    from mm_rl.models.qwen_vl.logprobs import log_probs_and_entropy
 
     g = torch.Generator().manual_seed(1)
     logits = (8 * torch.randn(3, 7, 64, generator=g)).to(torch.bfloat16)

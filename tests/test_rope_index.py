@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mm_rl.models.qwen2_5_vl.rope_index import get_rope_index
+from mm_rl.models.qwen_vl.rope_index import get_rope_index
 
 IMAGE, START, END, PAD = 1006, 1003, 1004, 1000
 MERGE = 2

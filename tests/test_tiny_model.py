@@ -177,7 +177,7 @@ def test_forward_and_generate(model, image_inputs):
 def test_every_family_tiny_vocabulary_is_the_tiny_tokenizers():
     """The families' tiny sizes (in their own packages, below the demo) state the demo tokenizer's vocabulary."""
     from mm_rl.demo.tiny import VOCAB_SIZE
-    from mm_rl.models.family import families
+    from mm_rl.models.registry import FAMILIES
 
-    sizes = {f.name: f.tiny_module().TEXT_CONFIG["vocab_size"] for f in families() if f.tiny}
+    sizes = {f.name: f.tiny_module().TEXT_CONFIG["vocab_size"] for f in FAMILIES if f.tiny}
     assert len(sizes) == 3 and set(sizes.values()) == {VOCAB_SIZE}

@@ -4,7 +4,7 @@ The main process builds the tiny checkpoint, redraws every ViT / merger weight (
 its biases zeros, which would hide a mis-mapped norm or bias), runs HF on processor outputs for one image and
 for two images of different sizes (several windows, partial windows, two full-attention segments) and records
 its outputs and the gradients of a fixed scalar loss. Spawned gloo ranks then load the same weights into
-``Qwen2_5VisionModel`` and compare: TP=1 (one process) and TP=2 (two processes), each also with the ViT split
+``QwenVisionModel`` and compare: TP=1 (one process) and TP=2 (two processes), each also with the ViT split
 over two pipeline stages (blocks 0 | block 1 + merger, hidden state handed over by hand), frozen and unfrozen
 ViT; the TP=2 gradients must also match the TP=1 ones. Weights and gradients go through ``mm_rl.convert`` only:
 each rank loads the ``image_encoder.*`` tensors of its rank file of an hf2mg conversion of the perturbed
@@ -178,11 +178,11 @@ def _build(
     layers: tuple[int, int] | None = None, freeze_encoder: bool = True, freeze_projector: bool = False, **changes: Any
 ) -> torch.nn.Module:
     """The vision model (all blocks), or the stage holding blocks layers[0] .. layers[1] - 1."""
-    from mm_rl.models.qwen2_5_vl.vision import Qwen2_5VisionModel
+    from mm_rl.models.qwen_vl.vision import QwenVisionModel
 
     encoder, projector = _configs(**changes)
     start, stop = layers or (0, encoder.num_layers)
-    return Qwen2_5VisionModel(
+    return QwenVisionModel(
         encoder, projector, projector.hidden_size, num_layers=stop - start, layer_offset=start,
         pre_process=start == 0, post_process=stop == encoder.num_layers, freeze_encoder=freeze_encoder,
         freeze_projector=freeze_projector,

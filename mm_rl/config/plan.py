@@ -11,7 +11,7 @@ Memory model per device (bytes): trainable parameters cost param + fp32 grad + (
 with the distributed optimizer (2 + 4 + 12 / DP in bf16; 4 + 4 + 8 / DP in fp32), frozen ones only their
 weights, the colocated reference model its weights; activations per layer and micro-batch follow
 s*b*h*(10 + 24/t + 5*a*s/(h*t)) (the attention-score term vanishes with a fused attention: the LLM's always,
-``mm_rl.models.qwen2_5_vl.llm_attention``; the ViT's SDPA with use-flash-attn), with 1F1B keeping PP - stage
+``mm_rl.models.qwen_vl.llm_attention``; the ViT's SDPA with use-flash-attn), with 1F1B keeping PP - stage
 micro-batches in flight; the last stage adds fp32 logits and their gradient (of the response tokens only). The
 colocated rollout engine's share (its weights and KV cache at ``gpu_memory_utilization``) is estimated beside the
 training phase: it holds that share while it generates.

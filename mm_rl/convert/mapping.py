@@ -10,7 +10,7 @@ functions below; no other module names a tensor.
 Every layout is expressed as *pieces*: TP rank r's shard of a Megatron tensor is the concatenation, along the
 split dimension, of row (or column) ranges of its HF parts. hf2mg reads exactly those ranges from disk; mg2hf
 and ``merge_tp_shards`` run the same pieces backwards. The layouts are described with the Qwen2.5-VL table
-(``mm_rl.models.qwen2_5_vl.family``).
+(``mm_rl.models.qwen_vl.tensors``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import torch
 from mm_rl.config.schema import ModelConfig
 from mm_rl.convert.errors import ConversionError
 from mm_rl.convert.stages import Pipeline, Stage
-from mm_rl.models.family import SCOPES, Entry, ModelFamily, Scope, UnknownFamily, family_of, name_pattern
+from mm_rl.models.family import SCOPES, Entry, ModelFamily, Scope, UnknownFamily, name_pattern
+from mm_rl.models.registry import family_of
 
 
 # ------------------------------------------------------------------------------------------ model sizes

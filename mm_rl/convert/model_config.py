@@ -15,7 +15,8 @@ from typing import Any
 from mm_rl.config.loader import load_section
 from mm_rl.config.schema import ModelConfig
 from mm_rl.convert.errors import ConversionError
-from mm_rl.models.family import HfConfigError, UnknownFamily, family_for_hf
+from mm_rl.models.family import HfConfigError, UnknownFamily
+from mm_rl.models.registry import family_for_hf
 
 
 def model_config_from_hf(config_json: str | Path | Mapping[str, Any],

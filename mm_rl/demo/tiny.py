@@ -37,7 +37,8 @@ from mm_rl import cache
 if TYPE_CHECKING:
     from mm_rl.config.schema import ModelConfig
 from mm_rl.models.family import ModelFamily, name_pattern
-from mm_rl.models.family import family as model_family
+from mm_rl.models.qwen_vl import tensors
+from mm_rl.models.registry import family as model_family
 
 # Fixed token ids (the learned BPE vocabulary is ids 0..999).
 NUM_LEARNED_TOKENS = 1000
@@ -386,9 +387,10 @@ def build_tiny_checkpoint(
 
 def build_sources(family: str) -> list[str]:
     """The modules whose code determines a tiny checkpoint's bytes (its cache key): this builder, the family's
-    tiny sizes and its tensor rules (the published fused layout)."""
+    tiny sizes and its tensor rules (the published fused layout), with the table pieces the Qwen-VL families share."""
     chosen = model_family(family)
-    return [__name__, "mm_rl.models.family", chosen.tiny_module().__name__, f"mm_rl.models.{chosen.name}.family"]
+    return [__name__, "mm_rl.models.family", chosen.tiny_module().__name__, chosen.model_json.__module__,
+            tensors.__name__]
 
 
 def _build_into(staging: Path, family: str, seed: int, tie_word_embeddings: bool, overrides: dict[str, Any],

@@ -64,7 +64,8 @@ from typing import TYPE_CHECKING, Any
 from mm_rl import cache
 from mm_rl.demo import tiny
 from mm_rl.files import atomic_path, write_atomic
-from mm_rl.models.family import family_for_hf, hf_token_types
+from mm_rl.models.family import hf_token_types
+from mm_rl.models.registry import family_for_hf
 
 if TYPE_CHECKING:
     import torch

@@ -17,7 +17,8 @@ from mm_rl.config.loader import Violation, relative_note, source_of
 from mm_rl.config.plan import sharded_sizes, tp_choices
 from mm_rl.config.schema import EP, LLM_PP_LAYERS, PP, TP, VIT_PP_LAYERS, JobConfig
 from mm_rl.config.topology import topology
-from mm_rl.models.family import HfConfigError, UnknownFamily, families, family_for_hf, family_of
+from mm_rl.models.family import HfConfigError, UnknownFamily
+from mm_rl.models.registry import FAMILIES, family_for_hf, family_of
 from mm_rl.rollout.base import GREEDY_BELOW
 
 Rule = Callable[[JobConfig], Iterator[Violation]]
@@ -335,7 +336,7 @@ def model_family(cfg: JobConfig) -> Iterator[Violation]:
     try:
         family = family_of(model)
     except UnknownFamily:
-        known = ", ".join(f"{f.model_id} ({f.label})" for f in families())
+        known = ", ".join(f"{f.model_id} ({f.label})" for f in FAMILIES)
         yield Violation(f"{MODEL}.model_id", model.model_id, "is not a model family mm_rl knows", f"use one of {known}")
         return
     for key, value, why, fix in family.findings(model):

@@ -1,27 +1,27 @@
 """The model-family seam: one :class:`ModelFamily` object per family holds every fact that the trainer, the
-converter, the weight sync, the rollout and ``config`` need about it. They ask the family named by model.json's
-``model_id`` (:func:`family`) or by an HF config.json's ``model_type`` (:func:`family_for_hf`); none of them
-names a family. Adding a family means one package under ``mm_rl/models/`` and one line in :data:`_PACKAGES`.
+converter, the weight sync, the rollout and ``config`` need about it. They ask ``mm_rl.models.registry`` for the
+family named by model.json's ``model_id`` or by an HF config.json's ``model_type``; none of them names a family.
+Adding a family means one package under ``mm_rl/models/`` and one entry in the registry.
 
 A family's tensor mapping is a tuple of :class:`Entry` (one per Megatron tensor; ``mm_rl.convert.mapping``
-turns it into hf2mg / mg2hf / weight-sync pieces). Its megatron model lives in a module named by
-``ModelFamily.megatron``, imported only by the processes that build a model (megatron-core is heavy).
+turns it into hf2mg / mg2hf / weight-sync pieces). Its megatron model is a stage module returned by
+``ModelFamily.stage`` (imported only by the processes that build a model: megatron-core is heavy), with the LLM
+layers the family's ``decoder_layer`` chooses.
 """
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from mm_rl.config.schema import ModelConfig
+    from mm_rl.config.schema import ActorConfig, ModelConfig, TextDecoderConfig, TrainingFlags
 
 # deepstack: a DeepStack merger, held by its ViT block (``{i}``: the block on its stage, HF: its place in the list)
 Scope = Literal["patch_embed", "vit_layer", "merger", "deepstack", "embedding", "llm_layer", "final_norm",
@@ -73,6 +73,20 @@ def name_pattern(template: str) -> re.Pattern[str]:
 # A model rule's finding: (model.json key below ``model``, value, rule, fix).
 ModelFinding = tuple[str, Any, str, str]
 
+# (model.json's text decoder, the layer's global index, Ulysses context parallelism on) -> the megatron-core
+# ``ModuleSpec`` of that LLM layer: the seam where a family chooses its layers (a hybrid decoder per index).
+DecoderLayer = Callable[["TextDecoderConfig", int, bool], Any]
+
+
+class MegatronStage(Protocol):
+    """A module building one pipeline stage of a family's model on megatron-core (``mm_rl.models.qwen_vl.model``)."""
+
+    def build_model(self, model_cfg: ModelConfig, flags: TrainingFlags | None = None,
+                    actor: ActorConfig | None = None, *, decoder_layer: DecoderLayer, params_dtype: torch.dtype = ...,
+                    remove_padding: bool = True, **config_overrides: Any) -> torch.nn.Module: ...
+
+    def embedding_ranks(self, model: ModelConfig) -> Callable[..., list[int]]: ...
+
 
 @dataclass(frozen=True)
 class ModelFamily:
@@ -87,7 +101,8 @@ class ModelFamily:
         tensors: the tensor mapping (hf2mg, mg2hf, weight sync).
         model_dims / model_flags: model.json -> the dimension names / ``Entry.when`` switches of ``tensors``.
         model_json: HF config.json content -> model.json content (everything on one pipeline stage).
-        megatron: module providing ``build_model(model, flags, actor, ...)`` and ``embedding_ranks(model)``.
+        stage: returns the module that builds a pipeline stage (imports megatron-core when called).
+        decoder_layer: the megatron-core spec of each LLM layer (see :data:`DecoderLayer`).
         tiny: module providing the tiny builder's ``hf_config(text, vision, ids, tied)``, its default text and
             vision fields (``TEXT_CONFIG``, ``VISION_CONFIG``) and ``PROCESSOR_CLASS``; None: no tiny model.
         rules: extra model.json rules of this family (findings); the shared ones are in ``job.validate``.
@@ -105,21 +120,28 @@ class ModelFamily:
     model_dims: Callable[[ModelConfig], dict[str, int]]
     model_flags: Callable[[ModelConfig], dict[str, bool]]
     model_json: Callable[[Mapping[str, Any]], dict[str, Any]]
-    megatron: str
-    tiny: str | None = None
+    stage: Callable[[], MegatronStage]
+    decoder_layer: DecoderLayer
+    tiny: ModuleType | None = None
     rules: Callable[[ModelConfig], Iterator[ModelFinding]] | None = None
     hf_aliases: tuple[tuple[str, str], ...] = ()
     hf_fused: tuple[Fused, ...] = ()
     vision_tokens: tuple[str, ...] = QWEN_VISION_TOKENS
 
-    def megatron_module(self) -> ModuleType:
-        """The module that builds this family's megatron model (imports megatron-core)."""
-        return importlib.import_module(self.megatron)
+    def build_model(self, model: ModelConfig, flags: TrainingFlags | None = None, actor: ActorConfig | None = None,
+                    **options: Any) -> torch.nn.Module:
+        """This rank's pipeline stage of the model, after megatron's ``initialize_model_parallel`` (imports
+        megatron-core); ``options`` as the stage module's ``build_model`` takes them."""
+        return self.stage().build_model(model, flags, actor, decoder_layer=self.decoder_layer, **options)
+
+    def embedding_ranks(self, model: ModelConfig) -> Callable[..., list[int]]:
+        """``get_embedding_ranks`` for megatron's ``initialize_model_parallel`` (imports megatron-core)."""
+        return self.stage().embedding_ranks(model)
 
     def tiny_module(self) -> ModuleType:
         if self.tiny is None:
             raise UnknownFamily(f"{self.label} has no tiny model")
-        return importlib.import_module(self.tiny)
+        return self.tiny
 
     def findings(self, model: ModelConfig) -> list[ModelFinding]:
         return list(self.rules(model)) if self.rules is not None else []
@@ -140,37 +162,3 @@ class UnknownFamily(ValueError):
 
 class HfConfigError(ValueError):
     """An HF config.json its family cannot read (a missing field)."""
-
-
-# Packages whose ``family`` module defines ``FAMILY``.
-_PACKAGES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
-
-
-@cache
-def families() -> tuple[ModelFamily, ...]:
-    return tuple(importlib.import_module(f"mm_rl.models.{package}.family").FAMILY for package in _PACKAGES)
-
-
-def family(model_id: str) -> ModelFamily:
-    """The family whose model.json ``model_id`` is ``model_id``."""
-    for candidate in families():
-        if candidate.model_id == model_id:
-            return candidate
-    known = ", ".join(f"{f.model_id} ({f.label})" for f in families())
-    raise UnknownFamily(f"model_id {model_id!r} is not a model family mm_rl knows; known: {known}")
-
-
-def family_of(model: ModelConfig) -> ModelFamily:
-    return family(model.model_id)
-
-
-def family_for_hf(config: Mapping[str, Any]) -> ModelFamily:
-    """The family of an HF checkpoint from its config.json content (``model_type``, else ``architectures``)."""
-    model_type = config.get("model_type")
-    architectures = list(config.get("architectures") or ())
-    for candidate in families():
-        if model_type in candidate.hf_model_types or candidate.hf_architecture in architectures:
-            return candidate
-    known = ", ".join(f"{t} ({f.label})" for f in families() for t in f.hf_model_types)
-    raise UnknownFamily(f"config.json has model_type {model_type!r} (architectures {architectures}): not a model "
-                        f"family mm_rl knows; known model_type values: {known}")

@@ -394,7 +394,7 @@ def checkpoint_names(model_path: str | Path) -> list[str]:
     """Tensor names of the HF checkpoint (safetensors headers only) as a full weight push names them: fused
     expert tensors by their per-expert parts (the family's ``hf_fused``; vLLM loads either spelling)."""
     from mm_rl.convert.hf_reader import HfReader
-    from mm_rl.models.family import family_for_hf
+    from mm_rl.models.registry import family_for_hf
 
     config = json.loads((Path(model_path) / "config.json").read_text())
     return sorted(HfReader(model_path, fused=family_for_hf(config).hf_fused).names)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from mm_rl.models.family import QWEN_VISION_TOKENS, family_of
+from mm_rl.models.family import QWEN_VISION_TOKENS
+from mm_rl.models.registry import family_of
 
 if TYPE_CHECKING:
     from mm_rl.config.schema import JobConfig

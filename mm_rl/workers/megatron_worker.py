@@ -130,7 +130,7 @@ class MegatronWorker:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        from mm_rl.models.family import family_of
+        from mm_rl.models.registry import family_of
         from mm_rl.platform.device import dist_backend
 
         spec = self.spec
@@ -140,7 +140,7 @@ class MegatronWorker:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
             context_parallel_size=spec.cp, expert_model_parallel_size=spec.ep,
-            get_embedding_ranks=family_of(spec.model).megatron_module().embedding_ranks(spec.model))
+            get_embedding_ranks=family_of(spec.model).embedding_ranks(spec.model))
         model_parallel_cuda_manual_seed(spec.seed)
         self.coords = RankCoords(self.rank, parallel_state.get_tensor_model_parallel_rank(),
                                  parallel_state.get_pipeline_model_parallel_rank(),
@@ -154,13 +154,12 @@ class MegatronWorker:
         """Build this rank's stage; load its mp_rank file from ``mm_dir`` (latest iteration unless given)."""
         import torch
 
-        from mm_rl.models.family import family_of
+        from mm_rl.models.registry import family_of
         from mm_rl.platform.device import current_device
 
         dtype = torch.bfloat16 if self.spec.bf16 else torch.float32
-        build_model = family_of(self.spec.model).megatron_module().build_model
-        self.model = build_model(self.spec.model, self.spec.flags, self.spec.actor, params_dtype=dtype,
-                                 remove_padding=self.spec.remove_padding)
+        self.model = family_of(self.spec.model).build_model(self.spec.model, self.spec.flags, self.spec.actor,
+                                                            params_dtype=dtype, remove_padding=self.spec.remove_padding)
         # megatron's layers create their weights on the current device, plain torch modules (the ViT's patch
         # embedding, the norms) on the CPU: the whole stage goes to this rank's device (megatron-LM's get_model
         # does the same with .cuda()). The same Parameter objects stay, with megatron's attributes.
@@ -194,7 +193,7 @@ class MegatronWorker:
         self._reset_image_cache({})
 
     def _reset_image_cache(self, cache: dict | None) -> None:
-        """The frozen ViT's per-step cache of this rank's stage (see ``Qwen2_5VisionModel``): ``{}`` a new one,
+        """The frozen ViT's per-step cache of this rank's stage (see ``QwenVisionModel``): ``{}`` a new one,
         None none (its device memory freed)."""
         encoder = getattr(self.model, "image_encoder", None)
         if encoder is not None:

@@ -215,7 +215,7 @@ def test_llm_core_attention_on_the_device_matches_the_same_attention_in_fp32() -
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    from mm_rl.models.qwen2_5_vl.llm_attention import CausalSegments, LLMCoreAttention
+    from mm_rl.models.qwen_vl.llm_attention import CausalSegments, LLMCoreAttention
     from mm_rl.platform.device import current_device, setup_process
 
     setup_process()

@@ -1,4 +1,5 @@
-"""Qwen2-VL as a model family (MindSpeed-MM's ``qwen2vl`` layout: ``fc1`` / ``fc2`` become ``linear_fc1`` /
+"""Qwen2-VL as a model family, run as the shared Qwen-VL stage (``mm_rl.models.qwen_vl``) with the older ViT
+(MindSpeed-MM's ``qwen2vl`` layout: ``fc1`` / ``fc2`` become ``linear_fc1`` /
 ``linear_fc2`` split by rows / columns, the norms keep their biases)."""
 
 from __future__ import annotations
@@ -6,8 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from mm_rl.models import qwen_vl
 from mm_rl.models.family import Entry, ModelFamily, ModelFinding
-from mm_rl.models.qwen2_5_vl.family import (
+from mm_rl.models.qwen2_vl import tiny
+from mm_rl.models.qwen_vl.layers import decoder_layer
+from mm_rl.models.qwen_vl.tensors import (
     HF_ALIASES,
     MERGER_MLP,
     PATCH_EMBED,
@@ -22,6 +26,7 @@ from mm_rl.models.qwen2_5_vl.family import (
     model_dims,
     model_flags,
     need,
+    pair,
     text_decoder_json,
     token_ids_json,
     vision_json,
@@ -33,21 +38,16 @@ if TYPE_CHECKING:
 LABEL, MODEL_ID = "Qwen2-VL", "qwen2vl"
 
 
-def _norm(mg: str, hf: str, scope: Any = "vit_layer", dim: str = "vh") -> tuple[Entry, Entry]:
-    return (Entry(scope, mg + ".weight", (hf + ".weight",), ((dim,),)),
-            Entry(scope, mg + ".bias", (hf + ".bias",), ((dim,),)))
-
-
 TENSORS: tuple[Entry, ...] = (
     PATCH_EMBED,
-    *_norm(V + "input_layernorm", VH + "norm1"),
+    *pair("vit_layer", V + "input_layernorm", VH + "norm1", "vh"),
     *VIT_ATTENTION,
-    *_norm(V + "pre_mlp_layernorm", VH + "norm2"),
+    *pair("vit_layer", V + "pre_mlp_layernorm", VH + "norm2", "vh"),
     Entry("vit_layer", V + "mlp.linear_fc1.weight", (VH + "mlp.fc1.weight",), (("vffn", "vh"),), split=0),
     Entry("vit_layer", V + "mlp.linear_fc1.bias", (VH + "mlp.fc1.bias",), (("vffn",),), split=0, when=VLIN),
     Entry("vit_layer", V + "mlp.linear_fc2.weight", (VH + "mlp.fc2.weight",), (("vh", "vffn"),), split=1),
     Entry("vit_layer", V + "mlp.linear_fc2.bias", (VH + "mlp.fc2.bias",), (("vh",),), when=VLIN),
-    *_norm(P + "layernorm", PH + "ln_q", "merger", "pin"),
+    *pair("merger", P + "layernorm", PH + "ln_q", "pin"),
     *MERGER_MLP,
     *TEXT,
 )
@@ -92,6 +92,6 @@ def rules(model: ModelConfig) -> Iterator[ModelFinding]:
 FAMILY = ModelFamily(
     name="qwen2_vl", label=LABEL, model_id=MODEL_ID, hf_model_types=("qwen2_vl",),
     hf_architecture="Qwen2VLForConditionalGeneration", tensors=TENSORS, model_dims=model_dims,
-    model_flags=model_flags, model_json=model_json, megatron="mm_rl.models.qwen2_5_vl.model",
-    tiny="mm_rl.models.qwen2_vl.tiny", rules=rules, hf_aliases=HF_ALIASES,
+    model_flags=model_flags, model_json=model_json, stage=qwen_vl.stage, decoder_layer=decoder_layer,
+    tiny=tiny, rules=rules, hf_aliases=HF_ALIASES,
 )

@@ -12,8 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from mm_rl.models.family import Entry, Fused, HfConfigError, ModelFamily, ModelFinding
-from mm_rl.models.qwen2_5_vl.family import (
+from mm_rl.models import qwen_vl
+from mm_rl.models.family import Entry, Fused, HfConfigError, ModelFamily, ModelFinding, Scope
+from mm_rl.models.qwen3_vl import tiny
+from mm_rl.models.qwen_vl.layers import decoder_layer
+from mm_rl.models.qwen_vl.tensors import (
+    LLM_HEADS,
     VIT_HEADS,
     VLIN,
     VQKV,
@@ -22,6 +26,7 @@ from mm_rl.models.qwen2_5_vl.family import (
     fixed_fields,
     model_dims,
     need,
+    pair,
     text_decoder_json,
     token_ids_json,
     vision_json,
@@ -37,18 +42,11 @@ D = V + "deepstack_layer."
 EH = LH + "mlp.experts.{e}."  # one expert's tensors (stored fused, see FUSED)
 FUSED = (Fused(LH + "mlp.experts.gate_up_proj", (EH + "gate_proj.weight", EH + "up_proj.weight")),
          Fused(LH + "mlp.experts.down_proj", (EH + "down_proj.weight",)))
-_LLM_HEADS = ("heads", "groups", "hd")
 
 
-def _pair(scope: Any, mg: str, hf: str, dim: str, split: int | None = None) -> tuple[Entry, Entry]:
-    """A weight-and-bias pair of 1D tensors (norms) or of a linear layer's bias with its weight elsewhere."""
-    return (Entry(scope, mg + ".weight", (hf + ".weight",), ((dim,),), split=split),
-            Entry(scope, mg + ".bias", (hf + ".bias",), ((dim,),), split=split))
-
-
-def _merger(scope: Any, mg: str, hf: str, norm: str) -> tuple[Entry, ...]:
+def _merger(scope: Scope, mg: str, hf: str, norm: str) -> tuple[Entry, ...]:
     return (
-        *_pair(scope, mg + "layernorm", hf + "norm", norm),
+        *pair(scope, mg + "layernorm", hf + "norm", norm),
         Entry(scope, mg + "encoder.linear_fc1.weight", (hf + "linear_fc1.weight",), (("pffn", "pcat"),), split=0),
         Entry(scope, mg + "encoder.linear_fc1.bias", (hf + "linear_fc1.bias",), (("pffn",),), split=0),
         Entry(scope, mg + "encoder.linear_fc2.weight", (hf + "linear_fc2.weight",), (("ph", "pffn"),), split=1),
@@ -63,7 +61,7 @@ TENSORS: tuple[Entry, ...] = (
           (("vh",),)),
     Entry("patch_embed", "image_encoder.encoder.pos_embed.weight", ("model.visual.pos_embed.weight",),
           (("vpos", "vh"),)),
-    *_pair("vit_layer", V + "input_layernorm", VH + "norm1", "vh"),
+    *pair("vit_layer", V + "input_layernorm", VH + "norm1", "vh"),
     Entry("vit_layer", V + "self_attention.linear_qkv.weight", (VH + "attn.qkv.weight",), (("vqkv", "vh"),),
           "fused_qkv", 0, VIT_HEADS),
     Entry("vit_layer", V + "self_attention.linear_qkv.bias", (VH + "attn.qkv.bias",), (("vqkv",),),
@@ -71,7 +69,7 @@ TENSORS: tuple[Entry, ...] = (
     Entry("vit_layer", V + "self_attention.linear_proj.weight", (VH + "attn.proj.weight",), (("vh", "vattn"),),
           split=1),
     Entry("vit_layer", V + "self_attention.linear_proj.bias", (VH + "attn.proj.bias",), (("vh",),), when=VLIN),
-    *_pair("vit_layer", V + "pre_mlp_layernorm", VH + "norm2", "vh"),
+    *pair("vit_layer", V + "pre_mlp_layernorm", VH + "norm2", "vh"),
     Entry("vit_layer", V + "mlp.linear_fc1.weight", (VH + "mlp.linear_fc1.weight",), (("vffn", "vh"),), split=0),
     Entry("vit_layer", V + "mlp.linear_fc1.bias", (VH + "mlp.linear_fc1.bias",), (("vffn",),), split=0, when=VLIN),
     Entry("vit_layer", V + "mlp.linear_fc2.weight", (VH + "mlp.linear_fc2.weight",), (("vh", "vffn"),), split=1),
@@ -83,7 +81,7 @@ TENSORS: tuple[Entry, ...] = (
     Entry("llm_layer", L + "input_layernorm.weight", (LH + "input_layernorm.weight",), (("h",),)),
     Entry("llm_layer", L + "self_attention.linear_qkv.weight",
           (LH + "self_attn.q_proj.weight", LH + "self_attn.k_proj.weight", LH + "self_attn.v_proj.weight"),
-          (("q", "h"), ("kv", "h"), ("kv", "h")), "qkv", 0, _LLM_HEADS),
+          (("q", "h"), ("kv", "h"), ("kv", "h")), "qkv", 0, LLM_HEADS),
     Entry("llm_layer", L + "self_attention.q_layernorm.weight", (LH + "self_attn.q_norm.weight",), (("hd",),)),
     Entry("llm_layer", L + "self_attention.k_layernorm.weight", (LH + "self_attn.k_norm.weight",), (("hd",),)),
     Entry("llm_layer", L + "self_attention.linear_proj.weight", (LH + "self_attn.o_proj.weight",), (("h", "q"),),
@@ -210,6 +208,6 @@ def rules(model: ModelConfig) -> Iterator[ModelFinding]:
 FAMILY = ModelFamily(
     name="qwen3_vl", label=LABEL, model_id=MODEL_ID, hf_model_types=("qwen3_vl", "qwen3_vl_moe"),
     hf_architecture="Qwen3VLForConditionalGeneration", tensors=TENSORS, model_dims=qwen3_dims,
-    model_flags=qwen3_flags, model_json=model_json, megatron="mm_rl.models.qwen2_5_vl.model",
-    tiny="mm_rl.models.qwen3_vl.tiny", rules=rules, hf_fused=FUSED,
+    model_flags=qwen3_flags, model_json=model_json, stage=qwen_vl.stage, decoder_layer=decoder_layer,
+    tiny=tiny, rules=rules, hf_fused=FUSED,
 )

@@ -1,4 +1,6 @@
-"""Qwen2.5-VL on megatron-core: one pipeline stage of the ViT + merger and the mRoPE text decoder.
+"""The Qwen-VL model on megatron-core: one pipeline stage of the ViT + merger and the mRoPE text decoder, the
+model of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense and MoE) as model.json's switches configure it, with the LLM
+layers a family chooses (``ModelFamily.decoder_layer``, :mod:`layers`).
 
 A stage holds what model.json's ``pipeline_num_layers`` give it (ViT first, then the LLM):
 
@@ -23,26 +25,26 @@ micro-batch, in sample order), the ViT encodes each distinct image once (``pixel
 and the first LLM stage copies its embeddings into every slot it fills (:func:`image_token_rows`); with the ViT
 trained, autograd sums the slots' gradients into the one encoding.
 
-Pipeline splits: the ViT fills stages 0..k, the LLM the stages from k (sharing stage k) or k + 1 on, no
-stage empty (:func:`stage_layout`). Between ViT stages travel ViT hidden states [N_patches, 1, vit_hidden];
-a ViT-only stage holding the merger sends the encoded images' embeddings [N_tokens, 1, llm_hidden]; a micro-batch
-without images sends a one-row placeholder. When the word embeddings are not on stage 0, pass
-:func:`embedding_ranks` to megatron's ``initialize_model_parallel`` (its default assumes stage 0).
+Pipeline splits (:mod:`pipeline`): the ViT fills stages 0..k, the LLM the stages from k (sharing stage k) or k + 1 on,
+no stage empty (:func:`stage_layout`). Between ViT stages travel ViT hidden states [N_patches, 1, vit_hidden]; a
+ViT-only stage holding the merger sends the encoded images' embeddings [N_tokens, 1, llm_hidden]; a micro-batch without
+images sends a one-row placeholder. When the word embeddings are not on stage 0, pass :func:`embedding_ranks` to
+megatron's ``initialize_model_parallel`` (its default assumes stage 0).
 
-Context parallelism (``context-parallel-algo: ulysses_cp_algo``): every CP rank runs the ViT and the
-embeddings on the whole micro-batch, keeps a contiguous 1/cp of the tokens for the LLM, and attention
-all-to-alls between "my tokens, all heads" and "all tokens, my heads" (:class:`UlyssesAttention`). The last
-stage gathers log-probs / entropy / logits back to the whole sequence, so the loss code is the same with
-and without CP; each rank's gradient covers its own tokens and megatron's loss x cp scaling with DP x CP
-gradient averaging makes the sum exact.
+Context parallelism (``context-parallel-algo: ulysses_cp_algo``, :mod:`context_parallel`): every CP rank runs the ViT
+and the embeddings on the whole micro-batch, keeps a contiguous 1/cp of the tokens for the LLM, and attention
+all-to-alls between "my tokens, all heads" and "all tokens, my heads" (:class:`UlyssesAttention`). The last stage
+gathers log-probs / entropy / logits back to the whole sequence, so the loss code is the same with and without CP; each
+rank's gradient covers its own tokens and megatron's loss x cp scaling with DP x CP gradient averaging makes the sum
+exact.
 
-Sequence parallelism (megatron's, on whenever TP > 1): between the LLM's tensor-parallel linears each TP rank
-holds a contiguous 1/TP of its (CP rank's) tokens, so norms, residuals and the MoE router see only their share
-(megatron's MoE layer trains under TP only this way). The first LLM stage splices the images in over the whole
-sequence and then keeps its share of the embeddings and of the DeepStack additions; the column-parallel linears
+Sequence parallelism (megatron's, on whenever TP > 1, :mod:`sequence_parallel`): between the LLM's tensor-parallel
+linears each TP rank holds a contiguous 1/TP of its (CP rank's) tokens, so norms, residuals and the MoE router see only
+their share (megatron's MoE layer trains under TP only this way). The first LLM stage splices the images in over the
+whole sequence and then keeps its share of the embeddings and of the DeepStack additions; the column-parallel linears
 all-gather the tokens (the output layer too, so the log-probs see the whole sequence), the row-parallel ones
-reduce-scatter them, and the norms' gradients are summed over TP (:class:`TorchNorm`). The token row is padded to
-a multiple of CP x TP.
+reduce-scatter them, and the norms' gradients are summed over TP (:class:`~layers.TorchNorm`). The token row is padded
+to a multiple of CP x TP.
 
 Use, on one rank (after ``initialize_model_parallel(tp, pp, context_parallel_size=cp,
 get_embedding_ranks=embedding_ranks(model_cfg))``)::
@@ -60,127 +62,25 @@ get_embedding_ranks=embedding_ranks(model_cfg))``)::
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from mm_rl.config.schema import ActorConfig, ModelConfig, TrainingFlags
-from mm_rl.models.qwen2_5_vl.config import megatron_normalization, padded_vocab_size, text_decoder_config
-from mm_rl.models.qwen2_5_vl.llm_attention import PackedRows
-from mm_rl.models.qwen2_5_vl.logprobs import log_probs_and_entropy
-from mm_rl.models.qwen2_5_vl.rope_index import get_rope_index
+from mm_rl.models.family import DecoderLayer
+from mm_rl.models.qwen_vl.config import padded_vocab_size, text_decoder_config
+from mm_rl.models.qwen_vl.context_parallel import context_parallel
+from mm_rl.models.qwen_vl.layers import decoder_layer as qwen_decoder_layer
+from mm_rl.models.qwen_vl.llm_attention import PackedRows
+from mm_rl.models.qwen_vl.logprobs import log_probs_and_entropy
+from mm_rl.models.qwen_vl.pipeline import StageLayout, embedding_ranks, keep_in_graph, stage_layout
+from mm_rl.models.qwen_vl.rope_index import get_rope_index
+from mm_rl.models.qwen_vl.routing import RoutingCounts
+from mm_rl.models.qwen_vl.sequence_parallel import OutputRows, sequence_parallel_share
 from mm_rl.platform.device import current_device
 
-Received = Literal["none", "vit", "image", "llm"]
-
-
-@dataclass(frozen=True)
-class StageLayout:
-    """What one pipeline stage holds (global ViT block / LLM layer indices) and what it receives and sends.
-
-    The ViT runs on stages ``0 .. last_vit`` (patch embedding on stage 0, merger on ``last_vit``), the LLM on
-    ``first_llm .. pp_size - 1`` (word embeddings on ``first_llm``, final norm and output layer on the last
-    stage), with ``first_llm`` equal to ``last_vit`` (a stage holds the end of the ViT and the start of the
-    LLM) or ``last_vit + 1``.
-    """
-
-    pp_rank: int
-    pp_size: int
-    vit_layers: range
-    llm_layers: range
-    last_vit: int
-    first_llm: int
-
-    @property
-    def has_vit(self) -> bool:
-        return len(self.vit_layers) > 0
-
-    @property
-    def has_patch_embed(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def has_merger(self) -> bool:
-        return self.pp_rank == self.last_vit
-
-    @property
-    def has_llm(self) -> bool:
-        return self.pp_rank >= self.first_llm
-
-    @property
-    def has_embedding(self) -> bool:
-        return self.pp_rank == self.first_llm
-
-    @property
-    def has_output(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
-    @property
-    def received(self) -> Received:
-        """What the previous stage sends: ViT hidden states [N_patches, 1, vit_hidden] (window order), image
-        embeddings [N_tokens, 1, llm_hidden], or LLM hidden states [S, B, llm_hidden]."""
-        if self.pp_rank == 0:
-            return "none"
-        if self.has_vit:
-            return "vit"
-        return "image" if self.has_embedding else "llm"
-
-
-def _per_stage(layers: Sequence[int], total: int, pp_size: int, what: str) -> list[int]:
-    """The per-stage layer counts for ``pp_size`` stages (one stage: everything), validated."""
-    if pp_size == 1:
-        return [total]
-    if len(layers) != pp_size or min(layers) < 0 or sum(layers) != total:
-        raise ValueError(f"{what}.pipeline_num_layers {list(layers)} must have {pp_size} entries >= 0 summing to "
-                         f"{total}")
-    return list(layers)
-
-
-def _split(model: ModelConfig, pp_size: int) -> tuple[list[int], list[int], int, int]:
-    """Per-stage ViT and LLM counts, the last ViT stage and the first LLM stage; ValueError for a split the
-    pipeline cannot run (a stage holding nothing, a gap, or LLM stages before the ViT ends)."""
-    vision = model.image_encoder.vision_encoder
-    vit = _per_stage(vision.pipeline_num_layers, vision.num_layers, pp_size, "image_encoder.vision_encoder")
-    llm = _per_stage(model.text_decoder.pipeline_num_layers, model.text_decoder.num_layers, pp_size,
-                     "text_decoder")
-    last_vit = max(i for i, n in enumerate(vit) if n)
-    first_llm = min(i for i, n in enumerate(llm) if n)
-    contiguous = all(vit[: last_vit + 1]) and all(llm[first_llm:])
-    if not contiguous or first_llm not in (last_vit, last_vit + 1):
-        raise ValueError(
-            f"pipeline split vit {vit} / llm {llm}: the ViT must fill stages 0..k and the LLM the stages from k "
-            f"or k + 1 on, with no stage left empty (e.g. vit {[sum(vit)] + [0] * (pp_size - 1)} / llm "
-            f"[{max(llm[0], 1)}, ...])"
-        )
-    return vit, llm, last_vit, first_llm
-
-
-def stage_layout(model: ModelConfig, pp_rank: int, pp_size: int) -> StageLayout:
-    """The parts of stage ``pp_rank`` of ``pp_size`` from model.json's ``pipeline_num_layers``."""
-    vit, llm, last_vit, first_llm = _split(model, pp_size)
-    return StageLayout(
-        pp_rank=pp_rank,
-        pp_size=pp_size,
-        vit_layers=range(sum(vit[:pp_rank]), sum(vit[: pp_rank + 1])),
-        llm_layers=range(sum(llm[:pp_rank]), sum(llm[: pp_rank + 1])),
-        last_vit=last_vit,
-        first_llm=first_llm,
-    )
-
-
-def embedding_ranks(model: ModelConfig) -> Callable[..., list[int]]:
-    """``get_embedding_ranks`` for megatron's ``initialize_model_parallel``: the stages holding the word
-    embeddings and the output layer (megatron's default, first and last, is wrong when the ViT fills the
-    first stages; tied embeddings are synchronised over this group)."""
-
-    def ranks(pp_ranks: list[int], *_: Any) -> list[int]:
-        first_llm = _split(model, len(pp_ranks))[3]
-        return sorted({pp_ranks[first_llm], pp_ranks[-1]})
-
-    return ranks
+__all__ = ["QwenVLModel", "build_model", "embedding_ranks"]
 
 
 def padding_attention_mask(attention_mask: Tensor | None) -> Tensor | None:
@@ -230,174 +130,6 @@ def splice_image_embeddings(
     return embeddings.index_put((seq_index, batch_index), image_embeds.to(embeddings.dtype))
 
 
-# ------------------------------------------------------------------------- Ulysses context parallelism
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single over dim 0 (chunk i goes to rank i); its own adjoint, so backward is the same op."""
-
-    @staticmethod
-    def forward(ctx: Any, chunks: Tensor, group: Any) -> Tensor:  # type: ignore[override]
-        ctx.group = group
-        chunks = chunks.contiguous()  # (empty_like of a permuted view would keep its strides)
-        out = torch.empty_like(chunks)
-        torch.distributed.all_to_all_single(out, chunks, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        torch.distributed.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
-
-
-def sequence_to_heads(x: Tensor, group: Any, size: int) -> Tensor:
-    """[S/cp, B, h, d] (this rank's tokens, all its heads) -> [S, B, h/cp, d] (all tokens, its head block)."""
-    seq, batch, heads, dim = x.shape
-    chunks = x.reshape(seq, batch, size, heads // size, dim).permute(2, 0, 1, 3, 4)
-    return _AllToAll.apply(chunks, group).reshape(size * seq, batch, heads // size, dim)  # type: ignore[no-any-return]
-
-
-def heads_to_sequence(x: Tensor, group: Any, size: int) -> Tensor:
-    """[S, B, h/cp * d] attention output of this rank's head block -> [S/cp, B, h * d] for its own tokens."""
-    seq, batch, width = x.shape
-    out = _AllToAll.apply(x.reshape(size, seq // size, batch, width), group)
-    return out.permute(1, 2, 0, 3).reshape(seq // size, batch, size * width)  # type: ignore[no-any-return]
-
-
-class UlyssesAttention(torch.nn.Module):
-    """Core attention with DeepSpeed-Ulysses context parallelism (``context-parallel-algo: ulysses_cp_algo``).
-
-    Each CP rank holds a contiguous 1/cp of the sequence. q, k, v go through one all-to-all each, from
-    "my tokens, all heads" to "all tokens, 1/cp of the heads"; megatron's local attention then runs on the
-    full sequence (causal or padding masks, or a packed row's segments, work unchanged), and one all-to-all brings
-    the output back.
-    KV groups are repeated to one per query head first when the CP size does not divide them.
-    Built by megatron's layer spec with the arguments of any core attention.
-    """
-
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
-        import dataclasses
-
-        from megatron.core import parallel_state
-
-        from mm_rl.models.qwen2_5_vl.llm_attention import LLMCoreAttention
-
-        super().__init__()
-        self.group = parallel_state.get_context_parallel_group()
-        self.size = parallel_state.get_context_parallel_world_size()
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
-        if heads % self.size:
-            raise ValueError(f"Ulysses CP {self.size} must divide the attention heads per TP rank ({heads})")
-        self.repeat_kv = 1 if groups % self.size == 0 else heads // groups
-        inner = dataclasses.replace(config, num_attention_heads=config.num_attention_heads // self.size,
-                                    num_query_groups=config.num_query_groups * self.repeat_kv // self.size)
-        self.attention = LLMCoreAttention(inner, layer_number, attn_mask_type, attention_type,
-                                          attention_dropout, softmax_scale, None, pg_collection)
-
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                attn_mask_type: Any = None, attention_bias: Tensor | None = None,
-                packed_seq_params: Any = None) -> Tensor:
-        if self.repeat_kv > 1:
-            key, value = (t.repeat_interleave(self.repeat_kv, dim=2) for t in (key, value))
-        q, k, v = (sequence_to_heads(t, self.group, self.size) for t in (query, key, value))
-        out = self.attention(q, k, v, attention_mask, attn_mask_type=attn_mask_type,
-                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        return heads_to_sequence(out, self.group, self.size)
-
-
-class _GatherSequence(torch.autograd.Function):
-    """All-gather over CP along dim 1 ([B, S/cp, ...] -> [B, S, ...]); backward keeps this rank's slice.
-
-    Every CP rank computes the same loss from the gathered tensor, so the gradient of its own slice is
-    exactly its share (no sum); megatron's loss x cp and DP x CP gradient averaging complete it."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any, rank: int, size: int) -> Tensor:  # type: ignore[override]
-        ctx.rank, ctx.size = rank, size
-        parts = [torch.empty_like(x) for _ in range(size)]
-        torch.distributed.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
-        return grad.chunk(ctx.size, dim=1)[ctx.rank].contiguous(), None, None, None
-
-
-@dataclass(frozen=True)
-class ContextParallel:
-    """This rank's place in the CP group; its tokens are the contiguous chunk ``rank`` of ``size``."""
-
-    group: Any
-    rank: int
-    size: int
-
-    def local(self, x: Tensor, dim: int) -> Tensor:
-        """This rank's chunk of ``x`` along ``dim``."""
-        return x.chunk(self.size, dim=dim)[self.rank]
-
-    def gather(self, x: Tensor) -> Tensor:
-        """[B, S/cp, ...] -> [B, S, ...] (see _GatherSequence)."""
-        return _GatherSequence.apply(x, self.group, self.rank, self.size)  # type: ignore[no-any-return]
-
-
-def _sequence_parallel_share(x: Tensor) -> Tensor:
-    """This TP rank's contiguous 1/TP of ``x`` [S, B, H] along S (megatron's scatter: the backward all-gathers);
-    a copy, so the whole tensor is not kept alive by the view (megatron's embedding clones it for the same
-    reason)."""
-    from megatron.core import tensor_parallel
-
-    return tensor_parallel.scatter_to_sequence_parallel_region(x).clone()  # type: ignore[no-any-return]
-
-
-@dataclass(frozen=True)
-class OutputRows:
-    """The token positions of a micro-batch whose log-probs are wanted (the response tokens), and the rows of the
-    hidden states that reach the output layer for them: only those, since a prompt's logits are never read and the
-    output layer and the log-prob function are the widest steps of the LLM (vocab columns per token).
-
-    Under sequence parallelism TP rank r holds the r-th contiguous share of the tokens and the output layer
-    all-gathers the shares, so every rank keeps the same number of rows (``width``: its wanted rows, then unwanted
-    ones of its share as fillers; every rank sees the whole mask, so all agree without talking) and the gathered
-    rows come in rank order. ``kept`` are the gathered rows that are not fillers, ``positions`` their places in the
-    [S, B] token grid flattened."""
-
-    local: Tensor  # [width] rows of this rank's [S / shares * B] hidden states
-    labels_at: Tensor  # [shares * width]: each gathered row's place in the flattened grid, fillers included
-    kept: Tensor  # [wanted]
-    positions: Tensor  # [wanted]
-    shape: tuple[int, int]  # (B, S)
-
-    @classmethod
-    def of(cls, mask: Tensor, shares: int, rank: int) -> OutputRows:
-        """``mask`` [B, S] (nonzero: wanted) of this rank's tokens (CP-local), cut into ``shares`` along S."""
-        grid = (mask != 0).t().reshape(shares, -1)  # share r: its [S / shares, B] rows, as the hidden states hold them
-        counts = grid.sum(1)
-        width = max(int(counts.max()), 1)
-        # the wanted rows of each share first, in order (a stable sort of "not wanted"), then fillers
-        order = torch.sort((~grid).to(torch.uint8), dim=1, stable=True).indices[:, :width]
-        valid = (torch.arange(width, device=mask.device) < counts[:, None]).reshape(-1)
-        places = (order + torch.arange(shares, device=mask.device)[:, None] * grid.shape[1]).reshape(-1)
-        kept = valid.nonzero().squeeze(1)
-        return cls(order[rank], places, kept, places.index_select(0, kept), (mask.shape[0], mask.shape[1]))
-
-    def pick(self, hidden: Tensor) -> Tensor:
-        """[S / shares, B, H] -> [width, 1, H]."""
-        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, self.local).unsqueeze(1)
-
-    def labels(self, labels: Tensor) -> Tensor:
-        """[B, S] -> [1, shares * width], in the gathered rows' order."""
-        return labels.t().reshape(-1).index_select(0, self.labels_at).unsqueeze(0)
-
-    def place(self, values: Tensor) -> Tensor:
-        """[1, shares * width] -> [B, S], zeros where nothing was wanted (out of place: gradients reach ``values``)."""
-        rows, cols = self.shape
-        out = values.new_zeros(cols * rows)
-        out = out.index_put((self.positions,), values[0].index_select(0, self.kept))
-        return out.reshape(cols, rows).t()
-
 
 def _pad_sequence(x: Tensor | None, length: int, value: int, dim: int = -1) -> Tensor | None:
     """``x`` right-padded with ``value`` to ``length`` along ``dim`` (CP needs a multiple of its size)."""
@@ -408,45 +140,9 @@ def _pad_sequence(x: Tensor | None, length: int, value: int, dim: int = -1) -> T
     return torch.cat([x, x.new_full(pad, value)], dim=dim)
 
 
-def keep_in_graph(output: Tensor, received: Tensor | None) -> Tensor:
-    """``output``, made a valid pipeline stage output for backward.
 
-    megatron's schedule runs backward from every stage's output and sends the gradient of the received
-    tensor back; a frozen ViT (run without a graph), a micro-batch without images or an unused input would
-    leave either without a graph and stall or break the pipeline. Adding ``0 * received.sum()`` gives the
-    received tensor a (zero) gradient; a still graph-less output becomes a leaf that accepts one.
-    """
-    if not torch.is_grad_enabled():
-        return output
-    if received is not None and received.requires_grad:
-        output = output + 0.0 * received.sum()
-    if not output.requires_grad:
-        output = output.detach().requires_grad_()
-    return output
-
-
-class RoutingCounts:
-    """MoE: per LLM layer, the tokens each expert received since :meth:`reset`, then the tokens routed (this
-    rank's tokens, its stage's layers). Kept on the router's device (a forward hook per layer and micro-batch
-    must not wait for a host copy); the reader all-reduces them and brings them to the host once."""
-
-    def __init__(self, layers: int, experts: int) -> None:
-        self.counts = torch.zeros(layers, experts + 1 if experts else 0, dtype=torch.int64)
-
-    def add(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> None:
-        """Forward hook of megatron's ``TopKRouter`` (its output: probs, routing_map [T, E])."""
-        routing_map = output[1].detach()
-        if self.counts.device != routing_map.device:
-            self.counts = self.counts.to(routing_map.device)
-        self.counts[layer, :-1] += routing_map.sum(0, dtype=torch.int64)
-        self.counts[layer, -1] += routing_map.shape[0]
-
-    def reset(self) -> None:
-        self.counts.zero_()
-
-
-class Qwen2_5_VLModel(torch.nn.Module):
-    """One pipeline stage of Qwen2.5-VL (see the module docstring); build it with :func:`build_model`.
+class QwenVLModel(torch.nn.Module):
+    """One pipeline stage of a Qwen-VL model (see the module docstring); build it with :func:`build_model`.
 
     It exposes what megatron's schedules and ``finalize_model_grads`` look up on a model chunk
     (``config``, ``set_input_tensor``, ``pre_process``, ``share_embeddings_and_output_weights``,
@@ -461,6 +157,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
         *,
         padded_vocab: int,
         image_encoder: torch.nn.Module | None,
+        decoder_layer: DecoderLayer = qwen_decoder_layer,
         remove_padding: bool = True,
     ) -> None:
         super().__init__()
@@ -472,27 +169,28 @@ class Qwen2_5_VLModel(torch.nn.Module):
         self.received: Tensor | None = None
         self.deepstack: list[Tensor] = []  # this micro-batch's DeepStack additions, [S, B, H] per early LLM layer
         self.routing = RoutingCounts(model_cfg.text_decoder.num_layers, model_cfg.text_decoder.num_moe_experts or 0)
-        self.cp = _context_parallel()
+        self.cp = context_parallel()
         self.output_rows: OutputRows | None = None  # this micro-batch's, set per forward
         if image_encoder is not None:
             self.image_encoder = image_encoder
         if layout.has_llm:
-            self.text_decoder = self._text_decoder(padded_vocab)
+            self.text_decoder = self._text_decoder(padded_vocab, decoder_layer)
         from megatron.core.enums import ModelType
 
         self.model_type = ModelType.encoder_or_decoder
 
-    def _text_decoder(self, padded_vocab: int) -> torch.nn.Module:
+    def _text_decoder(self, padded_vocab: int, decoder_layer: DecoderLayer) -> torch.nn.Module:
+        """megatron's ``GPTModel`` holding this stage's LLM layers, each built from the family's layer spec (the
+        final norm is the first layer's input norm kind: one norm throughout the decoder)."""
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
         text = self.model_cfg.text_decoder
-        spec = llm_layer_spec(text.normalization, ulysses=self.cp is not None, qk_layernorm=text.qk_layernorm,
-                              num_experts=text.num_moe_experts)
+        specs = [decoder_layer(text, index, self.cp is not None) for index in self.layout.llm_layers]
         decoder = GPTModel(
             config=self.config,
-            transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[spec] * len(self.layout.llm_layers),
-                                                              layer_norm=spec.submodules.input_layernorm),
+            transformer_layer_spec=TransformerBlockSubmodules(layer_specs=specs,
+                                                              layer_norm=specs[0].submodules.input_layernorm),
             vocab_size=padded_vocab,
             max_sequence_length=text.max_position_embeddings,
             pre_process=self.layout.has_embedding,
@@ -504,7 +202,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
             scatter_embedding_sequence_parallel=False,  # images are spliced in first (see decoder_input)
         )
         if text.mrope_interleaved:
-            from mm_rl.models.qwen2_5_vl.rotary import InterleavedMultimodalRotaryEmbedding
+            from mm_rl.models.qwen_vl.rotary import InterleavedMultimodalRotaryEmbedding
 
             decoder.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(
                 kv_channels=self.config.kv_channels, rotary_percent=1.0, rotary_base=text.rope_theta)
@@ -687,7 +385,7 @@ class Qwen2_5_VLModel(torch.nn.Module):
         Images shared by several samples may come once: then ``pixel_values`` are those of the distinct images,
         ``encoded_grid_thw`` [N_encoded, 3] their grids and ``image_slots`` [N_images] the encoded image of each
         image of ``image_grid_thw`` (which stays per sample: the positions need it); ``image_keys`` [N_encoded, 2]
-        name the encoded images in the step (the frozen ViT's per-step cache, see ``Qwen2_5VisionModel``).
+        name the encoded images in the step (the frozen ViT's per-step cache, see ``QwenVisionModel``).
         ``position_ids`` [3, B, S] may be passed precomputed. ``labels`` [B, S]: labels[b, s] is the token
         that position s predicts; ``output_mask`` [B, S] (nonzero: wanted, e.g. the response mask) limits the
         log-probs and the entropy to those positions (0 elsewhere): the other tokens skip the output layer.
@@ -728,8 +426,8 @@ class Qwen2_5_VLModel(torch.nn.Module):
             labels = self.cp.local(labels, dim=1) if labels is not None else None
             output_mask = self.cp.local(output_mask, dim=1) if output_mask is not None else None
         if self.config.sequence_parallel:  # this TP rank's share of the tokens; the layers' linears gather them
-            decoder_input = _sequence_parallel_share(decoder_input) if decoder_input is not None else None
-            self.deepstack = [_sequence_parallel_share(features) for features in self.deepstack]
+            decoder_input = sequence_parallel_share(decoder_input) if decoder_input is not None else None
+            self.deepstack = [sequence_parallel_share(features) for features in self.deepstack]
         wanted = self.layout.has_output and labels is not None and output_mask is not None and not return_logits
         self.output_rows = OutputRows.of(output_mask, *self._sequence_shares()) if wanted else None
         try:
@@ -765,16 +463,6 @@ class Qwen2_5_VLModel(torch.nn.Module):
         return {key: value[:, :seq] for key, value in result.items()}  # without the CP / SP padding
 
 
-def _context_parallel() -> ContextParallel | None:
-    """This process's CP group from megatron's parallel state (None without context parallelism)."""
-    from megatron.core import parallel_state
-
-    size = parallel_state.get_context_parallel_world_size()
-    if size == 1:
-        return None
-    return ContextParallel(parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_rank(),
-                           size)
-
 
 def _build_image_encoder(
     model_cfg: ModelConfig, config: Any, layout: StageLayout, actor: ActorConfig | None
@@ -784,10 +472,10 @@ def _build_image_encoder(
     The ViT trains only with ``unfreeze_vision_encoder`` (model.json's ``freeze`` marker is not the switch),
     the merger unless ``freeze_vision_projector``; a frozen part runs without an autograd graph.
     """
-    from mm_rl.models.qwen2_5_vl.vision import Qwen2_5VisionModel
+    from mm_rl.models.qwen_vl.vision import QwenVisionModel
 
     image = model_cfg.image_encoder
-    return Qwen2_5VisionModel(
+    return QwenVisionModel(
         image.vision_encoder,
         image.vision_projector,
         model_cfg.text_decoder.hidden_size,
@@ -801,63 +489,23 @@ def _build_image_encoder(
     )
 
 
-class TorchNorm:
-    """torch's LayerNorm / RMSNorm, as megatron's ``WrappedTorchNorm`` builds them, also under sequence parallelism.
-
-    ``WrappedTorchNorm`` refuses sequence parallelism only because it does not mark its parameters: with each TP
-    rank normalising its own share of the tokens, a norm's gradient is that share's, and megatron's
-    ``finalize_model_grads`` sums over TP exactly the parameters marked ``sequence_parallel``
-    (``distributed/finalize_model_grads.py``, ``_allreduce_non_tensor_model_parallel_grads``; apex's
-    ``FusedLayerNorm`` marks its own the same way)."""
-
-    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:  # type: ignore[misc]
-        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
-        if config.normalization not in norms:
-            raise ValueError(f"normalization {config.normalization!r}: the LLM takes one of {sorted(norms)}")
-        norm = norms[config.normalization](hidden_size, eps=eps)
-        for param in norm.parameters():
-            param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
-        return norm
-
-
-def llm_layer_spec(normalization: str, ulysses: bool, qk_layernorm: bool = False,
-                   num_experts: int | None = None) -> Any:
-    """The LLM layer: megatron's local spec with :class:`LLMCoreAttention` (fused attention without S x S scores,
-    packed rows per sequence), wrapped for Ulysses CP, and torch's norms as :class:`TorchNorm` (sequence
-    parallelism); ``qk_layernorm``: megatron's per-head query / key norm (applied before the rotary, as Qwen3's
-    q_norm / k_norm); ``num_experts``: megatron's MoE layer (router and local experts,
-    ``mlp.experts.local_experts.E``, MindSpeed-MM's names) in place of the dense MLP."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    from mm_rl.models.qwen2_5_vl.llm_attention import LLMCoreAttention
-
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization=megatron_normalization(normalization),
-                                    qk_layernorm=qk_layernorm)
-    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
-    attention.core_attention = UlyssesAttention if ulysses else LLMCoreAttention
-    for parent, slot in ((layer, "input_layernorm"), (layer, "pre_mlp_layernorm"), (attention, "q_layernorm"),
-                         (attention, "k_layernorm")):
-        if getattr(parent, slot) is WrappedTorchNorm:
-            setattr(parent, slot, TorchNorm)
-    return spec
-
 
 def build_model(
     model_cfg: ModelConfig,
     flags: TrainingFlags | None = None,
     actor: ActorConfig | None = None,
     *,
+    decoder_layer: DecoderLayer = qwen_decoder_layer,
     params_dtype: torch.dtype = torch.float32,
     remove_padding: bool = True,
     **config_overrides: Any,
-) -> Qwen2_5_VLModel:
+) -> QwenVLModel:
     """This rank's stage of the model, after megatron's ``initialize_model_parallel``.
 
     TP / PP sizes and ranks come from megatron's parallel state; ``flags`` give the vocab padding
     (``make-vocab-size-divisible-by``) and ``actor`` the freeze switches (default: ViT frozen, merger
-    trained); ``remove_padding`` packs each micro-batch's rows (see :mod:`llm_attention`). ``config_overrides``
-    reach the text decoder's ``TransformerConfig``.
+    trained), ``decoder_layer`` the family's LLM layer spec; ``remove_padding`` packs each micro-batch's rows
+    (see :mod:`llm_attention`). ``config_overrides`` reach the text decoder's ``TransformerConfig``.
     """
     from megatron.core import parallel_state
 
@@ -873,5 +521,5 @@ def build_model(
     divisible_by = flags.make_vocab_size_divisible_by if flags is not None else 1
     padded = padded_vocab_size(model_cfg.text_decoder.vocab_size, divisible_by, tp)
     encoder = _build_image_encoder(model_cfg, config, layout, actor) if layout.has_vit else None
-    return Qwen2_5_VLModel(model_cfg, config, layout, padded_vocab=padded, image_encoder=encoder,
-                           remove_padding=remove_padding)
+    return QwenVLModel(model_cfg, config, layout, padded_vocab=padded, image_encoder=encoder,
+                       decoder_layer=decoder_layer, remove_padding=remove_padding)

@@ -103,7 +103,7 @@ def text_decoder_config(
     params_dtype: torch.dtype = torch.float32,
     **overrides: Any,
 ) -> Any:
-    """The megatron ``TransformerConfig`` of the Qwen2.5-VL text decoder.
+    """The megatron ``TransformerConfig`` of the Qwen-VL text decoder.
 
     ``tp`` / ``pp`` default to the flags' values (then to 1); ``pp`` must equal the number of entries of
     ``text_decoder.pipeline_num_layers`` when > 1. ``context_parallel_size`` stays 1 whatever the CP size:

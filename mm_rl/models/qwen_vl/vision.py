@@ -1,4 +1,5 @@
-"""The Qwen2.5-VL vision encoder (ViT) and patch-merger projector, built from megatron-core parts.
+"""The Qwen-VL vision encoder (ViT) and patch-merger projector, built from megatron-core parts: Qwen2.5-VL's, and
+Qwen2-VL's and Qwen3-VL's as model.json's switches configure it.
 
 Why megatron-core parts: the ViT blocks are megatron ``TransformerLayer`` s (column-parallel ``linear_qkv`` /
 ``linear_fc1``, row-parallel ``linear_proj`` / ``linear_fc2``) inside a ``TransformerBlock``, so they shard over
@@ -16,7 +17,7 @@ tensor parallelism exactly like the LLM, and their state-dict names are MindSpee
     projector.encoder.linear_fc2.{weight,bias}
 
 (``{i}`` restarts at 0 on every pipeline stage; LayerNorm configs add ``.bias`` to the norms.) The full model
-holds a :class:`Qwen2_5VisionModel` as ``image_encoder``.
+holds a :class:`QwenVisionModel` as ``image_encoder``.
 
 What Qwen2.5-VL adds to a plain ViT, and where it lives here:
 
@@ -63,7 +64,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from torch import Tensor
 
 from mm_rl.config.schema import VisionEncoderConfig, VisionProjectorConfig
-from mm_rl.models.qwen2_5_vl.vision_attention import (
+from mm_rl.models.qwen_vl.vision_attention import (
     VisionFullAttention,
     VisionSegments,
     VisionWindowAttention,
@@ -365,7 +366,7 @@ class VisionEncoder(MegatronModule):
                 config=config,
                 spec=TransformerBlockSubmodules(layer_specs=specs, layer_norm=None),
                 post_layer_norm=False,
-                pre_process=True,  # the stage hands its input over explicitly (see Qwen2_5VisionModel.forward)
+                pre_process=True,  # the stage hands its input over explicitly (see QwenVisionModel.forward)
                 post_process=False,
             )
             if num_layers > 0
@@ -412,8 +413,8 @@ class VisionProjector(MegatronModule):
         return out if bias is None else out + bias
 
 
-class Qwen2_5VisionModel(MegatronModule):
-    """Qwen2.5-VL's image encoder (ViT + patch merger), or the part of it one pipeline stage holds.
+class QwenVisionModel(MegatronModule):
+    """A Qwen-VL image encoder (ViT + patch merger), or the part of it one pipeline stage holds.
 
     Args:
         encoder_config / projector_config: model.json's ``image_encoder.vision_encoder`` / ``vision_projector``.
