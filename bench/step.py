@@ -249,6 +249,7 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
     from mm_rl.job.run import convert_in
     from mm_rl.trainer.grpo import build_trainer
     from mm_rl.trainer.metrics import step_line
+    from mm_rl.workers.megatron_worker import MegatronWorker
 
     mm_dir = convert_in(job, print)
     trainer = build_trainer(job, mm_dir)
@@ -256,7 +257,7 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
     baselines: dict[str, Any] = {}
     try:
         if repeat:
-            threads = meter.roles.actor.run("threads")[0]
+            threads = meter.roles.actor.run(MegatronWorker.threads)[0]
             spec = dataclasses.replace(meter.roles.worker_spec(trained=True), num_threads=threads)
             baselines = {"rank": RankPasses(spec, meter.roles.optimizer_spec(spec.bf16), str(mm_dir)),
                          "transformers": TransformersPasses(job.backend_config.megatron_training

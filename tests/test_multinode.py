@@ -68,13 +68,14 @@ def test_job_ranks_run_on_two_nodes(cluster, tiny_base, tmp_path, monkeypatch):
     from mm_rl.job.run import run_job
     from mm_rl.job.validate import validate
     from mm_rl.trainer import grpo
+    from mm_rl.workers.megatron_worker import MegatronWorker
 
     where: dict[str, list[str]] = {}
     fit = grpo.GRPOTrainer.fit
 
     def fit_and_locate(self):  # where the job's own ranks run, asked before its step
-        where["actor"] = self.roles.actor.run("node_id")
-        where["reference"] = self.roles.ref.run("node_id")
+        where["actor"] = self.roles.actor.run(MegatronWorker.node_id)
+        where["reference"] = self.roles.ref.run(MegatronWorker.node_id)
         where["alive"] = [n["NodeID"] for n in ray.nodes() if n["Alive"]]  # the job disconnects when it ends
         return fit(self)
 

@@ -52,7 +52,7 @@ def _group(ray_session, mm_dir, spec: OptimizerSpec, bf16: bool = False, cp: int
     group = WorkerGroup(WorkerSpec(model, bf16=bf16, cp=cp, dp=dp, flags=flags), cpus_per_worker=cpus,
                         worker_cls=ProbeWorker)
     group.build(str(path))
-    group.run("setup_training", spec)
+    group.run(ProbeWorker.setup_training, spec)
     return group
 
 
@@ -73,7 +73,7 @@ def _save_iteration_1(group, root) -> Path:
 
     manager = CheckpointManager(root, keep_last=0)
     staging = manager.stage(1)
-    group.run("save_checkpoint", str(staging))
+    group.run(ProbeWorker.save_checkpoint, str(staging))
     manager.commit(staging, 1)
     return root / "iter_0000001" / "mp_rank_00"
 
@@ -82,9 +82,9 @@ def _assert_resumes_to(ray_session, mm_dir, spec, root, batch, expected, cp: int
     """Fresh ranks load iteration 1 from ``root`` and take ``batch``: the weights must equal ``expected``."""
     resumed = _group(ray_session, mm_dir, spec, cp=cp)
     try:
-        resumed.run("load_checkpoint", str(root), 1, True, True)
-        resumed.run("train_mini_batch", batch, LOSS, 8.0)
-        assert resumed.run("parameter_sums")[0] == expected
+        resumed.run(ProbeWorker.load_checkpoint, str(root), 1, True, True)
+        resumed.run(ProbeWorker.train_mini_batch, batch, LOSS, 8.0)
+        assert resumed.run(ProbeWorker.parameter_sums)[0] == expected
     finally:
         resumed.shutdown()
 
@@ -93,20 +93,20 @@ def test_update_and_non_finite_skip(ray_session, mm_dir):
     group = _group(ray_session, mm_dir, OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0}))  # (warm-up: lr 0 first)
     try:
         batch = _batch(group)
-        before = group.run("parameter_sums")[0]
-        metrics = group.run("train_mini_batch", batch, LOSS, 8.0)[0].metrics
+        before = group.run(ProbeWorker.parameter_sums)[0]
+        metrics = group.run(ProbeWorker.train_mini_batch, batch, LOSS, 8.0)[0].metrics
         assert metrics["skipped"] == 0.0 and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
-        after = group.run("parameter_sums")[0]
+        after = group.run(ProbeWorker.parameter_sums)[0]
         changed = {k for k in before if before[k] != after[k]}
         assert changed and not any(k.startswith("image_encoder.encoder.") for k in changed)  # ViT frozen
 
-        group.run("poison_next_step")
-        skipped = group.run("train_mini_batch", _batch(group, 1), LOSS, 8.0)[0].metrics
+        group.run(ProbeWorker.poison_next_step)
+        skipped = group.run(ProbeWorker.train_mini_batch, _batch(group, 1), LOSS, 8.0)[0].metrics
         assert skipped["skipped"] == 1.0 and not math.isfinite(skipped["grad_norm"])
-        assert group.run("parameter_sums")[0] == after  # weights untouched by the NaN step
-        healthy = group.run("train_mini_batch", _batch(group, 2), LOSS, 8.0)[0].metrics
+        assert group.run(ProbeWorker.parameter_sums)[0] == after  # weights untouched by the NaN step
+        healthy = group.run(ProbeWorker.train_mini_batch, _batch(group, 2), LOSS, 8.0)[0].metrics
         assert healthy["skipped"] == 0.0 and math.isfinite(healthy["grad_norm"])  # no NaN left behind
-        assert group.run("parameter_sums")[0] != after
+        assert group.run(ProbeWorker.parameter_sums)[0] != after
     finally:
         group.shutdown()
 
@@ -119,9 +119,9 @@ def test_weight_decay_spares_biases_and_norms_and_lr_follows_the_schedule(ray_se
         batch[0]["advantages"] = torch.zeros_like(batch[0]["advantages"])  # zero loss: only the decay moves weights
         lrs = []
         for _ in range(6):
-            before = group.run("parameter_sums")[0]
-            lrs.append(group.run("train_mini_batch", batch, LOSS, 8.0)[0].metrics["lr"])
-        after = group.run("parameter_sums")[0]
+            before = group.run(ProbeWorker.parameter_sums)[0]
+            lrs.append(group.run(ProbeWorker.train_mini_batch, batch, LOSS, 8.0)[0].metrics["lr"])
+        after = group.run(ProbeWorker.parameter_sums)[0]
         moved = {k for k in after if after[k] != before[k]}
         assert any(k.endswith("linear_qkv.weight") for k in moved)  # matrices decay
         assert not any(k.endswith((".bias", "layernorm.weight", "final_layernorm.weight")) for k in moved)
@@ -129,8 +129,8 @@ def test_weight_decay_spares_biases_and_norms_and_lr_follows_the_schedule(ray_se
         assert lrs[2] > lrs[3] > lrs[4] > lrs[5] >= 1e-4  # cosine decay towards min_lr
         # the driver puts the schedule where the plan says (a GRPO step that dropped groups ran fewer steps)
         for updates, lr in ((spec.total_steps, spec.min_lr), (2, spec.lr), (4, lrs[4])):
-            group.run("schedule_lr_at", updates)
-            assert group.run("train_mini_batch", batch, LOSS, 8.0)[0].metrics["lr"] == pytest.approx(lr)
+            group.run(ProbeWorker.schedule_lr_at, updates)
+            assert group.run(ProbeWorker.train_mini_batch, batch, LOSS, 8.0)[0].metrics["lr"] == pytest.approx(lr)
     finally:
         group.shutdown()
 
@@ -147,7 +147,7 @@ def test_a_dead_rank_fails_the_call_naming_role_and_rank(ray_session, mm_dir):
             except ray_session.exceptions.RayActorError:
                 break
         with pytest.raises(WorkerError, match=r"actor rank 0 \(tp 0, pp 0, dp 0\) failed in ready"):
-            group.run("ready")
+            group.run(ProbeWorker.ready)
     finally:
         group.shutdown(graceful=False)
 
@@ -160,12 +160,12 @@ def test_a_saved_rank_resumes_to_the_same_next_step(ray_session, mm_dir, tmp_pat
     spec = OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0, "use_distributed_optimizer": distributed})
     first = _group(ray_session, mm_dir, spec)
     try:
-        first.run("train_mini_batch", _batch(first, 0), LOSS, 8.0)
+        first.run(ProbeWorker.train_mini_batch, _batch(first, 0), LOSS, 8.0)
         rank_dir = _save_iteration_1(first, tmp_path / "ckpt")
         assert (rank_dir / "distrib_optim_dp000.pt").is_file() == distributed
         batch = _batch(first, 3)
-        first.run("train_mini_batch", batch, LOSS, 8.0)
-        expected = first.run("parameter_sums")[0]
+        first.run(ProbeWorker.train_mini_batch, batch, LOSS, 8.0)
+        expected = first.run(ProbeWorker.parameter_sums)[0]
     finally:
         first.shutdown()
     _assert_resumes_to(ray_session, mm_dir, spec, tmp_path / "ckpt", batch, expected)
@@ -183,19 +183,19 @@ def test_offload_empties_the_device_and_onload_gives_the_same_next_step(ray_sess
     plain, moved = _group(ray_session, mm_dir, spec, bf16), _group(ray_session, mm_dir, spec, bf16)
     try:
         for group in (plain, moved):
-            group.run("train_mini_batch", _batch(group, 0), LOSS, 8.0)
-        resident = moved.run("resident_bytes")[0]
+            group.run(ProbeWorker.train_mini_batch, _batch(group, 0), LOSS, 8.0)
+        resident = moved.run(ProbeWorker.resident_bytes)[0]
         assert all(resident[kind] > 0 for kind in KINDS), resident
-        assert moved.run("offload", True, True, True)[0] == resident
-        assert moved.run("resident_bytes")[0] == dict.fromkeys(KINDS, 0)
-        assert moved.run("offload", True, True, True)[0] == dict.fromkeys(KINDS, 0)  # already away
-        assert moved.run("onload", True, True, True)[0] == resident
-        assert moved.run("resident_bytes")[0] == resident
-        assert moved.run("parameter_sums")[0] == plain.run("parameter_sums")[0]
+        assert moved.run(ProbeWorker.offload, True, True, True)[0] == resident
+        assert moved.run(ProbeWorker.resident_bytes)[0] == dict.fromkeys(KINDS, 0)
+        assert moved.run(ProbeWorker.offload, True, True, True)[0] == dict.fromkeys(KINDS, 0)  # already away
+        assert moved.run(ProbeWorker.onload, True, True, True)[0] == resident
+        assert moved.run(ProbeWorker.resident_bytes)[0] == resident
+        assert moved.run(ProbeWorker.parameter_sums)[0] == plain.run(ProbeWorker.parameter_sums)[0]
         batch = _batch(plain, 3)
         for group in (plain, moved):
-            group.run("train_mini_batch", batch, LOSS, 8.0)
-        assert moved.run("parameter_sums")[0] == plain.run("parameter_sums")[0]
+            group.run(ProbeWorker.train_mini_batch, batch, LOSS, 8.0)
+        assert moved.run(ProbeWorker.parameter_sums)[0] == plain.run(ProbeWorker.parameter_sums)[0]
     finally:
         plain.shutdown()
         moved.shutdown()
@@ -223,21 +223,21 @@ def test_colocated_schedule_frees_actor_and_reference_during_the_rollout(ray_ses
     engine = rollout_worker_actor(num_cpus=0.5).remote(str(path.parent / "hf"), generate, min_pixels=56 * 56,
                                                        max_pixels=224 * 224)
     try:
-        actor.run("train_mini_batch", _batch(actor, 0), LOSS, 8.0)  # Adam state and gradients exist
-        before = actor.run("resident_bytes")[0], reference.run("resident_bytes")[0]
-        weights = actor.run("parameter_sums")[0]
+        actor.run(ProbeWorker.train_mini_batch, _batch(actor, 0), LOSS, 8.0)  # Adam state and gradients exist
+        before = actor.run(ProbeWorker.resident_bytes)[0], reference.run(ProbeWorker.resident_bytes)[0]
+        weights = actor.run(ProbeWorker.parameter_sums)[0]
         switches = ActorConfig(offload_train_param=True, offload_train_grad=True, offload_train_optimizer=True)
         schedule = RolloutSchedule(actor, [engine], generate, switches, reference=reference)
         report = schedule.before_rollout()
         assert report.applied == report.tensors > 0
-        assert actor.run("resident_bytes")[0] == dict.fromkeys(KINDS, 0)
-        assert reference.run("resident_bytes")[0]["params"] == 0
+        assert actor.run(ProbeWorker.resident_bytes)[0] == dict.fromkeys(KINDS, 0)
+        assert reference.run(ProbeWorker.resident_bytes)[0]["params"] == 0
         assert schedule.offloaded_bytes == sum(before[0].values()) + before[1]["params"]
         request = RolloutRequest(uid="0", prompt_ids=list(range(5, 15)))
         (out,) = ray_session.get(engine.generate.remote([request], SamplingConfig(max_tokens=4, temperature=0.0, n=1)))
         schedule.before_training()
-        assert (actor.run("resident_bytes")[0], reference.run("resident_bytes")[0]) == before
-        assert actor.run("parameter_sums")[0] == weights
+        assert (actor.run(ProbeWorker.resident_bytes)[0], reference.run(ProbeWorker.resident_bytes)[0]) == before
+        assert actor.run(ProbeWorker.parameter_sums)[0] == weights
         assert schedule.events == ["actor.offload(grads, optimizer)", "reference.offload", "engine.wake_up(weights)",
                                    "sync", "actor.offload(params)", "engine.wake_up(kv_cache)", "engine.sleep",
                                    "actor.onload", "reference.onload"]
@@ -262,19 +262,19 @@ def test_context_parallel_ranks_train_like_one_and_resume_their_optimizer_shards
     try:
         batch = _batch(single, 0)
         assert torch.allclose(_batch(split, 0)[0]["old_log_probs"], batch[0]["old_log_probs"], atol=1e-5)
-        metrics = [next(r.metrics for r in group.run("train_mini_batch", batch, LOSS, 8.0) if r and r.metrics)
+        metrics = [next(r.metrics for r in group.run(ProbeWorker.train_mini_batch, batch, LOSS, 8.0) if r and r.metrics)
                    for group in (single, split)]
         assert metrics[1]["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-5)  # gradients, unscaled
         assert metrics[1]["pg_loss"] == pytest.approx(metrics[0]["pg_loss"], rel=1e-5, abs=1e-7)
         # Adam divides by sqrt(v) + 1e-8, so elements whose gradient is near 1e-8 pass the gradients' 1e-6 noise
         # on amplified: measured up to 1.2e-5 relative on one machine (linear_proj of layer 2), 1e-5 elsewhere
-        one, two = single.run("parameter_sums")[0], split.run("parameter_sums")[0]
+        one, two = single.run(ProbeWorker.parameter_sums)[0], split.run(ProbeWorker.parameter_sums)[0]
         assert one.keys() == two.keys() and all(abs(one[k] - two[k]) <= 5e-5 * (1 + abs(one[k])) for k in one)
         rank_dir = _save_iteration_1(split, tmp_path / "ckpt")
         assert sorted(p.name for p in rank_dir.glob("distrib_*")) == [f"distrib_optim_dp00{i}.pt" for i in (0, 1)]
         batch = _batch(split, 3)
-        split.run("train_mini_batch", batch, LOSS, 8.0)
-        expected = split.run("parameter_sums")[0]
+        split.run(ProbeWorker.train_mini_batch, batch, LOSS, 8.0)
+        expected = split.run(ProbeWorker.parameter_sums)[0]
     finally:
         single.shutdown()
         split.shutdown()
@@ -336,7 +336,7 @@ def test_an_on_policy_update_takes_its_own_forward_as_the_old_log_probs(ray_sess
         assert metrics["pg_clipfrac"] == 0.0 and metrics["ppo_kl"] == 0.0
         for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
             assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
-        one, two = passed.run("parameter_sums")[0], own.run("parameter_sums")[0]
+        one, two = passed.run(ProbeWorker.parameter_sums)[0], own.run(ProbeWorker.parameter_sums)[0]
         assert all(abs(one[k] - two[k]) <= 1e-5 * (1 + abs(one[k])) for k in one)
     finally:
         passed.shutdown()
@@ -366,10 +366,10 @@ def test_two_token_budgets_give_the_same_update(ray_session, mm_dir):
     for runs in cuts:
         group = _group(ray_session, mm_dir, spec, cpus=0.5)
         try:
-            group.run("set_images", step_images(samples, items))
+            group.run(ProbeWorker.set_images, step_images(samples, items))
             batches = micro_batches(runs, items, 0, ("advantages", "ref_log_probs"))
             metrics, _ = group.train_mini_batch([batches], loss, float(sum(s.response_len for s in samples)))
-            results.append((metrics, group.run("parameter_sums")[0]))
+            results.append((metrics, group.run(ProbeWorker.parameter_sums)[0]))
         finally:
             group.shutdown()
     (two, weights_two), (five, weights_five) = results

@@ -202,7 +202,8 @@ def test_sync_sends_the_checkpoint_in_bounded_buckets(layout):
 
     with safe_open(str(layout.hf_dir / "model.safetensors"), "pt") as handle:
         sizes = {name: handle.get_slice(name).get_shape() for name in handle.keys()}  # noqa: SIM118
-    assert layout.group.run("threads") == [1] * len(layout.group.workers)  # each rank: its 0.5 CPU -> 1 thread
+    # each rank: its 0.5 CPU -> 1 thread
+    assert layout.group.run(ProbeWorker.threads) == [1] * len(layout.group.workers)
     report = sync(layout)
     assert sorted(report.names) == sorted(sizes)  # every checkpoint tensor once; tied: no lm_head
     assert ("lm_head.weight" in report.names) == (not LAYOUTS[layout.name][3])
@@ -225,7 +226,7 @@ def test_engine_log_probs_equal_the_actors_and_restoring_restores_generation(lay
     assert same(synced, baseline)  # unchanged weights arrive bit-exact
     gaps = {"original greedy": actor_gap(layout, prompts, synced)}
 
-    layout.group.run("perturb_weights", NOISE, 1)
+    layout.group.run(ProbeWorker.perturb_weights, NOISE, 1)
     try:
         sync(layout, transport)
         perturbed = greedy(layout, prompts)
@@ -234,7 +235,7 @@ def test_engine_log_probs_equal_the_actors_and_restoring_restores_generation(lay
         responses = sampled(layout, prompts)
         gaps["perturbed sampled"] = actor_gap(layout, prompts, responses)
     finally:
-        layout.group.run("restore_weights")
+        layout.group.run(ProbeWorker.restore_weights)
     # the comparison discriminates: the original actor is far from the perturbed engine on the same tokens
     gaps["original actor vs perturbed engine"] = actor_gap(layout, prompts, responses)
     sync(layout, transport)
@@ -251,15 +252,15 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts):
 
     actor = ActorConfig(offload_train_param=True, offload_train_grad=True, offload_train_optimizer=False)
     engine_log = len(ray.get(layout.engine.calls.remote()))
-    worker_logs = [len(events) for events in layout.group.run("events")]
+    worker_logs = [len(events) for events in layout.group.run(ProbeWorker.events)]
     schedule = RolloutSchedule(layout.group, [layout.engine], generate_config(colocate=True), actor)
-    resident = layout.group.run("resident_bytes")
+    resident = layout.group.run(ProbeWorker.resident_bytes)
     schedule.before_rollout()
-    assert [r["params"] for r in layout.group.run("resident_bytes")] == [0] * len(layout.group.coords)
+    assert [r["params"] for r in layout.group.run(ProbeWorker.resident_bytes)] == [0] * len(layout.group.coords)
     assert schedule.offloaded_bytes == sum(r["params"] + r["grads"] for r in resident) > 1e6
     ray.get(layout.engine.generate.remote(requests_of(prompts[:1]), SamplingConfig(max_tokens=2, n=1)))
     schedule.before_training()
-    assert all(r["params"] > 0 for r in layout.group.run("resident_bytes"))
+    assert all(r["params"] > 0 for r in layout.group.run(ProbeWorker.resident_bytes))
     text = prompts[0].input_ids[:9]  # the leading text tokens (no image)
     layout.group.compute_log_probs([{"input_ids": text[None, :8], "labels": text[None, 1:]}])
     try:
@@ -270,7 +271,8 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts):
         switches = {"params": True, "grads": True, "optimizer": False}
         before_sync = {"params": False, "grads": True, "optimizer": False}
         after_sync = {"params": True, "grads": False, "optimizer": False}
-        for events, start, coords in zip(layout.group.run("events"), worker_logs, layout.group.coords, strict=True):
+        logs = layout.group.run(ProbeWorker.events)
+        for events, start, coords in zip(logs, worker_logs, layout.group.coords, strict=True):
             pushed = events[start + 1][1]
             assert events[start:] == [("offload", before_sync), ("push_weights", pushed), ("offload", after_sync),
                                       ("onload", switches)]
@@ -317,7 +319,7 @@ def test_every_engine_replica_receives_the_weights(layout, prompts, transport):
         if transport == "mixed":
             assert key.stages[0].ranks == ((None,), (1,)) and key.stages[0].world == 2
         baseline = greedy(layout, prompts)
-        layout.group.run("perturb_weights", NOISE, 2)
+        layout.group.run(ProbeWorker.perturb_weights, NOISE, 2)
         try:
             report = sync_weights(layout.group, engines, BUCKET_BYTES, route=key)
             assert report.applied == report.tensors > 0  # every replica applied every tensor
@@ -325,7 +327,7 @@ def test_every_engine_replica_receives_the_weights(layout, prompts, transport):
             assert same(outputs[0], outputs[1]) and not same(outputs[0], baseline)
             gaps = [actor_gap(r, prompts, sampled(r, prompts)) for r in replicas]
         finally:
-            layout.group.run("restore_weights")
+            layout.group.run(ProbeWorker.restore_weights)
         sync_weights(layout.group, engines, BUCKET_BYTES, route=key)
         assert all(same(greedy(r, prompts), baseline) for r in replicas)
         GAPS[f"{layout.name} {transport} replicas"] = {f"replica {i}": gap for i, gap in enumerate(gaps)}
@@ -358,7 +360,7 @@ def test_a_tp2_engine_receives_on_every_worker_over_the_collective(layout, promp
         key = join_device_sync(layout.group, [engine])
         assert [stage.ranks for stage in key.stages.values()] == [((1, 2),)] * 2
         baseline = greedy(tp2, prompts)
-        layout.group.run("perturb_weights", NOISE, 3)
+        layout.group.run(ProbeWorker.perturb_weights, NOISE, 3)
         try:
             report = sync_weights(layout.group, [engine], BUCKET_BYTES, route=key)
             assert report.applied == report.tensors > 0 and len(report.stages) == 2
@@ -366,7 +368,7 @@ def test_a_tp2_engine_receives_on_every_worker_over_the_collective(layout, promp
             assert not same(perturbed, baseline)
             gap = actor_gap(tp2, prompts, sampled(tp2, prompts))
         finally:
-            layout.group.run("restore_weights")
+            layout.group.run(ProbeWorker.restore_weights)
         sync_weights(layout.group, [engine], BUCKET_BYTES, route=key)
         assert same(greedy(tp2, prompts), baseline)
         GAPS[f"{layout.name} collective tp2 engine"] = {"perturbed sampled": gap}
@@ -389,10 +391,10 @@ def test_colocated_schedule_offloads_only_the_ranks_beside_an_engine(layout):
                                shared_bundles={layout.group.bundles[0]})
     try:
         schedule.before_rollout()
-        params = [r["params"] for r in layout.group.run("resident_bytes")]
+        params = [r["params"] for r in layout.group.run(ProbeWorker.resident_bytes)]
         assert params[0] == 0 and params[1] > 1e6
         schedule.before_training()
-        assert all(r["params"] > 0 for r in layout.group.run("resident_bytes"))
+        assert all(r["params"] > 0 for r in layout.group.run(ProbeWorker.resident_bytes))
     finally:
         ray.get(layout.engine.wake_up.remote())
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from mm_rl.config.schema import GenerateConfig
     from mm_rl.data.dataset import PromptItem
     from mm_rl.rollout.bounds import BoundsPolicy
-    from mm_rl.sync.transport import TensorLayout
+    from mm_rl.sync.transport import DeviceBucket
 
 # "vision_token": the trainer cut the response before a vision special token it sampled as text
 FinishReason = Literal["stop", "length", "vision_token"]
@@ -347,20 +347,14 @@ class RolloutEngine(abc.ABC):
         if ranks[0] is not None:
             join_group(key, stage, host, port, rank=ranks[0], world=world)
 
-    def receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int,
-                        handle: bytes | None = None) -> int:
-        """Load one bucket of a device sync (:class:`mm_rl.sync.transport.DeviceSink`): broadcast over ``stage``'s
-        group as this runs, or read out of the sender's buffer (``handle``) by a process on its device. Returns
+    def receive_weights(self, bucket: DeviceBucket) -> int:
+        """Load one bucket of a device sync (:class:`mm_rl.sync.transport.DeviceSink`): broadcast over its stage's
+        group as this runs, or read out of the sender's buffer (its ``handle``) by a process on its device. Returns
         how many tensors were applied; the loads are waited for (the sender reuses its buffer afterwards)."""
-        count = self._receive_weights(key, stage, layout, nbytes, handle)
-        return count
-
-    def _receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int,
-                         handle: bytes | None) -> int:
         from mm_rl.platform.device import current_device, synchronize
         from mm_rl.sync.transport import receive_bucket
 
-        count = self._load_weights(receive_bucket(key, stage, layout, nbytes, handle))
+        count = self._load_weights(receive_bucket(bucket))
         synchronize(current_device())
         return count
 

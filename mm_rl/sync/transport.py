@@ -14,8 +14,8 @@ sinks, one contract:
   hccl on Ascend, gloo on CPU; :func:`join_group`; the sender is rank 0, then one rank per loading process: a
   vLLM engine's TP workers, each on its own device) and the buffer is broadcast once into a buffer on each of
   their devices. NCCL and HCCL refuse two ranks of a group on one device, which is why the same-device replica
-  is not in the group. The Ray calls that trigger the receives carry only names, dtypes, shapes and offsets
-  (and the IPC handle).
+  is not in the group. The Ray calls that trigger the receives carry one :class:`DeviceBucket`: names, dtypes,
+  shapes and offsets (and the IPC handle).
 
 Both keep at most ``max_in_flight`` buckets waiting for the engines, so they load bucket i while the sender
 builds bucket i + 1 and memory stays bounded by the bucket size.
@@ -24,6 +24,7 @@ builds bucket i + 1 and memory stays bounded by the bucket size.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -37,6 +38,20 @@ if TYPE_CHECKING:
     import torch
 
 TensorLayout = tuple[str, str, tuple[int, ...], int]  # name, dtype, shape, byte offset in the flat buffer
+
+
+@dataclass(frozen=True)
+class DeviceBucket:
+    """The message announcing one bucket of a device sync to a replica's loading processes: what the bucket holds
+    (``layout``, ``nbytes`` of flat buffer) and how it arrives, by ``stage``'s broadcast in group ``key`` or, for
+    a process on the sender's device, mapped through the IPC ``handle`` of the sender's buffer."""
+
+    key: str
+    stage: int
+    layout: list[TensorLayout]
+    nbytes: int
+    handle: bytes | None = None
+
 _ALIGN = 64  # byte alignment of each tensor in a flat buffer (any dtype view of it stays aligned)
 
 
@@ -267,22 +282,22 @@ def unpack_bucket(layout: list[TensorLayout], flat: torch.Tensor) -> Bucket:
     return [(name, _view(flat, dtype, tuple(shape), start)) for name, dtype, shape, start in layout]
 
 
-def receive_bucket(key: str, stage: int, layout: list[TensorLayout], nbytes: int, handle: bytes | None) -> Bucket:
+def receive_bucket(bucket: DeviceBucket) -> Bucket:
     """Engine side of a :class:`DeviceSink` bucket, in one loading process: received from the broadcast when this
-    process is in ``stage``'s group, else mapped from the sender's buffer (``handle``, same device). The caller
+    process is in the stage's group, else mapped from the sender's buffer (``handle``, same device). The caller
     loads it and waits for the device before returning (the sender reuses its buffer afterwards)."""
     import torch
 
     from mm_rl.platform.device import import_ipc
 
-    group = _GROUPS.get(group_name(key, stage))
+    group = _GROUPS.get(group_name(bucket.key, bucket.stage))
     if group is None:
-        if handle is None:
-            _sync_group(key, stage)  # raises: this process neither joined the group nor got the buffer
-        return unpack_bucket(layout, import_ipc(handle))  # type: ignore[arg-type]
-    flat = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+        if bucket.handle is None:
+            _sync_group(bucket.key, bucket.stage)  # raises: this process neither joined the group nor got the buffer
+        return unpack_bucket(bucket.layout, import_ipc(bucket.handle))  # type: ignore[arg-type]
+    flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
     group.group.broadcast(flat, 0).wait()
-    return unpack_bucket(layout, flat)
+    return unpack_bucket(bucket.layout, flat)
 
 
 class DeviceSink(_Pipelined):
@@ -332,9 +347,10 @@ class DeviceSink(_Pipelined):
         mapped = [replica for replica in range(len(self.rollouts)) if self.route.maps(replica)]
         handle = export_ipc(flat) if mapped and self.shared else None
         stored = ray.put(SharedBucket(bucket)) if mapped and not self.shared else None
+        message = DeviceBucket(self.key, self.stage, layout, flat.numel())
+        mapping = dataclasses.replace(message, handle=handle)
         refs = [rollout.update_weights.remote(stored) if stored is not None and self.route.maps(replica)
-                else rollout.receive_weights.remote(self.key, self.stage, layout, flat.numel(),
-                                                    handle if self.route.maps(replica) else None)
+                else rollout.receive_weights.remote(mapping if self.route.maps(replica) else message)
                 for replica, rollout in enumerate(self.rollouts)]
         if self.sync_group is not None:
             self.sync_group.group.broadcast(flat, 0).wait()

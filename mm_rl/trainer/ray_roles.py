@@ -199,7 +199,7 @@ class RayRoles:
         res, tp = self.resources, self.job.backend_config.generate_config.infer_tensor_parallel_size
         if res.device == "cpu" or res.rollout_devices or tp == 1:
             return [{}] * res.rollout_replicas
-        return engine_visible_devices(self.actor.run("device_placement"), res.rollout_replicas, tp, res.device)
+        return engine_visible_devices(self.actor.device_placements(), res.rollout_replicas, tp, res.device)
 
     def _join_sync(self) -> None:
         """On accelerators weights go device to device (mm_rl.sync.driver.join_device_sync): a colocated replica
@@ -264,7 +264,7 @@ class RayRoles:
         shared = ray.put(dict(images))  # one object-store copy; every rank of both groups reads it
         for group in (self.actor, self.ref):
             if group is not None:
-                group.run("set_images", shared)
+                group.set_images(shared)
 
     def log_probs(self, role: Role, shards: Sequence[MicroBatches], temperature: float) -> list[list[torch.Tensor]]:
         return self._group(role).compute_log_probs_sharded(shards, temperature)
@@ -274,7 +274,7 @@ class RayRoles:
         return self.actor.train_mini_batch(shards, loss, denominator)
 
     def schedule_lr_at(self, updates: int) -> None:
-        self.actor.run("schedule_lr_at", updates)
+        self.actor.schedule_lr_at(updates)
 
     def save(self, staging: Path) -> None:
         self.actor.save_checkpoint(str(staging))

@@ -6,15 +6,24 @@ number its bundles by node, and megatron's TP (and Ulysses CP) groups, consecuti
 node, where their collectives run on the intra-node links. Rank 0 reports its node address and a free port; every rank
 joins the process group there. ``run`` calls a method on every rank at once, which is what collective methods
 need (the pipeline schedule, the TP gathers of the weight sync): calling ranks one by one would deadlock.
+
+A call names the rank's method itself (``group.run(MegatronWorker.build, mm_dir)``), not a string: a type checker
+follows it into the rank and checks its arguments, and a rename is a static error. Ray calls it by its name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from mm_rl.config.topology import threads_for
 from mm_rl.workers.megatron_worker import MegatronWorker, RankCoords, WorkerSpec
+from mm_rl.workers.training import TrainingWorker
+
+P = ParamSpec("P")
+R = TypeVar("R")
+S = TypeVar("S")
+RankMethod = Callable[Concatenate[Any, P], R]  # a rank class's method, unbound: ``MegatronWorker.build``
 
 
 class WorkerError(RuntimeError):
@@ -42,6 +51,7 @@ class WorkerGroup:
 
         self.spec = dataclasses.replace(spec, num_threads=num_threads or threads_for(cpus_per_worker))
         self.role = role
+        self.worker_cls = worker_cls
         extra = dict(resources_per_worker or {})
         self.owns_placement = placement is None
         if placement is None:
@@ -69,32 +79,42 @@ class WorkerGroup:
             self.coords = self._get(self._joining, "init_distributed")
         return self
 
-    def submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def _name(self, method: RankMethod[..., Any]) -> str:
+        """The name Ray calls ``method`` by, checked against this group's rank class."""
+        name = method.__name__
+        if not callable(getattr(self.worker_cls, name, None)):
+            raise TypeError(f"{self.role} ranks ({self.worker_cls.__name__}) have no method {name}")
+        return name
+
+    def submit(self, method: RankMethod[P, R], *args: P.args, **kwargs: P.kwargs) -> list[Any]:
         """``method(*args, **kwargs)`` started on every rank; returns the object refs in rank order.
 
         Large arguments are put into the object store once and shared by all ranks."""
         import ray
 
+        name = self._name(method)
         self.started()
-        args = tuple(ray.put(a) if _large(a) else a for a in args)
-        return [getattr(worker, method).remote(*args, **kwargs) for worker in self.workers]
+        shared = tuple(ray.put(a) if _large(a) else a for a in args)
+        return [getattr(worker, name).remote(*shared, **kwargs) for worker in self.workers]
 
-    def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def run(self, method: RankMethod[P, R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """``method`` on every rank at once; the results in rank order."""
-        return self._get(self.submit(method, *args, **kwargs), method)
+        return self._get(self.submit(method, *args, **kwargs), method.__name__)
 
-    def run_sharded(self, method: str, shards: Sequence[Any], *args: Any, **kwargs: Any) -> list[Any]:
+    def run_sharded(self, method: Callable[Concatenate[Any, S, P], R], shards: Sequence[S], *args: P.args,
+                    **kwargs: P.kwargs) -> list[R]:
         """``method(shards[dp], *args)`` on every rank, ``dp`` being the rank's data-parallel replica."""
         import ray
 
+        name = self._name(method)
         self.started()
         if len(shards) != self.spec.dp:
             raise ValueError(f"{len(shards)} shards for {self.spec.dp} data-parallel replicas")
         refs = [ray.put(shard) for shard in shards]
-        args = tuple(ray.put(a) if _large(a) else a for a in args)
-        futures = [getattr(worker, method).remote(refs[coords.dp_rank], *args, **kwargs)
+        shared = tuple(ray.put(a) if _large(a) else a for a in args)
+        futures = [getattr(worker, name).remote(refs[coords.dp_rank], *shared, **kwargs)
                    for worker, coords in zip(self.workers, self.coords, strict=True)]
-        return self._get(futures, method)
+        return self._get(futures, name)
 
     def _get(self, futures: Sequence[Any], method: str, ranks: Sequence[int] | None = None) -> list[Any]:
         """The results, or a :class:`WorkerError` naming the first rank that failed (Ray's error chained);
@@ -123,7 +143,8 @@ class WorkerGroup:
     def compute_log_probs_sharded(self, shards: Sequence[Sequence[dict[str, Any]]],
                                   temperature: float = 1.0) -> list[Any]:
         """Each DP replica scores its own shard of micro-batches; the last stage's results per replica."""
-        return self.per_replica(self.run_sharded("compute_log_probs", list(map(list, shards)), temperature))
+        return self.per_replica(self.run_sharded(MegatronWorker.compute_log_probs, list(map(list, shards)),
+                                                 temperature))
 
     def per_replica(self, results: Sequence[Any]) -> list[Any]:
         """The last stage's TP-rank-0 result of every DP replica, in DP order."""
@@ -135,11 +156,20 @@ class WorkerGroup:
 
     def build(self, mm_dir: str | None, iteration: int | str | None = None) -> None:
         """Every rank builds its stage and loads its mp_rank file from ``mm_dir``."""
-        self.run("build", mm_dir, iteration)
+        self.run(MegatronWorker.build, mm_dir, iteration)
+
+    def set_images(self, images: Any) -> None:
+        """The step's prompt images on every rank (``images``: a ``StepImages``, or an object ref of one that several
+        groups share)."""
+        self.run(MegatronWorker.set_images, images)
+
+    def device_placements(self) -> list[tuple[str, str]]:
+        """Each rank's node and device, in rank order (``MegatronWorker.device_placement``)."""
+        return self.run(MegatronWorker.device_placement)
 
     def compute_log_probs(self, micro_batches: Sequence[dict[str, Any]], temperature: float = 1.0) -> list[Any]:
         """Log-probs per micro-batch from the last stage (DP replica 0's; every rank runs the schedule)."""
-        results = self.run("compute_log_probs", list(micro_batches), temperature)
+        results = self.run(MegatronWorker.compute_log_probs, list(micro_batches), temperature)
         return self.from_last_stage(results)
 
     def from_last_stage(self, results: Sequence[Any]) -> Any:
@@ -152,40 +182,46 @@ class WorkerGroup:
     # ------------------------------------------------------------------ the trained actor (TrainingWorker)
     def setup_training(self, spec: Any) -> None:
         """DDP, optimizer and LR schedule on every rank (``spec``: an ``OptimizerSpec``)."""
-        self.run("setup_training", spec)
+        self.run(TrainingWorker.setup_training, spec)
 
     def train_mini_batch(self, shards: Sequence[Sequence[dict[str, Any]]], loss: Any,
                          denominator: float) -> tuple[dict[str, float], list[Any]]:
         """One optimizer step, each DP replica on its shard of micro-batches: the mini-batch's metrics (the ranks
         reduce them over the replicas) and, per replica, the update forward's log-probs where its shard came
         without old ones (else None; see ``TrainingWorker.train_mini_batch``)."""
-        results = self.run_sharded("train_mini_batch", list(map(list, shards)), loss, denominator)
+        results = self.run_sharded(TrainingWorker.train_mini_batch, list(map(list, shards)), loss, denominator)
         own = [result.log_probs if result is not None else None for result in self.per_replica(results)]
         return self.from_last_stage(results).metrics, own
 
+    def schedule_lr_at(self, updates: int) -> None:
+        """Every rank's LR schedule at ``updates`` optimizer steps (``TrainingWorker.schedule_lr_at``)."""
+        self.run(TrainingWorker.schedule_lr_at, updates)
+
     def save_checkpoint(self, staging: str) -> None:
-        self.run("save_checkpoint", staging)
+        self.run(TrainingWorker.save_checkpoint, staging)
 
     def load_checkpoint(self, save_dir: str, step: int, load_optim: bool, load_rng: bool) -> None:
-        self.run("load_checkpoint", save_dir, step, load_optim, load_rng)
+        self.run(TrainingWorker.load_checkpoint, save_dir, step, load_optim, load_rng)
 
     # ------------------------------------------------------------------------- colocated memory switches
     def offload(self, params: bool, grads: bool, optimizer: bool, bundles: Collection[int] | None = None) -> int:
         """The ranks in ``bundles`` (None: every rank) free what the switches name on their devices; the bytes
         freed in all."""
-        freed = self._run_in("offload", bundles, params, grads, optimizer)
+        freed = self._run_in(MegatronWorker.offload, bundles, params, grads, optimizer)
         return sum(sum(rank.values()) for rank in freed)
 
     def onload(self, params: bool, grads: bool, optimizer: bool, bundles: Collection[int] | None = None) -> None:
-        self._run_in("onload", bundles, params, grads, optimizer)
+        self._run_in(MegatronWorker.onload, bundles, params, grads, optimizer)
 
-    def _run_in(self, method: str, bundles: Collection[int] | None, *args: Any) -> list[Any]:
+    def _run_in(self, method: RankMethod[P, R], bundles: Collection[int] | None, *args: P.args,
+                **kwargs: P.kwargs) -> list[R]:
         """``method`` on the ranks placed in ``bundles`` (every rank when None); rank-local calls only."""
         if bundles is None:
-            return self.run(method, *args)
+            return self.run(method, *args, **kwargs)
+        name = self._name(method)
         self.started()
         ranks = [rank for rank, bundle in enumerate(self.bundles) if bundle in bundles]
-        return self._get([getattr(self.workers[rank], method).remote(*args) for rank in ranks], method, ranks)
+        return self._get([getattr(self.workers[rank], name).remote(*args, **kwargs) for rank in ranks], name, ranks)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Leave the process group on every rank (``graceful``; skip it after a failure, a dead rank would block
@@ -195,7 +231,7 @@ class WorkerGroup:
 
         try:
             if graceful:
-                self.run("shutdown")
+                self.run(MegatronWorker.shutdown)
         finally:
             for worker in self.workers:
                 ray.kill(worker)

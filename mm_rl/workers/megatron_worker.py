@@ -386,3 +386,9 @@ def _forward_step(loss_of: Callable[..., torch.Tensor], temperature: float, imag
         return loss_of(batch, out), {}
 
     return output, loss_func
+
+
+if TYPE_CHECKING:  # the weight sync's calls on a rank, checked against this class by type checkers
+    from mm_rl.sync.driver import RankSender
+
+    _SENDER: type[RankSender] = MegatronWorker

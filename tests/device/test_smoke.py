@@ -93,7 +93,7 @@ def _run(job: JobConfig) -> tuple[list[dict[str, float]], list[tuple[int, int, i
     graceful = False
     try:
         history = trainer.fit()
-        memory = trainer.roles.actor.run("device_memory_log")[0]
+        memory = trainer.roles.actor.run(ProbeWorker.device_memory_log)[0]
         route = trainer.roles.schedule.route
         graceful = True
     finally:
