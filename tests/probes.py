@@ -1,8 +1,9 @@
 """Test probes on the Megatron ranks and the engine: classes with hooks that production ones do not carry.
 
-Pass :class:`ProbeWorker` as ``worker_cls`` of a ``WorkerGroup`` (or of ``RayRoles``): it is a ``TrainingWorker``
-(so it can also serve as a reference rank) that can perturb and restore its weights, poison its next update,
-report parameter sums and resident bytes, and logs its sync and memory-switch calls in order.
+Pass :class:`ProbeWorker` as ``worker_cls`` of a ``WorkerGroup`` (a whole job: patch it over
+``mm_rl.workers.training.TrainingWorker``, which ``RayRoles`` looks up when it starts the actor): it is a
+``TrainingWorker`` (so it can also serve as a reference rank) that can perturb and restore its weights, poison its
+next update, report parameter sums and resident bytes, and logs its sync and memory-switch calls in order.
 :class:`ProbeRollout` is an engine replica's worker that logs the calls a schedule makes on it, in order.
 """
 
@@ -162,3 +163,37 @@ def _logged(name: str) -> Callable[..., Any]:
 
 for _name in ("generate", "begin_weight_update", "update_weights", "end_weight_update", "sleep", "wake_up"):
     setattr(ProbeRollout, _name, _logged(_name))
+
+
+def record_schedule(schedule: Any, patch: Any) -> list[str]:
+    """What a ``RolloutSchedule`` does, in one order across the roles it drives: the actor's and reference's memory
+    switches (with the kinds switched on), the engines' sleep / wake calls and the sync; recorded by wrapping them
+    with ``patch`` (a ``pytest.MonkeyPatch``, which undoes it)."""
+    from mm_rl.trainer import schedule as schedule_module
+
+    log: list[str] = []
+
+    def wrap(owner: Any, name: str, label: Callable[..., str]) -> None:
+        original = getattr(owner, name)
+
+        def logged(*args: Any, **kwargs: Any) -> Any:
+            log.append(label(*args, **kwargs))
+            return original(*args, **kwargs)
+
+        patch.setattr(owner, name, logged)
+
+    def switched(role: str, name: str) -> Callable[..., str]:
+        def label(params: bool, grads: bool, optimizer: bool, bundles: Any = None) -> str:
+            kinds = [kind for kind, on in (("params", params), ("grads", grads), ("optimizer", optimizer)) if on]
+            return f"{role}.{name}({', '.join(kinds)})"
+
+        return label
+
+    for role, group in (("actor", schedule.group), ("reference", schedule.reference)):
+        for name in ("offload", "onload"):
+            if group is not None:
+                wrap(group, name, switched(role, name))
+    wrap(schedule, "_engines", lambda method, *args: f"engine.{method}" + (f"({', '.join(args[0])})"
+                                                                          if method == "wake_up" else ""))
+    wrap(schedule_module, "sync_weights", lambda *args, **kwargs: "sync")
+    return log

@@ -2,9 +2,9 @@
 
 What is driven here: dynamic sampling (more batches until enough groups vary, seeds per batch), validation (the
 sync / sleep around it, val metrics), the non-finite streak (skips counted, a good step resets, the limit stops
-the run), and the resume bookkeeping (sampler, KL controller and streak restored, the metrics file cut back, the
-checkpoint's grid checked against the job's); the step's images handed to the ranks once, and the bytes the driver
-ships per step.
+the run), and the resume bookkeeping (sampler, KL controller and streak restored, the metrics file cut back, a
+checkpoint of another layout refused at the resume); the step's images handed to the ranks once, and the bytes the
+driver ships per step.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mm_rl.checkpoint import CheckpointError
-from mm_rl.config.loader import load_job
+from mm_rl.config.loader import ConfigError, load_job
+from mm_rl.job.run import resume
 from mm_rl.rewards.worker import RewardResult
 from mm_rl.rollout.base import BatchTiming, RolloutOutput, RolloutOutputs, RolloutRequest, RolloutSample
 from mm_rl.sync.driver import SyncReport
@@ -79,8 +79,8 @@ class FakeRoles:
     ``rewards(seed, prompt_uid, sample)`` gives each response's reward (the response encodes it, the scorer reads
     it back); ``skip`` lists the update calls (0-based) that report a non-finite step."""
 
-    def __init__(self, n: int, rewards, skip=(), grid=(1, 1, 1)) -> None:
-        self.n, self.rewards, self.skip, self.grid = n, rewards, set(skip), grid
+    def __init__(self, n: int, rewards, skip=()) -> None:
+        self.n, self.rewards, self.skip = n, rewards, set(skip)
         self.has_reference = True
         self.calls: list[tuple] = []
         self.scored: dict[str, int] = {}  # samples scored per role by the log-prob passes
@@ -90,9 +90,6 @@ class FakeRoles:
 
     def data_parallel_size(self, role):
         return 1
-
-    def checkpoint_grid(self):
-        return self.grid
 
     def before_rollout(self):
         self.calls.append(("before_rollout",))
@@ -250,9 +247,12 @@ def test_resume_restores_the_bookkeeping_and_cuts_the_metrics(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / GENERATIONS_FILE)] == [1, 1, 2, 2, 3, 3]  # 2 prompts a step
     assert again.fit() == []  # already at train_iters
 
-    other = _trainer(job, FakeRoles(2, rewards, grid=(2, 1, 1)))
-    with pytest.raises(CheckpointError, match="TP 1 x PP 1 but the job runs TP 2 x PP 1"):
-        other.resume()
+    # the checkpoint's layout is check's rule, asked again when the run resumes (the directory may have changed)
+    other = _job(tmp_path, "--backend_config.megatron_training.train_iters=3",
+                 "--backend_config.actor_config.tensor_model_parallel_size=2")
+    with pytest.raises(ConfigError, match="saved with TP 1 x PP 1 x EP 1") as refused:
+        resume(_trainer(other, FakeRoles(2, rewards)), other)
+    assert refused.value.violations[0].key == "backend_config.actor_config.tensor_model_parallel_size"
 
 
 def _generations(roles):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from probes import ProbeWorker
+from probes import ProbeWorker, record_schedule
 
 from mm_rl.config.schema import Hf2MgCfg, HfConfig, ParallelConfig, RLConfig, TrainingFlags
 from mm_rl.workers.training import LossSpec, OptimizerSpec
@@ -201,7 +201,7 @@ def test_offload_empties_the_device_and_onload_gives_the_same_next_step(ray_sess
         moved.shutdown()
 
 
-def test_colocated_schedule_frees_actor_and_reference_during_the_rollout(ray_session, mm_dir):
+def test_colocated_schedule_frees_actor_and_reference_during_the_rollout(ray_session, mm_dir, monkeypatch):
     """The colocated schedule around a rollout (transformers engine in its Ray actor): after the sync the actor's
     parameters, gradients and Adam state and the colocated reference's weights hold no bytes while the engine
     generates; before training they are back, and the engine generated from the actor's weights."""
@@ -228,6 +228,7 @@ def test_colocated_schedule_frees_actor_and_reference_during_the_rollout(ray_ses
         weights = actor.run(ProbeWorker.parameter_sums)[0]
         switches = ActorConfig(offload_train_param=True, offload_train_grad=True, offload_train_optimizer=True)
         schedule = RolloutSchedule(actor, [engine], generate, switches, reference=reference)
+        done = record_schedule(schedule, monkeypatch)
         report = schedule.before_rollout()
         assert report.applied == report.tensors > 0
         assert actor.run(ProbeWorker.resident_bytes)[0] == dict.fromkeys(KINDS, 0)
@@ -238,9 +239,9 @@ def test_colocated_schedule_frees_actor_and_reference_during_the_rollout(ray_ses
         schedule.before_training()
         assert (actor.run(ProbeWorker.resident_bytes)[0], reference.run(ProbeWorker.resident_bytes)[0]) == before
         assert actor.run(ProbeWorker.parameter_sums)[0] == weights
-        assert schedule.events == ["actor.offload(grads, optimizer)", "reference.offload", "engine.wake_up(weights)",
-                                   "sync", "actor.offload(params)", "engine.wake_up(kv_cache)", "engine.sleep",
-                                   "actor.onload", "reference.onload"]
+        assert done == ["actor.offload(grads, optimizer)", "reference.offload(params)", "engine.wake_up(weights)",
+                        "sync", "actor.offload(params)", "engine.wake_up(kv_cache)", "engine.sleep",
+                        "actor.onload(params, grads, optimizer)", "reference.onload(params)"]
         sample = out.samples[0]
         ids = torch.tensor([request.prompt_ids + sample.response_ids])
         actor_lp = actor.compute_log_probs([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}])[0]

@@ -28,7 +28,7 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from probes import ProbeRollout, ProbeWorker  # noqa: E402
+from probes import ProbeRollout, ProbeWorker, record_schedule  # noqa: E402
 
 from mm_rl.config.schema import ActorConfig, GenerateConfig, SamplingConfig, ValSamplingConfig  # noqa: E402
 from mm_rl.rollout.base import RolloutRequest  # noqa: E402
@@ -245,7 +245,7 @@ def test_engine_log_probs_equal_the_actors_and_restoring_restores_generation(lay
     assert max(gaps.values()) <= LOGPROB_TOL, gaps
 
 
-def test_colocated_schedule_calls_switches_in_order(layout, prompts):
+def test_colocated_schedule_calls_switches_in_order(layout, prompts, monkeypatch):
     import ray
 
     from mm_rl.trainer.schedule import RolloutSchedule
@@ -254,6 +254,7 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts):
     engine_log = len(ray.get(layout.engine.calls.remote()))
     worker_logs = [len(events) for events in layout.group.run(ProbeWorker.events)]
     schedule = RolloutSchedule(layout.group, [layout.engine], generate_config(colocate=True), actor)
+    done = record_schedule(schedule, monkeypatch)
     resident = layout.group.run(ProbeWorker.resident_bytes)
     schedule.before_rollout()
     assert [r["params"] for r in layout.group.run(ProbeWorker.resident_bytes)] == [0] * len(layout.group.coords)
@@ -277,15 +278,16 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts):
             assert events[start:] == [("offload", before_sync), ("push_weights", pushed), ("offload", after_sync),
                                       ("onload", switches)]
             assert (pushed > 0) == coords.is_sender()
-        assert schedule.events == ["actor.offload(grads, optimizer)", "engine.wake_up(weights)", "sync",
-                                   "actor.offload(params)", "engine.wake_up(kv_cache)", "engine.sleep", "actor.onload"]
+        assert done == ["actor.offload(grads)", "engine.wake_up(weights)", "sync", "actor.offload(params)",
+                        "engine.wake_up(kv_cache)", "engine.sleep", "actor.onload(params, grads)"]
     finally:
         ray.get(layout.engine.wake_up.remote())
 
     plain = RolloutSchedule(layout.group, [layout.engine], generate_config(colocate=False), actor)
+    done = record_schedule(plain, monkeypatch)
     plain.before_rollout()
     plain.before_training()
-    assert plain.events == ["sync"]
+    assert done == ["sync"]
 
 
 

@@ -91,10 +91,14 @@ def convert_out(job: JobConfig, report: Callable[[str], None]) -> Path:
 
 def resume(trainer: GRPOTrainer, job: JobConfig) -> int | None:
     """``trainer.resume()``; a checkpoint whose state does not fit the job (another seed or data set: the
-    sampler refuses it), or a save directory that holds no loadable checkpoint, is reported as the user's choice
-    to make, not as a crash."""
+    sampler refuses it; another layout: ``check``'s rule, asked again here in case the directory changed since), or
+    a save directory that holds no loadable checkpoint, is reported as the user's choice to make, not as a crash."""
     from mm_rl.checkpoint import CheckpointRefused
+    from mm_rl.job.validate import resume_checkpoint
 
+    refused = list(resume_checkpoint(job))
+    if refused:
+        raise ConfigError(refused)
     try:
         return trainer.resume()
     except CheckpointRefused as err:  # validation refuses it first, unless the directory changed since

@@ -107,14 +107,13 @@ def sampling_seed(seed: int, step: int, batch: int) -> int:
     return (seed * 1_000_003 + step * 1_009 + batch + 1) % (2**31 - 1)
 
 
-def build_trainer(job: JobConfig, mm_dir: str | Path, report: Callable[[str], None] = print,
-                  worker_cls: type | None = None) -> GRPOTrainer:
+def build_trainer(job: JobConfig, mm_dir: str | Path, report: Callable[[str], None] = print) -> GRPOTrainer:
     """The trainer of a validated job on Ray: its prompts (processor, data sets, sampler) first, so that a data
-    problem shows before any process starts, then every role (``worker_cls``: the actor ranks' class)."""
+    problem shows before any process starts, then every role."""
     from mm_rl.trainer.ray_roles import RayRoles
 
     prompts = PromptSource.from_job(job)
-    return GRPOTrainer(job, RayRoles(job, Path(mm_dir), report, worker_cls), prompts, report=report)
+    return GRPOTrainer(job, RayRoles(job, Path(mm_dir), report), prompts, report=report)
 
 
 class GRPOTrainer:
@@ -506,7 +505,6 @@ class GRPOTrainer:
         if step is None:  # a fresh start: records of earlier attempts would repeat its steps
             rewind(self.out_dir, None, (METRICS_FILE, GENERATIONS_FILE))
             return None
-        self._check_checkpoint_grid(step)
         self.roles.load(checkpoints.save_dir, step, not self.training.no_load_optim, not self.training.no_load_rng)
         state = checkpoints.load_trainer_state(step)
         self.prompts.load_state_dict(state["sampler"])
@@ -520,26 +518,11 @@ class GRPOTrainer:
         self.report(f"resumed from step {step} ({checkpoints.save_dir})")
         return step
 
-    def _check_checkpoint_grid(self, step: int) -> None:
-        """A checkpoint must have this job's TP x PP (a different layout needs mg2hf + hf2mg first)."""
-        from mm_rl.checkpoint import CheckpointError
-
-        saved, running = self.checkpoints.grid(step), self.roles.checkpoint_grid()
-        if saved != running:
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.checkpoints.save_dir} has {_grid_text(saved)} but the job runs "
-                f"{_grid_text(running)}: resume with the same layout, or convert it (convert mg2hf, then train from "
-                "that HF checkpoint), or set megatron_training.resume_mode: disable")
-
     def close(self, graceful: bool = True) -> None:
         self.roles.close(graceful)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _grid_text(grid: tuple[int, int, int]) -> str:
-    return f"TP {grid[0]} x PP {grid[1]}" + (f" x EP {grid[2]}" if grid[2] > 1 else "")
-
-
 def _split(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
     """``parts`` contiguous, equal shards (the caller keeps the count divisible where it matters). Contiguous keeps
     a group's samples side by side, so they share micro-batches and the ranks encode their image once per

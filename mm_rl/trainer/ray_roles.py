@@ -35,8 +35,7 @@ logger = logging.getLogger(__name__)
 class RayRoles:
     """Starts every role of the job; ``close`` ends them. ``report`` receives the start-up lines for the user."""
 
-    def __init__(self, job: JobConfig, mm_dir: Path, report: Callable[[str], None],
-                 worker_cls: type | None = None) -> None:
+    def __init__(self, job: JobConfig, mm_dir: Path, report: Callable[[str], None]) -> None:
         self.job, self.report = job, report
         self.actor: Any = None
         self.ref: Any = None
@@ -46,7 +45,7 @@ class RayRoles:
         self.schedule: Any = None
         self.connection: Connection | None = None
         try:
-            self._start(mm_dir, worker_cls)
+            self._start(mm_dir)
         except BaseException:
             self.close(graceful=False)
             raise
@@ -55,7 +54,7 @@ class RayRoles:
     def has_reference(self) -> bool:
         return self.ref is not None
 
-    def _start(self, mm_dir: Path, worker_cls: type | None) -> None:
+    def _start(self, mm_dir: Path) -> None:
         self.resources = plan_resources(self.job)
         self._notices()
         self.connection = connect(self.job, self.resources)
@@ -66,7 +65,7 @@ class RayRoles:
         # also wait for the ranks (which fix each rank's device and hold its context): vLLM sizes its KV cache from
         # the device's free memory measured while it starts (vllm/utils/mem_utils.py, MemorySnapshot.measure:
         # device-wide), which another process's start must not move. Colocated replicas then sleep.
-        self._start_actor(worker_cls)
+        self._start_actor()
         self._start_reference()
         self._start_rewards()
         if self.resources.device != "cpu":
@@ -101,7 +100,7 @@ class RayRoles:
                           actor=b.actor_config if trained else None, flags=b.training, seed=int(b.training.seed),
                           bf16=bf16, remove_padding=b.actor_config.remove_padding)
 
-    def _start_actor(self, worker_cls: type | None) -> None:
+    def _start_actor(self) -> None:
         from mm_rl.workers.group import WorkerGroup
         from mm_rl.workers.training import TrainingWorker
 
@@ -112,7 +111,7 @@ class RayRoles:
                     + f" megatron ranks on {res.device}")
         self.actor = WorkerGroup(spec, cpus_per_worker=res.actor_share, placement=self.placement,
                                  resources_per_worker=res.worker_resources(res.device_share_actor),
-                                 worker_cls=worker_cls or TrainingWorker, role="actor", num_threads=res.threads)
+                                 worker_cls=TrainingWorker, role="actor", num_threads=res.threads)
 
     def _build_models(self, mm_dir: Path) -> None:
         """The actor's stages (with DDP and the optimizer) and the reference's, loaded from the converted shards."""
@@ -237,9 +236,6 @@ class RayRoles:
     # -------------------------------------------------------------------------------- the Roles interface
     def data_parallel_size(self, role: Role) -> int:
         return self._group(role).spec.dp
-
-    def checkpoint_grid(self) -> tuple[int, int, int]:
-        return self.actor.spec.tp, self.actor.spec.pp, self.actor.spec.ep
 
     def before_rollout(self) -> RolloutReady:
         with named("weight sync into the rollout engine"):

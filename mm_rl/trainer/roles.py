@@ -56,10 +56,6 @@ class Roles(Protocol):
         """How many replicas share a pass of ``role`` (the number of shards it takes)."""
         ...
 
-    def checkpoint_grid(self) -> tuple[int, int, int]:
-        """The actor's (TP, PP, EP): a checkpoint must have been saved with the same."""
-        ...
-
     def before_rollout(self) -> RolloutReady:
         """The actor's weights into the engine (colocated: engine weights woken, actor offloaded, KV cache woken)."""
         ...

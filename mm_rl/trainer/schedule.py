@@ -31,9 +31,7 @@ if TYPE_CHECKING:
 
 
 class RolloutSchedule:
-    """The order of the sync and the memory switches around each rollout (see the module docstring).
-
-    ``events`` records what the driver did, in order, for logs and tests."""
+    """The order of the sync and the memory switches around each rollout (see the module docstring)."""
 
     def __init__(self, group: WorkerGroup, rollouts: Sequence[Any], generate: GenerateConfig, actor: ActorConfig,
                  sleep_level: int = 2, route: SyncRoute | None = None, reference: WorkerGroup | None = None,
@@ -42,7 +40,6 @@ class RolloutSchedule:
         self.reference = reference  # a colocated reference model: its weights leave with the actor's parameters
         self.shared_bundles = shared_bundles  # the bundles (devices) that hold an engine replica; None: all
         self.sleep_level, self.route = sleep_level, route  # route: device to device (else the object store)
-        self.events: list[str] = []
         self.offloaded_bytes = 0  # what the actor (and reference) ranks freed on their devices for the last rollout
 
     @property
@@ -52,10 +49,8 @@ class RolloutSchedule:
 
     def engine_started(self) -> None:
         """Colocated: the freshly started engine replicas sleep before the actor's model takes the devices."""
-
         if self.generate.colocate:
             self._engines("sleep", self.sleep_level)
-            self.events.append("engine.sleep")
 
     def _engines(self, method: str, *args: Any) -> None:
         """``method`` on every engine replica at once."""
@@ -70,20 +65,14 @@ class RolloutSchedule:
         if self.generate.colocate:
             freed += self.group.offload(params=False, grads=switches["grads"], optimizer=switches["optimizer"],
                                         bundles=shared)
-            self.events.append("actor.offload(grads, optimizer)")
             if self.reference is not None and switches["params"]:
                 freed += self.reference.offload(params=True, grads=False, optimizer=False, bundles=shared)
-                self.events.append("reference.offload")
             self._engines("wake_up", ["weights"])
-            self.events.append("engine.wake_up(weights)")
         report = sync_weights(self.group, self.rollouts, bucket_bytes_of(self.generate), route=self.route)
-        self.events.append("sync")
         if self.generate.colocate:
             freed += self.group.offload(params=switches["params"], grads=False, optimizer=False, bundles=shared)
-            self.events.append("actor.offload(params)")
             self.offloaded_bytes = freed
             self._engines("wake_up", ["kv_cache"])
-            self.events.append("engine.wake_up(kv_cache)")
         return report
 
     def before_training(self) -> None:
@@ -91,9 +80,6 @@ class RolloutSchedule:
         if not self.generate.colocate:
             return
         self._engines("sleep", self.sleep_level)
-        self.events.append("engine.sleep")
         self.group.onload(**self.offload_switches, bundles=self.shared_bundles)
-        self.events.append("actor.onload")
         if self.reference is not None and self.actor.offload_train_param:
             self.reference.onload(params=True, grads=False, optimizer=False, bundles=self.shared_bundles)
-            self.events.append("reference.onload")

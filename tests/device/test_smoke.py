@@ -81,15 +81,18 @@ def _job(out: Path, hf_dir: Path, data_dir: Path, devices: int = 1, extra: tuple
 
 
 def _run(job: JobConfig) -> tuple[list[dict[str, float]], list[tuple[int, int, int]], Any]:
-    """hf2mg and the GRPO steps with probe ranks; the metrics per step, rank 0's device memory per offload and the
-    weight sync's device route."""
+    """hf2mg and the GRPO steps with probe ranks (in place of the job's TrainingWorker class); the metrics per
+    step, rank 0's device memory per offload and the weight sync's device route."""
     import ray
 
     from mm_rl.job.run import convert_in
     from mm_rl.trainer.grpo import build_trainer
+    from mm_rl.workers import training
 
     mm_dir = convert_in(job, print)
-    trainer = build_trainer(job, mm_dir, print, worker_cls=ProbeWorker)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(training, "TrainingWorker", ProbeWorker)  # the actor's rank class, looked up at start-up
+        trainer = build_trainer(job, mm_dir, print)
     graceful = False
     try:
         history = trainer.fit()
