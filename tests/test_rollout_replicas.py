@@ -4,6 +4,7 @@ vLLM replicas: tests/test_trainer.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -116,25 +117,51 @@ def test_replicas_that_do_not_fit_are_rejected(overrides, key):
 def test_colocated_tp2_replicas_see_their_actor_ranks_devices():
     """Colocated engine TP 2 on 4 devices of one node (Ray gave the ranks GPUs 3, 1, 0, 2): replica 0 sees the
     devices of ranks 0 and 1, replica 1 those of ranks 2 and 3 (so vLLM's two TP workers land beside them); ranks
-    of one replica on two nodes are refused."""
-    from mm_rl.trainer.runtime import engine_visible_devices
+    of one replica on two nodes are refused; a replica of one worker, or of devices of its own, sets nothing."""
+    from mm_rl.trainer.runtime import EngineSlot, engine_visible_devices
 
     placements = [("node-a", "3"), ("node-a", "1"), ("node-a", "0"), ("node-a", "2")]
-    assert engine_visible_devices(placements, 2, 2, "cuda") == [{"CUDA_VISIBLE_DEVICES": "3,1"},
+    slots = [EngineSlot(0, 0.4, range(0, 2)), EngineSlot(2, 0.4, range(2, 4))]
+    assert engine_visible_devices(placements, slots, "cuda") == [{"CUDA_VISIBLE_DEVICES": "3,1"},
                                                                  {"CUDA_VISIBLE_DEVICES": "0,2"}]
-    assert engine_visible_devices(placements[:2], 1, 2, "npu") == [{"ASCEND_RT_VISIBLE_DEVICES": "3,1"}]
+    assert engine_visible_devices(placements[:2], slots[:1], "npu") == [{"ASCEND_RT_VISIBLE_DEVICES": "3,1"}]
+    assert engine_visible_devices(placements, [EngineSlot(0, 0.4, range(0, 1)), EngineSlot(4, 2.0, range(0))],
+                                  "cuda") == [{}, {}]
     with pytest.raises(RuntimeError, match="ranks 0..1 on different nodes"):
-        engine_visible_devices([("node-a", "0"), ("node-b", "0")], 1, 2, "cuda")
+        engine_visible_devices([("node-a", "0"), ("node-b", "0")], slots[:1], "cuda")
 
 
 def test_separate_replicas_get_a_bundle_each():
-    from mm_rl.trainer.runtime import plan_resources
+    from mm_rl.trainer.runtime import EngineSlot, plan_placement, plan_resources
 
     job = load_job(None, ["--env.DEVICE=cuda", "--env.NPROC_PER_NODE=8", f"--{GEN}.colocate=false",
                           f"--{GEN}.infer_tensor_parallel_size=2", f"--{GEN}.replicas=3"])
     resources = plan_resources(job)
     assert (resources.world_size, resources.rollout_replicas) == (2, 3)
     assert resources.rollout_bundle() == {"CPU": 1.0, "GPU": 2.0}
+    plan = plan_placement(resources, ["a"] * 5, inner=1, engine_tp=2)
+    assert plan.engines == (EngineSlot(2, 2.0, range(0)), EngineSlot(3, 2.0, range(0)), EngineSlot(4, 2.0, range(0)))
+    assert plan.shared_bundles is None  # the ranks offload nothing for an engine on other devices
+
+
+def test_the_placement_plan_puts_colocated_replicas_beside_their_ranks():
+    """4 ranks on two nodes (bundles 0, 2 on node a; 1, 3 on node b) with TP 2: ranks take bundles in node order,
+    TP pairs inside a node; colocated engine replicas of TP 2 sit on the devices of ranks (0, 1) and (2, 3), so every
+    bundle is shared (None); one replica of TP 2 shares only its two ranks' bundles, which alone offload."""
+    from mm_rl.trainer.runtime import EngineSlot, Resources, plan_placement
+
+    resources = Resources(device="cuda", world_size=4, bundle_cpus=1.0, actor_share=1.0, ref_share=1.0,
+                          device_share_actor=0.6, device_share_ref=0.4, device_share_rollout=0.4, threads=1,
+                          rollout_replicas=2)
+    nodes = ["a", "b", "a", "b"]
+    plan = plan_placement(resources, nodes, inner=2, engine_tp=2)
+    assert plan.rank_bundles == (0, 2, 1, 3)
+    assert plan.engines == (EngineSlot(0, 0.4, range(0, 2)), EngineSlot(1, 0.4, range(2, 4)))
+    assert plan.shared_bundles is None
+    one = plan_placement(dataclasses.replace(resources, rollout_replicas=1), nodes, inner=2, engine_tp=2)
+    assert one.engines == (EngineSlot(0, 0.4, range(0, 2)),) and one.shared_bundles == {0, 2}
+    on_cpu = plan_placement(dataclasses.replace(resources, device="cpu"), nodes, inner=2, engine_tp=1)
+    assert on_cpu.engines == (EngineSlot(None, 0.0, range(0)),) * 2 and on_cpu.shared_bundles is None
 
 
 class _Engine:

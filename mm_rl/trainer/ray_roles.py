@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 from mm_rl.config.schema import JobConfig
 from mm_rl.trainer.roles import MicroBatches, Role, RolloutReady
-from mm_rl.trainer.runtime import ROLLOUT_CPUS, Connection, connect, make_placement, plan_resources
+from mm_rl.trainer.runtime import (
+    ROLLOUT_CPUS,
+    Connection,
+    PlacementPlan,
+    connect,
+    make_placement,
+    plan_placement,
+    plan_resources,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +68,7 @@ class RayRoles:
         self.connection = connect(self.job, self.resources)
         self.report(f"ray: {self.connection.where}")
         self.placement = make_placement(self.resources, with_rollout=True, report=self.report)
+        self.plan = self._plan()
         # Every role's processes start side by side (a start is mostly imports), and the models are built last:
         # vLLM starts only with gpu_memory_utilization of its device free. On accelerators the engine replicas
         # also wait for the ranks (which fix each rank's device and hold its context): vLLM sizes its KV cache from
@@ -76,6 +85,14 @@ class RayRoles:
         self._join_sync()
         with named("reward workers"):
             self.rewards.started()
+
+    def _plan(self) -> PlacementPlan:
+        """Where every role runs (ranks' bundles, engine replicas' slots), decided once for the placement group."""
+        from mm_rl.config.topology import topology
+        from mm_rl.workers.group import bundle_nodes
+
+        topo, tp = topology(self.job), self.job.backend_config.generate_config.infer_tensor_parallel_size
+        return plan_placement(self.resources, bundle_nodes(self.placement), topo.tp * topo.cp, tp)
 
     def _ranks_started(self) -> None:
         for group in (self.actor, self.ref):
@@ -110,6 +127,7 @@ class RayRoles:
                     + (f" x CP {spec.cp}" if spec.cp > 1 else "") + (f" (EP {spec.ep})" if spec.ep > 1 else "")
                     + f" megatron ranks on {res.device}")
         self.actor = WorkerGroup(spec, cpus_per_worker=res.actor_share, placement=self.placement,
+                                 bundles=self.plan.rank_bundles,
                                  resources_per_worker=res.worker_resources(res.device_share_actor),
                                  worker_cls=TrainingWorker, role="actor", num_threads=res.threads)
 
@@ -141,6 +159,7 @@ class RayRoles:
             return
         placement = self.placement if rl.colocate_ref else make_placement(res, report=self.report)
         self.ref = WorkerGroup(self.worker_spec(trained=False), cpus_per_worker=res.ref_share, placement=placement,
+                               bundles=self.plan.rank_bundles if rl.colocate_ref else None,
                                resources_per_worker=res.worker_resources(res.device_share_ref), role="reference",
                                num_threads=res.threads)
         self.ref.owns_placement = not rl.colocate_ref
@@ -169,36 +188,21 @@ class RayRoles:
         schedule = dataclasses.replace(b.generate_config, colocate=b.generate_config.colocate and res.device != "cpu")
         self.schedule = RolloutSchedule(self.actor, self.engines.actors, schedule, b.actor_config,
                                         reference=self.ref if b.rl_config.colocate_ref else None,
-                                        shared_bundles=self._engine_bundles())
+                                        shared_bundles=self.plan.shared_bundles)
         with named("rollout engines going to sleep"):
             self.schedule.engine_started()
         count = f"{len(self.engines.actors)} x " if len(self.engines.actors) > 1 else ""
         self.report(f"rollout: {count}{b.generate_config.backend} engine ready"
                     + (f" ({threads} threads each)" if count and threads else ""))
 
-    def _colocated_ranks(self, replica: int) -> range:
-        """The actor ranks on whose devices colocated replica ``replica`` runs (one per engine TP rank)."""
-        tp = self.job.backend_config.generate_config.infer_tensor_parallel_size
-        return range(replica * tp, (replica + 1) * tp)
-
-    def _engine_bundles(self) -> set[int] | None:
-        """The actor bundles (devices) that hold a colocated engine replica's worker; None when every one does (or
-        none does: the engines have devices, or the host, of their own)."""
-        res = self.resources
-        if res.device == "cpu" or res.rollout_devices:
-            return None
-        bundles = {self.actor.bundles[rank] for replica in range(res.rollout_replicas)
-                   for rank in self._colocated_ranks(replica)}
-        return None if len(bundles) >= res.world_size else bundles
-
     def _engine_devices(self) -> list[dict[str, str]]:
         """Per replica, the visible-devices variable its process sets first (:func:`engine_visible_devices`)."""
         from mm_rl.trainer.runtime import engine_visible_devices
 
-        res, tp = self.resources, self.job.backend_config.generate_config.infer_tensor_parallel_size
-        if res.device == "cpu" or res.rollout_devices or tp == 1:
-            return [{}] * res.rollout_replicas
-        return engine_visible_devices(self.actor.device_placements(), res.rollout_replicas, tp, res.device)
+        slots = self.plan.engines
+        if all(len(slot.ranks) <= 1 for slot in slots):  # nothing to ask the ranks
+            return [{}] * len(slots)
+        return engine_visible_devices(self.actor.device_placements(), slots, self.resources.device)
 
     def _join_sync(self) -> None:
         """On accelerators weights go device to device (mm_rl.sync.driver.join_device_sync): a colocated replica
@@ -211,20 +215,17 @@ class RayRoles:
                 self.schedule.route = join_device_sync(self.actor, self.engines.actors)
 
     def _engine_placement(self, replica: int) -> dict[str, Any]:
-        """Ray options of engine replica ``replica``'s actor: separate, a bundle of whole devices of its own;
-        colocated, a share of the device of its first actor rank (it sleeps while the actor trains; with engine TP
-        > 1 its other workers use its other ranks' devices, :meth:`_engine_devices`); on CPU, none (it runs beside
-        the ranks)."""
+        """Ray options of engine replica ``replica``'s actor, from its slot in the plan: separate, a bundle of whole
+        devices of its own; colocated, a share of the device of its first actor rank (with engine TP > 1 its other
+        workers use its other ranks' devices, :meth:`_engine_devices`); on CPU, none (it runs beside the ranks)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        res = self.resources
-        if res.device == "cpu":
+        slot, res = self.plan.engines[replica], self.resources
+        if slot.bundle is None:
             return {}
-        bundle, share = ((res.world_size + replica, res.rollout_devices // res.rollout_replicas)
-                         if res.rollout_devices
-                         else (self.actor.bundles[self._colocated_ranks(replica)[0]], res.device_share_rollout))
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, bundle),
-                **({"num_gpus": share} if res.device == "cuda" else {"resources": res.worker_resources(share)})}
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, slot.bundle),
+                **({"num_gpus": slot.share} if res.device == "cuda" else
+                   {"resources": res.worker_resources(slot.share)})}
 
     def _start_rewards(self) -> None:
         from mm_rl.rewards.worker import RewardPool

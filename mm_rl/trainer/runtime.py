@@ -86,22 +86,70 @@ class Resources:
         return {resource: share} if resource else {}
 
 
-def engine_visible_devices(placements: Sequence[tuple[str, str]], replicas: int, tp: int,
+@dataclass(frozen=True)
+class EngineSlot:
+    """Where one engine replica's actor runs: its placement-group ``bundle`` (None on CPU: it runs beside the ranks,
+    unplaced) and its ``share`` of that bundle's device; colocated, the actor ranks on whose devices its TP workers
+    run (``ranks``; empty when the replica has devices of its own)."""
+
+    bundle: int | None
+    share: float
+    ranks: range
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """Where every role runs, decided once when the placement group is ready: each training rank's bundle (the actor's
+    and a colocated reference's), each engine replica's slot, and the bundles whose devices hold a colocated
+    replica (``shared_bundles``, the ranks that offload for it; None when every bundle does, or none)."""
+
+    rank_bundles: tuple[int, ...]
+    engines: tuple[EngineSlot, ...]
+    shared_bundles: frozenset[int] | None
+
+
+def plan_placement(resources: Resources, nodes: Sequence[str], inner: int, engine_tp: int) -> PlacementPlan:
+    """The plan for a ready placement group whose bundle ``i`` sits on ``nodes[i]``: the ranks take the bundles in
+    node order with every ``inner`` (TP x CP) consecutive ranks in one node (``rank_bundles``); a separate replica
+    takes the bundle after the ranks' (its devices), a colocated replica ``r`` a share of the devices of actor ranks
+    ``r * engine_tp ..`` (it sleeps while they train)."""
+    from mm_rl.workers.group import rank_bundles
+
+    res = resources
+    bundles = tuple(rank_bundles(nodes[:res.world_size], inner))
+    engines = []
+    for replica in range(res.rollout_replicas):
+        if res.device == "cpu":
+            engines.append(EngineSlot(None, 0.0, range(0)))
+        elif res.rollout_devices:
+            engines.append(EngineSlot(res.world_size + replica, float(res.rollout_devices // res.rollout_replicas),
+                                      range(0)))
+        else:
+            ranks = range(replica * engine_tp, (replica + 1) * engine_tp)
+            engines.append(EngineSlot(bundles[ranks[0]], res.device_share_rollout, ranks))
+    colocated = {bundles[rank] for slot in engines for rank in slot.ranks}
+    shared = frozenset(colocated) if colocated and len(colocated) < res.world_size else None
+    return PlacementPlan(bundles, tuple(engines), shared)
+
+
+def engine_visible_devices(placements: Sequence[tuple[str, str]], slots: Sequence[EngineSlot],
                            device: str) -> list[dict[str, str]]:
-    """What each colocated engine replica with TP ``tp`` > 1 must see: the devices of actor ranks ``r*tp ..
-    r*tp+tp-1`` (``placements``: each rank's node and device id as Ray gave it), as the device's visible-devices
-    variable. Ray makes only the device of the bundle a process sits in visible; vLLM's TP workers then land one
-    on each of those devices, beside the ranks that sleep while it generates. Raises when a replica's ranks are on
-    two nodes."""
+    """What each engine replica's process must see first: for a colocated replica with TP > 1, the devices of its
+    actor ranks (``placements``: each rank's node and device id as Ray gave it), as the device's visible-devices
+    variable; nothing for the others (Ray makes the device of the bundle a process sits in visible). vLLM's TP
+    workers then land one on each of those devices, beside the ranks that sleep while it generates. Raises when a
+    replica's ranks are on two nodes."""
     from mm_rl.platform.device import VISIBLE_DEVICES_ENV
 
-    variables = []
-    for replica in range(replicas):
-        ranks = placements[replica * tp:(replica + 1) * tp]
+    variables: list[dict[str, str]] = []
+    for replica, slot in enumerate(slots):
+        if len(slot.ranks) <= 1:
+            variables.append({})
+            continue
+        ranks = [placements[rank] for rank in slot.ranks]
         if len({node for node, _ in ranks}) > 1:
-            first = replica * tp
-            raise RuntimeError(f"engine replica {replica} would span actor ranks {first}..{first + tp - 1} on "
-                               "different nodes: an engine's TP group sits in one node")
+            raise RuntimeError(f"engine replica {replica} would span actor ranks {slot.ranks[0]}..{slot.ranks[-1]} "
+                               "on different nodes: an engine's TP group sits in one node")
         variables.append({VISIBLE_DEVICES_ENV[device]: ",".join(ids for _, ids in ranks)})
     return variables
 

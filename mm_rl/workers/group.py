@@ -32,17 +32,18 @@ class WorkerError(RuntimeError):
 
 class WorkerGroup:
     """Megatron ranks as Ray actors; ``cpus_per_worker`` (fractions allowed) is each rank's thread budget too.
-
     ``resources_per_worker`` adds bundle resources (e.g. ``{"GPU": 1}`` or an NPU resource) on accelerators.
-    ``placement``: an existing placement group with one bundle per rank, shared with other groups (the
-    reference model colocated with the actor takes a share of the same bundles); by default the group makes
-    its own. ``worker_cls`` is the rank class (:class:`MegatronWorker` or a subclass), ``role`` names the group
-    in errors; ``num_threads`` overrides the thread budget (ranks whose phases never overlap may share cores)."""
+    ``placement``: an existing placement group with one bundle per rank, shared with other groups (the reference
+    model colocated with the actor takes a share of the same bundles), and ``bundles`` each rank's bundle in it
+    (the job's placement plan); by default the group makes its own and orders its bundles itself
+    (:func:`rank_bundles`). ``worker_cls`` is the rank class (:class:`MegatronWorker` or a subclass), ``role``
+    names the group in errors; ``num_threads`` overrides the thread budget (ranks whose phases never overlap may
+    share cores)."""
 
     def __init__(self, spec: WorkerSpec, *, cpus_per_worker: float = 1.0,
                  resources_per_worker: dict[str, float] | None = None, strategy: str = "PACK",
-                 placement: Any = None, worker_cls: type = MegatronWorker, role: str = "actor",
-                 num_threads: int | None = None) -> None:
+                 placement: Any = None, bundles: Sequence[int] | None = None, worker_cls: type = MegatronWorker,
+                 role: str = "actor", num_threads: int | None = None) -> None:
         import dataclasses
 
         import ray
@@ -58,7 +59,8 @@ class WorkerGroup:
             placement = placement_group([{"CPU": cpus_per_worker, **extra}] * spec.world_size, strategy=strategy)
         self.placement = placement
         ray.get(self.placement.ready())
-        self.bundles = rank_bundles(bundle_nodes(self.placement)[:spec.world_size], spec.tp * spec.cp)
+        self.bundles = (list(bundles) if bundles is not None
+                        else rank_bundles(bundle_nodes(self.placement)[:spec.world_size], spec.tp * spec.cp))
         actor = ray.remote(worker_cls)
         gpus = extra.pop("GPU", 0)
         self.workers = [
