@@ -38,3 +38,4 @@ test-quick: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check mm_rl cli tests bench
+	$(BIN)/ruff format --check mm_rl cli tests bench

@@ -57,9 +57,9 @@ def load(job_path: Path, out_dir: Path, overrides: list[str]) -> Any:
         sys.exit(f"{job_path} not found: run `make demo` (or `ascendfactory-cli config --af_model_name tiny "
                  f"--output_file_path {job_path}`) first")
     b = load_job(job_path, overrides).backend_config
+    data = b.data.dataset_param.basic_parameters
     sources = {"backend_config.megatron_training.tokenizer_name_or_path": b.megatron_training.tokenizer_name_or_path,
-               "backend_config.data.dataset_param.basic_parameters.dataset_dir":
-                   b.data.dataset_param.basic_parameters.dataset_dir}
+               "backend_config.data.dataset_param.basic_parameters.dataset_dir": data.dataset_dir}
     job = load_job(job_path, [*overrides, f"af_output_dir={out_dir}",
                               *(f"{key}={Path(value).resolve()}" for key, value in sources.items())])
     problems = validate(job)

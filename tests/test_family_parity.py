@@ -41,6 +41,7 @@ FAMILIES = {"qwen2vl": ("qwen2vl", 14, {}), "qwen3_vl": ("qwen3_vl", 16, {}),
 _L1 = "text_decoder.decoder.layers.1.mlp."
 _HL1 = "model.language_model.layers.1.mlp."
 _V = "model.visual."
+_HL2 = "model.language_model.layers.2."
 GRAD_NAMES = {  # model_id: megatron name -> transformers' parameter name, for the TP1 gradient spot checks
     "qwen2vl": HF_GRAD_NAMES,
     "qwen3_vl": {**{mg: hf for mg, hf in HF_GRAD_NAMES.items() if "merger" not in hf},
@@ -51,7 +52,7 @@ GRAD_NAMES = {  # model_id: megatron name -> transformers' parameter name, for t
                 "image_encoder.encoder.blocks.layers.0.deepstack_layer.layernorm.bias":
                     _V + "deepstack_merger_list.0.norm.bias",
                 "text_decoder.decoder.layers.2.self_attention.q_layernorm.weight":
-                    "model.language_model.layers.2.self_attn.q_norm.weight"},
+                    _HL2 + "self_attn.q_norm.weight"},
 }
 GRAD_NAMES["qwen3_vl_moe"] = {
     **{mg: hf for mg, hf in GRAD_NAMES["qwen3_vl"].items() if ".mlp." not in mg},
