@@ -40,10 +40,22 @@ from typing import Any
 N = 8
 GRIDS = [(1, 8, 8), (1, 12, 16), (1, 16, 20)]  # (t, h, w) patches: 16, 48 and 80 LLM tokens after the 2x2 merge
 PATCH_DIM = 3 * 2 * 14 * 14
-TEXT = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "intermediate_size": 1408, "mrope_section": [8, 12, 12]}
-VISION = {"depth": 4, "hidden_size": 256, "num_heads": 4, "intermediate_size": 512, "out_hidden_size": 512,
-          "fullatt_block_indexes": [3]}
+TEXT = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 1408,
+    "mrope_section": [8, 12, 12],
+}
+VISION = {
+    "depth": 4,
+    "hidden_size": 256,
+    "num_heads": 4,
+    "intermediate_size": 512,
+    "out_hidden_size": 512,
+    "fullatt_block_indexes": [3],
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -51,8 +63,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=4, help="prompts of the step (n 8 samples each)")
     parser.add_argument("--mbs", type=int, default=4, help="micro-batch size of the padded path")
     parser.add_argument("--budget", type=int, default=1024, help="tokens per update micro-batch of the new path")
-    parser.add_argument("--log-prob-budget", type=int, default=2048, help="tokens per log-prob micro-batch of the "
-                        "new path")
+    parser.add_argument(
+        "--log-prob-budget", type=int, default=2048, help="tokens per log-prob micro-batch of the new path"
+    )
     parser.add_argument("--max-response", type=int, default=128, help="the response length limit")
     parser.add_argument("--json", action="store_true", help="also print the results as one json line")
     parser.add_argument("--path", choices=["before", "now"], help=argparse.SUPPRESS)  # one path, in a child
@@ -73,8 +86,7 @@ def build_checkpoint(root: Path) -> Path:
     hf_dir = build_tiny_checkpoint(root / "hf", seed=0, vision_config=VISION, **TEXT)
     model = model_config_from_hf(hf_dir)
     parallel = ParallelConfig(tp_size=1, llm_pp_layers=[TEXT["num_hidden_layers"]], vit_pp_layers=[VISION["depth"]])
-    hf2mg(Hf2MgCfg(mm_dir=str(root / "mm"), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel),
-          model)
+    hf2mg(Hf2MgCfg(mm_dir=str(root / "mm"), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel), model)
     return hf_dir
 
 
@@ -93,12 +105,14 @@ def workload(prompts: int, max_response: int) -> tuple[list[Any], dict[int, Any]
     samples, items = [], {}
     for index in range(prompts):
         t, h, w = GRIDS[index % len(GRIDS)]
-        items[index] = SimpleNamespace(pixel_values=torch.randn(t * h * w, PATCH_DIM, generator=g),
-                                       image_grid_thw=torch.tensor([[t, h, w]]))
+        items[index] = SimpleNamespace(
+            pixel_values=torch.randn(t * h * w, PATCH_DIM, generator=g), image_grid_thw=torch.tensor([[t, h, w]])
+        )
         image = [VISION_START_TOKEN_ID] + [IMAGE_TOKEN_ID] * (t * h * w // 4) + [VISION_END_TOKEN_ID]
         prompt = text(int(torch.randint(10, 41, (1,), generator=g))) + image + text(10)
-        lengths = [max_response] + [min(max_response, 1 + int(torch.empty(1).exponential_(1 / 32, generator=g)))
-                                    for _ in range(N - 1)]
+        lengths = [max_response] + [
+            min(max_response, 1 + int(torch.empty(1).exponential_(1 / 32, generator=g))) for _ in range(N - 1)
+        ]
         for length in lengths:
             sample = Sample(index, index, prompt, text(length), "stop")
             sample.advantages = torch.randn(1, generator=g).expand(length).clone()
@@ -135,8 +149,19 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
     worker = TrainingWorker(spec, 0)
     worker.init_distributed("127.0.0.1", _free_port())
     worker.build(str(args.root / "mm"))
-    worker.setup_training(OptimizerSpec(lr=1e-5, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
-                                        clip_grad=1.0, lr_decay_style="constant", warmup_steps=0, total_steps=1))
+    worker.setup_training(
+        OptimizerSpec(
+            lr=1e-5,
+            min_lr=0.0,
+            weight_decay=0.0,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            clip_grad=1.0,
+            lr_decay_style="constant",
+            warmup_steps=0,
+            total_steps=1,
+        )
+    )
     if not now:  # the way before: every position's logits and log-probs, the prompts' too
         forward = worker.model.forward
         worker.model.forward = lambda *inputs, output_mask=None, **kwargs: forward(*inputs, **kwargs)
@@ -144,7 +169,8 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
     worker.set_images(images)  # now: a per-step cache of the frozen ViT's outputs
     encoded: list[int] = []  # images (one frame each) that reach the ViT blocks: a cache hit does not
     encoder.encoder.register_forward_hook(
-        lambda module, args, out: encoded.append(len(args[1].segments.cu_full_seqlens) - 1))
+        lambda module, args, out: encoded.append(len(args[1].segments.cu_full_seqlens) - 1)
+    )
 
     def own_process() -> None:
         """The next pass as on a rank of its own role: the reference's ranks keep their own cache (the way before:
@@ -192,11 +218,17 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
     computed["update"] = sum(computed_tokens(run, now) for run in runs)
     assert result is not None and result.metrics is not None
     worker.shutdown()
-    return {"seconds": seconds, "computed": computed, "needed": sum(map(tokens, samples)) * len(seconds),
-            "vit_images": sum(encoded), "distinct_images": len(items) * len(seconds),
-            "micro_batches": len(runs),
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "loss": result.metrics["loss"], "grad_norm": result.metrics["grad_norm"]}
+    return {
+        "seconds": seconds,
+        "computed": computed,
+        "needed": sum(map(tokens, samples)) * len(seconds),
+        "vit_images": sum(encoded),
+        "distinct_images": len(items) * len(seconds),
+        "micro_batches": len(runs),
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "loss": result.metrics["loss"],
+        "grad_norm": result.metrics["grad_norm"],
+    }
 
 
 def _free_port() -> int:
@@ -209,9 +241,24 @@ def _free_port() -> int:
 
 # ---------------------------------------------------------------------------------------------------- main
 def child(args: argparse.Namespace, path: str, root: Path) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--path", path, "--root", str(root), "--prompts", str(args.prompts),
-               "--mbs", str(args.mbs), "--budget", str(args.budget), "--log-prob-budget", str(args.log_prob_budget),
-               "--max-response", str(args.max_response)]
+    command = [
+        sys.executable,
+        __file__,
+        "--path",
+        path,
+        "--root",
+        str(root),
+        "--prompts",
+        str(args.prompts),
+        "--mbs",
+        str(args.mbs),
+        "--budget",
+        str(args.budget),
+        "--log-prob-budget",
+        str(args.log_prob_budget),
+        "--max-response",
+        str(args.max_response),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode:
         sys.exit(f"the {path} path failed:\n{done.stderr[-4000:]}")
@@ -219,24 +266,37 @@ def child(args: argparse.Namespace, path: str, root: Path) -> dict[str, Any]:
 
 
 def report(before: dict[str, Any], now: dict[str, Any]) -> dict[str, float]:
-    print(f"{'':>10} {'old_logp':>9} {'ref_logp':>9} {'update':>9} {'total':>9} {'computed':>10} {'needed':>9} "
-          f"{'padding':>8} {'vit':>9} {'peak RSS':>9}")
+    print(
+        f"{'':>10} {'old_logp':>9} {'ref_logp':>9} {'update':>9} {'total':>9} {'computed':>10} {'needed':>9} "
+        f"{'padding':>8} {'vit':>9} {'peak RSS':>9}"
+    )
     for name, path in (("before", before), ("now", now)):
         s = path["seconds"]
         computed = sum(path["computed"].values())
         padding = 1 - path["needed"] / computed
-        print(f"{name:>10} {s.get('old_log_probs', 0.0):>8.2f}s {s['ref_log_probs']:>8.2f}s {s['update']:>8.2f}s "
-              f"{sum(s.values()):>8.2f}s {computed:>10,} {path['needed']:>9,} {100 * padding:>7.1f}% "
-              f"{path['vit_images']:>4} of {path['distinct_images']:<2} {path['peak_rss_gb']:>7.2f}GB")
+        print(
+            f"{name:>10} {s.get('old_log_probs', 0.0):>8.2f}s {s['ref_log_probs']:>8.2f}s {s['update']:>8.2f}s "
+            f"{sum(s.values()):>8.2f}s {computed:>10,} {path['needed']:>9,} {100 * padding:>7.1f}% "
+            f"{path['vit_images']:>4} of {path['distinct_images']:<2} {path['peak_rss_gb']:>7.2f}GB"
+        )
     speedup = sum(before["seconds"].values()) / sum(now["seconds"].values())
     padding = 1 - now["needed"] / sum(now["computed"].values())
-    print(f"update at equal weights: loss {before['loss']:.6f} vs {now['loss']:.6f}, grad norm "
-          f"{before['grad_norm']:.6f} vs {now['grad_norm']:.6f}")
-    print(f"actor passes: speedup {speedup:.2f}x, padding {100 * padding:.1f}%, vit passes {now['vit_images']} of "
-          f"{now['distinct_images']}")
-    return {"speedup": speedup, "padding": padding, "vit_images": now["vit_images"],
-            "distinct_images": now["distinct_images"], "seconds_before": sum(before["seconds"].values()),
-            "seconds_now": sum(now["seconds"].values())}
+    print(
+        f"update at equal weights: loss {before['loss']:.6f} vs {now['loss']:.6f}, grad norm "
+        f"{before['grad_norm']:.6f} vs {now['grad_norm']:.6f}"
+    )
+    print(
+        f"actor passes: speedup {speedup:.2f}x, padding {100 * padding:.1f}%, vit passes {now['vit_images']} of "
+        f"{now['distinct_images']}"
+    )
+    return {
+        "speedup": speedup,
+        "padding": padding,
+        "vit_images": now["vit_images"],
+        "distinct_images": now["distinct_images"],
+        "seconds_before": sum(before["seconds"].values()),
+        "seconds_now": sum(now["seconds"].values()),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -249,8 +309,10 @@ def main(argv: list[str]) -> int:
         build_checkpoint(root)
         samples, _ = workload(args.prompts, args.max_response)
         lengths = sorted(s.response_len for s in samples)
-        print(f"{len(samples)} samples, responses {lengths[0]}-{lengths[-1]} tokens (median "
-              f"{lengths[len(lengths) // 2]}), {args.prompts} images of {len(GRIDS)} sizes")
+        print(
+            f"{len(samples)} samples, responses {lengths[0]}-{lengths[-1]} tokens (median "
+            f"{lengths[len(lengths) // 2]}), {args.prompts} images of {len(GRIDS)} sizes"
+        )
         results = report(child(args, "before", root), child(args, "now", root))
     if args.json:
         print(json.dumps(results))

@@ -60,14 +60,26 @@ def _layer(args: argparse.Namespace, variant: str) -> Any:
     from mm_rl.models.qwen_vl.llm_attention import LLMCoreAttention
     from mm_rl.platform.device import cpu_safe_transformer_kwargs
 
-    config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=args.heads,
-                               num_query_groups=args.groups, ffn_hidden_size=args.ffn, gated_linear_unit=True,
-                               activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
-                               add_qkv_bias=True, hidden_dropout=0.0, attention_dropout=0.0,
-                               params_dtype=torch.float32, **cpu_safe_transformer_kwargs())
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_query_groups=args.groups,
+        ffn_hidden_size=args.ffn,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        **cpu_safe_transformer_kwargs(),
+    )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = (DotProductAttention if variant == "old"
-                                                                else LLMCoreAttention)
+    spec.submodules.self_attention.submodules.core_attention = (
+        DotProductAttention if variant == "old" else LLMCoreAttention
+    )
     return TransformerLayer(config, spec.submodules, layer_number=1)
 
 
@@ -92,8 +104,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     grad_out = torch.randn(args.seq, 1, args.hidden, generator=generator).to(device)
     mask = torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool, device=device).triu(1)  # True: hidden
     segments = CausalSegments.build(torch.tensor([0, args.seq], dtype=torch.int32, device=device))
-    extra = ({"attention_mask": mask} if args.variant == "old"
-             else {"attention_mask": None, "packed_seq_params": segments})
+    extra = (
+        {"attention_mask": mask} if args.variant == "old" else {"attention_mask": None, "packed_seq_params": segments}
+    )
 
     def step() -> Any:
         hidden.grad = None
@@ -103,16 +116,18 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         return out
 
     accelerator = getattr(torch, device.type) if device_kind() != "cpu" else None
-    base = (accelerator.memory_allocated() if accelerator
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # the layer and its inputs
+    base = (
+        accelerator.memory_allocated() if accelerator else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )  # the layer and its inputs
     out = step()  # first call: allocations, kernels chosen
     walls = []
     for _ in range(args.repeat):
         start = time.perf_counter()
         out = step()
         walls.append(time.perf_counter() - start)
-    peak = (accelerator.max_memory_allocated() if accelerator
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - base
+    peak = (
+        accelerator.max_memory_allocated() if accelerator else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ) - base
     torch.save({"out": out.detach().cpu(), "grad": hidden.grad.cpu()}, args.out)
     dist.destroy_process_group()
     return {"wall_s": statistics.median(walls), "peak_bytes": peak, "device": str(device)}
@@ -127,9 +142,28 @@ def _free_port() -> int:
 
 
 def child(args: argparse.Namespace, variant: str, seq: int, root: Path) -> dict[str, Any]:
-    argv = [sys.executable, __file__, "--variant", variant, "--seq", str(seq), "--out", str(root / f"{variant}{seq}"),
-            "--hidden", str(args.hidden), "--heads", str(args.heads), "--groups", str(args.groups), "--ffn",
-            str(args.ffn), "--repeat", str(args.repeat), "--threads", str(args.threads)]
+    argv = [
+        sys.executable,
+        __file__,
+        "--variant",
+        variant,
+        "--seq",
+        str(seq),
+        "--out",
+        str(root / f"{variant}{seq}"),
+        "--hidden",
+        str(args.hidden),
+        "--heads",
+        str(args.heads),
+        "--groups",
+        str(args.groups),
+        "--ffn",
+        str(args.ffn),
+        "--repeat",
+        str(args.repeat),
+        "--threads",
+        str(args.threads),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} at S={seq} failed:\n{done.stderr[-3000:]}")
@@ -151,9 +185,11 @@ def main(argv: list[str]) -> int:
             a, b = torch.load(root / f"old{seq}"), torch.load(root / f"new{seq}")
             diff = max((a[k] - b[k]).abs().max().item() for k in ("out", "grad"))
             results[seq] = {"old": old, "new": new, "max_diff": diff}
-            print(f"S={seq}: old {old['wall_s']:.3f} s, peak {old['peak_bytes'] / 2**20:.0f} MiB | new "
-                  f"{new['wall_s']:.3f} s, peak {new['peak_bytes'] / 2**20:.0f} MiB | max |old - new| {diff:.1e} "
-                  f"({new['device']}, hidden {args.hidden}, {args.heads} heads, {args.groups} groups)")
+            print(
+                f"S={seq}: old {old['wall_s']:.3f} s, peak {old['peak_bytes'] / 2**20:.0f} MiB | new "
+                f"{new['wall_s']:.3f} s, peak {new['peak_bytes'] / 2**20:.0f} MiB | max |old - new| {diff:.1e} "
+                f"({new['device']}, hidden {args.hidden}, {args.heads} heads, {args.groups} groups)"
+            )
     speed = ", ".join(f"S={s} {r['old']['wall_s'] / r['new']['wall_s']:.2f}x" for s, r in results.items())
     memory = ", ".join(f"{r['old']['peak_bytes'] / r['new']['peak_bytes']:.2f}x" for r in results.values())
     print(f"attention: {speed} faster; peak memory {memory} lower")

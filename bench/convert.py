@@ -28,21 +28,42 @@ from pathlib import Path
 from typing import Any
 
 TP = 2
-SHARD_BYTES = 400 * 10 ** 6
+SHARD_BYTES = 400 * 10**6
 
 
 def published_config(vit_layers: int, llm_layers: int) -> dict[str, Any]:
     """A Qwen2.5-VL-7B config.json (published spelling) with fewer layers."""
     return {
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_size": 3584,
-        "intermediate_size": 18944, "num_hidden_layers": llm_layers, "num_attention_heads": 28,
-        "num_key_value_heads": 4, "max_position_embeddings": 128000, "rms_norm_eps": 1e-06, "rope_theta": 1e6,
-        "vocab_size": 152064, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "image_token_id": 151655,
-        "vision_start_token_id": 151652, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
-        "vision_config": {"depth": vit_layers, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
-                          "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
-                          "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
-                          "fullatt_block_indexes": [i for i in (7, 15, 23, 31) if i < vit_layers]},
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": llm_layers,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 128000,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1e6,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "image_token_id": 151655,
+        "vision_start_token_id": 151652,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "vision_config": {
+            "depth": vit_layers,
+            "hidden_act": "silu",
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "in_chans": 3,
+            "out_hidden_size": 3584,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [i for i in (7, 15, 23, 31) if i < vit_layers],
+        },
     }
 
 
@@ -79,8 +100,11 @@ def generate(hf_dir: Path, vit_layers: int, llm_layers: int) -> None:
     weight_map = {}
     for k, group in enumerate(groups):
         file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: torch.randn(shapes[n], generator=generator, dtype=torch.bfloat16) for n in group},
-                  hf_dir / file, metadata={"format": "pt"})
+        save_file(
+            {n: torch.randn(shapes[n], generator=generator, dtype=torch.bfloat16) for n in group},
+            hf_dir / file,
+            metadata={"format": "pt"},
+        )
         weight_map.update(dict.fromkeys(group, file))
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (hf_dir / "config.json").write_text(json.dumps(config, indent=2))
@@ -112,11 +136,13 @@ def child(op: str, work: Path, vit_layers: int, llm_layers: int, result: Path) -
         parallel = ParallelConfig(tp_size=TP, vit_pp_layers=vit, llm_pp_layers=llm)
         start = time.perf_counter()
         if op == "hf2mg":
-            hf2mg(Hf2MgCfg(mm_dir=str(work / "mm"), hf_config=HfConfig(hf_dir=str(hf)), parallel_config=parallel),
-                  model)
+            hf2mg(
+                Hf2MgCfg(mm_dir=str(work / "mm"), hf_config=HfConfig(hf_dir=str(hf)), parallel_config=parallel), model
+            )
         else:
-            mg2hf(Mg2HfCfg(load_dir=str(work / "mm"), save_hf_dir=str(work / "back"), parallel_config=parallel),
-                  model, hf)
+            mg2hf(
+                Mg2HfCfg(load_dir=str(work / "mm"), save_hf_dir=str(work / "back"), parallel_config=parallel), model, hf
+            )
     seconds = time.perf_counter() - start
     os.sync()  # the same bytes reach the disk in every step; a step is durable only then
     durable = time.perf_counter() - start
@@ -134,8 +160,20 @@ _baseline_kb = 0
 def measure(op: str, work: Path, args: argparse.Namespace) -> dict[str, float]:
     """Run ``op`` in a child; its wall time (whole process and operation only) and peak RSS."""
     result = work / f"{op}.json"
-    command = [sys.executable, __file__, "--child", op, "--dir", str(work), "--vit-layers", str(args.vit_layers),
-               "--llm-layers", str(args.llm_layers), "--result", str(result)]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        op,
+        "--dir",
+        str(work),
+        "--vit-layers",
+        str(args.vit_layers),
+        "--llm-layers",
+        str(args.llm_layers),
+        "--result",
+        str(result),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     os.sync()  # start each step with no dirty pages of the previous one still being written back
     start = time.perf_counter()
@@ -146,16 +184,21 @@ def measure(op: str, work: Path, args: argparse.Namespace) -> dict[str, float]:
     if process.returncode:
         raise SystemExit(f"{op} failed with exit code {process.returncode}")
     inner = json.loads(result.read_text())
-    return {"seconds": inner["seconds"], "durable_seconds": inner["durable_seconds"], "process_seconds": wall,
-            "peak_mb": usage.ru_maxrss / 1024, "baseline_mb": inner["baseline_kb"] / 1024}
+    return {
+        "seconds": inner["seconds"],
+        "durable_seconds": inner["durable_seconds"],
+        "process_seconds": wall,
+        "peak_mb": usage.ru_maxrss / 1024,
+        "baseline_mb": inner["baseline_kb"] / 1024,
+    }
 
 
 def _largest_mb(paths: list[Path]) -> float:
-    return max(p.stat().st_size for p in paths) / 2 ** 20
+    return max(p.stat().st_size for p in paths) / 2**20
 
 
 def _total_mb(directory: Path) -> float:
-    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) / 2 ** 20
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) / 2**20
 
 
 def main() -> None:
@@ -191,31 +234,47 @@ def run(work: Path, args: argparse.Namespace) -> None:
     small (it never imports torch)."""
     seconds = measure("generate", work, args)["seconds"]
     inputs = sorted((work / "hf").glob("*.safetensors"))
-    print(f"generated {_total_mb(work / 'hf'):.0f} MiB in {len(inputs)} files (largest {_largest_mb(inputs):.0f} "
-          f"MiB) in {seconds:.1f} s; TP{TP} x PP2, vit [{args.vit_layers},0], llm [1,{args.llm_layers - 1}]")
+    print(
+        f"generated {_total_mb(work / 'hf'):.0f} MiB in {len(inputs)} files (largest {_largest_mb(inputs):.0f} "
+        f"MiB) in {seconds:.1f} s; TP{TP} x PP2, vit [{args.vit_layers},0], llm [1,{args.llm_layers - 1}]"
+    )
     rounds: dict[str, list[dict[str, float]]] = {"copy": [], "hf2mg": [], "mg2hf": []}
     for _ in range(args.repeat):  # interleaved rounds: the machine's load and write-back vary over time
         for op, output in (("copy", "copy"), ("hf2mg", "mm"), ("mg2hf", "back")):
             shutil.rmtree(work / output, ignore_errors=True)
             rounds[op].append(measure(op, work, args))
-    results = {op: {key: statistics.median(r[key] for r in runs) for key in runs[0]} | {
-        "peak_mb": max(r["peak_mb"] for r in runs)} for op, runs in rounds.items()}
+    results = {
+        op: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        | {"peak_mb": max(r["peak_mb"] for r in runs)}
+        for op, runs in rounds.items()
+    }
     rank_files = sorted((work / "mm").rglob("model_optim_rng.pt"))
     outputs = sorted((work / "back").glob("*.safetensors"))
-    budget = {"hf2mg": _largest_mb(rank_files) + _largest_mb(inputs),
-              "mg2hf": _largest_mb(outputs) + _largest_mb(rank_files), "copy": 0.0}
+    budget = {
+        "hf2mg": _largest_mb(rank_files) + _largest_mb(inputs),
+        "mg2hf": _largest_mb(outputs) + _largest_mb(rank_files),
+        "copy": 0.0,
+    }
     copy = results["copy"]
-    print(f"{'':6} {'time s':>7} {'x copy':>7} {'+sync s':>8} {'x copy':>7} {'process s':>10} {'peak RSS MiB':>13} "
-          f"{'- imports':>10} {'target MiB':>11}")
+    print(
+        f"{'':6} {'time s':>7} {'x copy':>7} {'+sync s':>8} {'x copy':>7} {'process s':>10} {'peak RSS MiB':>13} "
+        f"{'- imports':>10} {'target MiB':>11}"
+    )
     for op, r in results.items():
         target = f"{budget[op]:11.0f}" if op != "copy" else f"{'':11}"
-        print(f"{op:6} {r['seconds']:7.2f} {r['seconds'] / copy['seconds']:7.2f} {r['durable_seconds']:8.2f} "
-              f"{r['durable_seconds'] / copy['durable_seconds']:7.2f} {r['process_seconds']:10.2f} "
-              f"{r['peak_mb']:13.0f} {r['peak_mb'] - r['baseline_mb']:10.0f} {target}")
-    print(f"medians of {args.repeat} rounds (peak RSS: the largest); each round's time s:",
-          {op: [round(r["seconds"], 1) for r in runs] for op, runs in rounds.items()})
-    print(f"rank files: largest {_largest_mb(rank_files):.0f} MiB; HF output: {len(outputs)} files, largest "
-          f"{_largest_mb(outputs):.0f} MiB; input: largest {_largest_mb(inputs):.0f} MiB")
+        print(
+            f"{op:6} {r['seconds']:7.2f} {r['seconds'] / copy['seconds']:7.2f} {r['durable_seconds']:8.2f} "
+            f"{r['durable_seconds'] / copy['durable_seconds']:7.2f} {r['process_seconds']:10.2f} "
+            f"{r['peak_mb']:13.0f} {r['peak_mb'] - r['baseline_mb']:10.0f} {target}"
+        )
+    print(
+        f"medians of {args.repeat} rounds (peak RSS: the largest); each round's time s:",
+        {op: [round(r["seconds"], 1) for r in runs] for op, runs in rounds.items()},
+    )
+    print(
+        f"rank files: largest {_largest_mb(rank_files):.0f} MiB; HF output: {len(outputs)} files, largest "
+        f"{_largest_mb(outputs):.0f} MiB; input: largest {_largest_mb(inputs):.0f} MiB"
+    )
     if args.verify:
         verify(work)
 

@@ -132,9 +132,14 @@ def _replicas(model: Path, items: list[Any], args: argparse.Namespace, count: in
     config = generate_config(args)
     requests = [RolloutRequest.from_item(item) for item in items]  # images, no pixels: what crosses Ray
     threads = max(1, args.threads // count)
-    engines = RayEngines([rollout_worker_actor(num_cpus=threads).remote(
-        str(model), config, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, backend="vllm", num_threads=threads)
-        for _ in range(count)])
+    engines = RayEngines(
+        [
+            rollout_worker_actor(num_cpus=threads).remote(
+                str(model), config, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, backend="vllm", num_threads=threads
+            )
+            for _ in range(count)
+        ]
+    )
     sampling = SamplingSpec.of(config.sampling_config)
     inner: list[float] = []
 
@@ -171,8 +176,12 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace) -> No
         f"\n{args.prompts} prompts x n={args.n} x <= {args.max_tokens} tokens, {args.threads} thread(s), "
         f"median of {args.repeat}"
     )
-    names = {"a": "(a) raw vLLM LLM.generate", "b": "(b) vllm engine via Ray actor", "c": "(c) hf engine",
-             "d": "(d) 2 vllm replicas via Ray"}
+    names = {
+        "a": "(a) raw vLLM LLM.generate",
+        "b": "(b) vllm engine via Ray actor",
+        "c": "(c) hf engine",
+        "d": "(d) 2 vllm replicas via Ray",
+    }
     for key, label in names.items():
         r = results[key]
         extra = f"  (engine-side {r['engine_tok_per_s']:.0f} tok/s)" if "engine_tok_per_s" in r else ""
@@ -181,8 +190,10 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace) -> No
     ratio_b, ratio_c = results["b"]["tok_per_s"] / base, results["c"]["tok_per_s"] / base
     print(f"b/a = {ratio_b:.3f} (target >= 0.95: {'met' if ratio_b >= 0.95 else 'NOT met'})   c/a = {ratio_c:.3f}")
     ratio_d = results["d"]["tok_per_s"] / results["b"]["tok_per_s"]
-    print(f"replicas: 2 x {results['d']['threads'][0]} threads vs 1 x {results['b']['threads'][0]} threads: "
-          f"d/b = {ratio_d:.2f}x")
+    print(
+        f"replicas: 2 x {results['d']['threads'][0]} threads vs 1 x {results['b']['threads'][0]} threads: "
+        f"d/b = {ratio_d:.2f}x"
+    )
     if args.json:
         print(json.dumps({"results": results, "b_over_a": ratio_b, "c_over_a": ratio_c, "d_over_b": ratio_d}))
 
@@ -199,8 +210,12 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     # Ray starts workers at nice 15; (a) and (c) run here at nice 0, so on a shared machine the comparison would
     # measure scheduling priority rather than the engine. Workers get the driver's priority instead.
-    ray.init(num_cpus=2 * args.threads, include_dashboard=False, log_to_driver=False,
-             _system_config={"worker_niceness": os.getpriority(os.PRIO_PROCESS, 0)})
+    ray.init(
+        num_cpus=2 * args.threads,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config={"worker_niceness": os.getpriority(os.PRIO_PROCESS, 0)},
+    )
     builds = (("a", raw_vllm), ("b", ray_vllm_engine), ("c", hf_engine), ("d", two_replicas))
     try:
         with tempfile.TemporaryDirectory(prefix="bench-rollout-") as scratch:

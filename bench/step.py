@@ -54,14 +54,20 @@ def load(job_path: Path, out_dir: Path, overrides: list[str]) -> Any:
     from mm_rl.job.validate import validate
 
     if not job_path.is_file():
-        sys.exit(f"{job_path} not found: run `make demo` (or `ascendfactory-cli config --af_model_name tiny "
-                 f"--output_file_path {job_path}`) first")
+        sys.exit(
+            f"{job_path} not found: run `make demo` (or `ascendfactory-cli config --af_model_name tiny "
+            f"--output_file_path {job_path}`) first"
+        )
     b = load_job(job_path, overrides).backend_config
     data = b.data.dataset_param.basic_parameters
-    sources = {"backend_config.megatron_training.tokenizer_name_or_path": b.megatron_training.tokenizer_name_or_path,
-               "backend_config.data.dataset_param.basic_parameters.dataset_dir": data.dataset_dir}
-    job = load_job(job_path, [*overrides, f"af_output_dir={out_dir}",
-                              *(f"{key}={Path(value).resolve()}" for key, value in sources.items())])
+    sources = {
+        "backend_config.megatron_training.tokenizer_name_or_path": b.megatron_training.tokenizer_name_or_path,
+        "backend_config.data.dataset_param.basic_parameters.dataset_dir": data.dataset_dir,
+    }
+    job = load_job(
+        job_path,
+        [*overrides, f"af_output_dir={out_dir}", *(f"{key}={Path(value).resolve()}" for key, value in sources.items())],
+    )
     problems = validate(job)
     if problems:
         raise ConfigError(problems)
@@ -125,8 +131,11 @@ class MeteredRoles:
         for batch in (batch for shard in shards for batch in shard):
             size = payload_bytes(batch)
             self.shipped += size
-            self.per_sample += size - batch["image_index"].nbytes + sum(self.images[index][0].nbytes
-                                                                        for index in batch["image_index"].tolist())
+            self.per_sample += (
+                size
+                - batch["image_index"].nbytes
+                + sum(self.images[index][0].nbytes for index in batch["image_index"].tolist())
+            )
 
     def take(self) -> tuple[int, int]:
         """(bytes shipped, bytes the per-sample way) since the last call; the step's passes start anew."""
@@ -156,10 +165,17 @@ class TransformersPasses:
 
         def log_probs(batch: dict[str, Any]) -> tuple[Any, Any]:
             rows = [index for index in batch["image_index"].tolist() if images[index][0].numel()]
-            pixels = {"pixel_values": torch.cat([images[index][0] for index in rows]),
-                      "image_grid_thw": batch["image_grid_thw"]} if rows else {}
-            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                **pixels).logits.float()
+            pixels = (
+                {
+                    "pixel_values": torch.cat([images[index][0] for index in rows]),
+                    "image_grid_thw": batch["image_grid_thw"],
+                }
+                if rows
+                else {}
+            )
+            logits = self.model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **pixels
+            ).logits.float()
             all_log_probs = torch.log_softmax(logits, dim=-1)
             entropy = -(all_log_probs.exp() * all_log_probs).sum(-1)
             return all_log_probs.gather(-1, batch["labels"][..., None]).squeeze(-1), entropy
@@ -212,6 +228,7 @@ class RankPasses:
 
 def report(rows: list[dict[str, float]], raw_tok_per_s: float) -> dict[str, float]:
     """Print the table; returns the numbers printed."""
+
     def median(key: str) -> float:
         return statistics.median(row.get(key, 0.0) for row in rows)
 
@@ -229,15 +246,27 @@ def report(rows: list[dict[str, float]], raw_tok_per_s: float) -> dict[str, floa
     for key, value in throughput.items():
         print(f"{key:<32}{value:>12.2f}")
     rollout = throughput.get("throughput/rollout_tok_per_s", 0.0)
-    print(f"\nbaseline: rollout phase {rollout:.1f} generated tok/s vs raw engine generate of the same prompts "
-          f"{raw_tok_per_s:.1f} tok/s -> {rollout / raw_tok_per_s:.2f}x")
-    print(f"rollout split over {median('rollout/replicas'):.0f} engine replica(s): slowest / fastest replica "
-          f"{median('rollout/replica_wall_spread'):.2f}x")
+    print(
+        f"\nbaseline: rollout phase {rollout:.1f} generated tok/s vs raw engine generate of the same prompts "
+        f"{raw_tok_per_s:.1f} tok/s -> {rollout / raw_tok_per_s:.2f}x"
+    )
+    print(
+        f"rollout split over {median('rollout/replicas'):.0f} engine replica(s): slowest / fastest replica "
+        f"{median('rollout/replica_wall_spread'):.2f}x"
+    )
     before, after = median("driver/bytes_per_sample_images"), median("driver/bytes")
     print(f"driver bytes per step: {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB ({before / after:.1f}x fewer)")
-    return ({f"timing/{k}": v for k, v in phases.items()} | {"timing/step": step} | throughput
-            | {"baseline/raw_generate_tok_per_s": raw_tok_per_s, "baseline/rollout_vs_raw": rollout / raw_tok_per_s,
-               "driver/bytes_per_sample_images": before, "driver/bytes": after})
+    return (
+        {f"timing/{k}": v for k, v in phases.items()}
+        | {"timing/step": step}
+        | throughput
+        | {
+            "baseline/raw_generate_tok_per_s": raw_tok_per_s,
+            "baseline/rollout_vs_raw": rollout / raw_tok_per_s,
+            "driver/bytes_per_sample_images": before,
+            "driver/bytes": after,
+        }
+    )
 
 
 def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]], float | None]:
@@ -259,9 +288,12 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
         if repeat:
             threads = meter.roles.actor.run(MegatronWorker.threads)[0]
             spec = dataclasses.replace(meter.roles.worker_spec(trained=True), num_threads=threads)
-            baselines = {"rank": RankPasses(spec, meter.roles.optimizer_spec(spec.bf16), str(mm_dir)),
-                         "transformers": TransformersPasses(job.backend_config.megatron_training
-                                                            .tokenizer_name_or_path, threads)}
+            baselines = {
+                "rank": RankPasses(spec, meter.roles.optimizer_spec(spec.bf16), str(mm_dir)),
+                "transformers": TransformersPasses(
+                    job.backend_config.megatron_training.tokenizer_name_or_path, threads
+                ),
+            }
         rows = []
         for step in range(1, steps + 1):
             metrics = trainer.train_step(step)
@@ -270,8 +302,9 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
             metrics |= {"driver/bytes": float(shipped), "driver/bytes_per_sample_images": float(per_sample)}
             trainer.step = step
             for name, baseline in baselines.items():  # the first call of each is its warm-up, as step 1 is the job's
-                metrics[f"baseline/{name}"] = statistics.median(baseline(passes, images, meter.loss)
-                                                                for _ in range(repeat))
+                metrics[f"baseline/{name}"] = statistics.median(
+                    baseline(passes, images, meter.loss) for _ in range(repeat)
+                )
             print(step_line(step, steps, metrics) + f" | {metrics['timing/step']:.2f} s")
             rows.append(metrics)
         if trainer.pending is not None:
@@ -287,11 +320,13 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
         alone, theirs = ([row[f"baseline/{name}"] for row in rows[1:]] for name in ("rank", "transformers"))
         ratio = statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
         ratio_alone = statistics.median(a / b for a, b in zip(alone, theirs, strict=True))
-        print(f"actor passes ({' + '.join(ACTOR_PHASES)}), medians over the counted steps: "
-              f"{statistics.median(ours):.3f} s in the job; the same micro-batches right after each step through "
-              f"mm_rl's actor rank in one process {statistics.median(alone):.3f} s and through transformers in one "
-              f"process {statistics.median(theirs):.3f} s ({threads} threads) -> job {ratio:.2f}x, rank alone "
-              f"{ratio_alone:.2f}x (medians of the per-step ratios)")
+        print(
+            f"actor passes ({' + '.join(ACTOR_PHASES)}), medians over the counted steps: "
+            f"{statistics.median(ours):.3f} s in the job; the same micro-batches right after each step through "
+            f"mm_rl's actor rank in one process {statistics.median(alone):.3f} s and through transformers in one "
+            f"process {statistics.median(theirs):.3f} s ({threads} threads) -> job {ratio:.2f}x, rank alone "
+            f"{ratio_alone:.2f}x (medians of the per-step ratios)"
+        )
     return rows, raw
 
 
@@ -301,13 +336,16 @@ def main(argv: list[str]) -> int:
         rows, raw = run_steps(load(args.job, Path(folder) / "sync", overrides), args.steps, args.repeat)
         results = report(rows[1:], raw or 0.0)
         print("\nthe same steps with rl_config.one_step_off_policy (the next batch generates while the actor trains):")
-        ahead = load(args.job, Path(folder) / "ahead",
-                     [*overrides, "backend_config.rl_config.one_step_off_policy=true"])
+        ahead = load(
+            args.job, Path(folder) / "ahead", [*overrides, "backend_config.rl_config.one_step_off_policy=true"]
+        )
         pipelined, _ = run_steps(ahead, args.steps, 0)
     synchronous = results["timing/step"]
     overlapped = statistics.median(row["timing/step"] for row in pipelined[1:])
-    print(f"one-step-off-policy: step {overlapped:.3f} s vs {synchronous:.3f} s synchronous -> "
-          f"{synchronous / overlapped:.2f}x")
+    print(
+        f"one-step-off-policy: step {overlapped:.3f} s vs {synchronous:.3f} s synchronous -> "
+        f"{synchronous / overlapped:.2f}x"
+    )
     results |= {"one_step_off/timing/step": overlapped, "one_step_off/speedup": synchronous / overlapped}
     if args.json:
         print(json.dumps(results))

@@ -63,10 +63,18 @@ def build_checkpoint(root: Path, args: argparse.Namespace) -> Path:
     from mm_rl.demo.tiny import build_tiny_checkpoint
 
     heads = args.hidden // 128
-    return build_tiny_checkpoint(root / "hf", seed=0, hidden_size=args.hidden, intermediate_size=args.ffn,
-                                 num_hidden_layers=args.layers, num_attention_heads=heads,
-                                 num_key_value_heads=max(1, heads // 4), vocab_size=args.vocab,
-                                 mrope_section=[16, 24, 24], vision_config={"out_hidden_size": args.hidden})
+    return build_tiny_checkpoint(
+        root / "hf",
+        seed=0,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        vocab_size=args.vocab,
+        mrope_section=[16, 24, 24],
+        vision_config={"out_hidden_size": args.hidden},
+    )
 
 
 def split(total: int, parts: int) -> list[int]:
@@ -86,11 +94,16 @@ def convert(hf_dir: Path, root: Path, args: argparse.Namespace) -> tuple[Any, Pa
     overrides: dict[str, Any] = {}
     if args.pp > 1:
         vit = model_config_from_hf(hf_dir).image_encoder.vision_encoder.num_layers
-        overrides = {"text_decoder": {"pipeline_num_layers": split(args.layers, args.pp)},
-                     "image_encoder": {"vision_encoder": {"pipeline_num_layers": [vit] + [0] * (args.pp - 1)}}}
+        overrides = {
+            "text_decoder": {"pipeline_num_layers": split(args.layers, args.pp)},
+            "image_encoder": {"vision_encoder": {"pipeline_num_layers": [vit] + [0] * (args.pp - 1)}},
+        }
     model = model_config_from_hf(hf_dir, overrides)
-    parallel = ParallelConfig(tp_size=args.tp, llm_pp_layers=list(model.text_decoder.pipeline_num_layers),
-                              vit_pp_layers=list(model.image_encoder.vision_encoder.pipeline_num_layers))
+    parallel = ParallelConfig(
+        tp_size=args.tp,
+        llm_pp_layers=list(model.text_decoder.pipeline_num_layers),
+        vit_pp_layers=list(model.image_encoder.vision_encoder.pipeline_num_layers),
+    )
     mm_dir = root / f"mm_tp{args.tp}_pp{args.pp}"
     if not (mm_dir / "latest_checkpointed_iteration.txt").exists():
         hf2mg(Hf2MgCfg(mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel), model)
@@ -101,11 +114,17 @@ def start_engine(hf_dir: Path, bucket_mb: int, tp: int) -> Any:
     from mm_rl.config.schema import GenerateConfig, SamplingConfig, ValSamplingConfig
     from mm_rl.rollout.engine_worker import rollout_worker_actor
 
-    config = GenerateConfig(max_model_len=256, max_num_seqs=2, sync_bucket_mb=bucket_mb, infer_tensor_parallel_size=tp,
-                            sampling_config=SamplingConfig(max_tokens=8, n=1),
-                            val_sampling_config=ValSamplingConfig(max_tokens=8))
-    return rollout_worker_actor(num_cpus=1).remote(str(hf_dir), config, min_pixels=MIN_PIXELS,
-                                                   max_pixels=MAX_PIXELS, backend="vllm", dtype="float32")
+    config = GenerateConfig(
+        max_model_len=256,
+        max_num_seqs=2,
+        sync_bucket_mb=bucket_mb,
+        infer_tensor_parallel_size=tp,
+        sampling_config=SamplingConfig(max_tokens=8, n=1),
+        val_sampling_config=ValSamplingConfig(max_tokens=8),
+    )
+    return rollout_worker_actor(num_cpus=1).remote(
+        str(hf_dir), config, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, backend="vllm", dtype="float32"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ variants
@@ -153,17 +172,30 @@ def gb_per_s(nbytes: int, seconds: float) -> float:
 
 def stage_rows(report: Any) -> list[dict[str, Any]]:
     """Per-stage sender breakdown of one sync."""
-    return [{"pp_rank": s.pp_rank, "tensors": s.tensors, "MB": round(s.bytes / 1e6, 1), "buckets": s.buckets,
-             "max_bucket_MB": round(s.max_bucket_bytes / 1e6, 1), "gather_s": round(s.gather_s, 3),
-             "merge_s": round(s.merge_s, 3), "put_s": round(s.put_s, 3), "wait_engine_s": round(s.wait_s, 3),
-             "total_s": round(s.total_s, 3)} for s in report.stages]
+    return [
+        {
+            "pp_rank": s.pp_rank,
+            "tensors": s.tensors,
+            "MB": round(s.bytes / 1e6, 1),
+            "buckets": s.buckets,
+            "max_bucket_MB": round(s.max_bucket_bytes / 1e6, 1),
+            "gather_s": round(s.gather_s, 3),
+            "merge_s": round(s.merge_s, 3),
+            "put_s": round(s.put_s, 3),
+            "wait_engine_s": round(s.wait_s, 3),
+            "total_s": round(s.total_s, 3),
+        }
+        for s in report.stages
+    ]
 
 
 def print_results(results: dict[str, Any]) -> None:
     nbytes = results["bytes"]
-    print(f"\nmodel {nbytes / 1e9:.3f} GB fp32, actor TP{results['tp']} x PP{results['pp']}, "
-          f"engine TP{results['engine_tp']}, "
-          f"buckets {results['bucket_mb']} MB, median of {results['repeat']}")
+    print(
+        f"\nmodel {nbytes / 1e9:.3f} GB fp32, actor TP{results['tp']} x PP{results['pp']}, "
+        f"engine TP{results['engine_tp']}, "
+        f"buckets {results['bucket_mb']} MB, median of {results['repeat']}"
+    )
     print(f"{'variant':<12}{'bytes':>12}{'seconds':>10}{'GB/s':>9}{'vs memcpy':>11}")
     memcpy = results["seconds"]["memcpy"]
     for name, seconds in results["seconds"].items():
@@ -209,8 +241,12 @@ def main(argv: list[str]) -> int:
         engine_seconds(engine, refs)
         engine_seconds(engine, refs, session=True)
         memcpy_seconds(report.bytes)
-        times: dict[str, list[float]] = {"memcpy": [], **{name: [] for name in transports}, "engine": [],
-                                         "engine_once": []}
+        times: dict[str, list[float]] = {
+            "memcpy": [],
+            **{name: [] for name in transports},
+            "engine": [],
+            "engine_once": [],
+        }
         reports: dict[str, list[Any]] = {name: [] for name in transports}
         for _ in range(args.repeat):
             times["memcpy"].append(memcpy_seconds(report.bytes))
@@ -220,11 +256,18 @@ def main(argv: list[str]) -> int:
             times["engine"].append(engine_seconds(engine, refs))
             times["engine_once"].append(engine_seconds(engine, refs, session=True))
         median_runs = {name: sorted(runs, key=lambda r: r.seconds)[len(runs) // 2] for name, runs in reports.items()}
-        results = {"bytes": report.bytes, "tensors": report.tensors, "tp": args.tp, "pp": args.pp,
-                   "engine_tp": args.engine_tp,
-                   "bucket_mb": args.bucket_mb, "repeat": args.repeat,
-                   "seconds": {name: statistics.median(values) for name, values in times.items()},
-                   "all_seconds": times, "stages": {name: stage_rows(run) for name, run in median_runs.items()}}
+        results = {
+            "bytes": report.bytes,
+            "tensors": report.tensors,
+            "tp": args.tp,
+            "pp": args.pp,
+            "engine_tp": args.engine_tp,
+            "bucket_mb": args.bucket_mb,
+            "repeat": args.repeat,
+            "seconds": {name: statistics.median(values) for name, values in times.items()},
+            "all_seconds": times,
+            "stages": {name: stage_rows(run) for name, run in median_runs.items()},
+        }
         print_results(results)
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))

@@ -33,20 +33,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _add_config(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("config", help="write a job yaml for a model and a cluster", epilog=EPILOG)
     p.add_argument("--backend", default="mm_rl", help="training backend (mm_rl)")
-    p.add_argument("--af_model_name", required=True,
-                   help="qwen2_5_vl_3b|7b|32b|72b, qwen2_vl_2b|7b|72b, qwen3_vl_2b|4b|8b|32b|30b_a3b|235b_a22b, tiny, "
-                   "tiny_qwen2_vl, tiny_qwen3_vl or tiny_qwen3_vl_moe")
+    p.add_argument(
+        "--af_model_name",
+        required=True,
+        help="qwen2_5_vl_3b|7b|32b|72b, qwen2_vl_2b|7b|72b, qwen3_vl_2b|4b|8b|32b|30b_a3b|235b_a22b, tiny, "
+        "tiny_qwen2_vl, tiny_qwen3_vl or tiny_qwen3_vl_moe",
+    )
     p.add_argument("--exp_name", default="mm_rl", help="experiment name")
     p.add_argument("--output_file_path", default="job.yaml", help="where to write the yaml")
     p.add_argument("--nnodes", type=int, default=1, help="machines in the cluster")
     p.add_argument("--nproc_per_node", type=int, default=None, help="devices per machine (8 on accelerators)")
-    p.add_argument("--device", choices=("npu", "cuda", "cpu"), default=None,
-                   help="accelerator kind (default: npu; cpu for the tiny model)")
+    p.add_argument(
+        "--device",
+        choices=("npu", "cuda", "cpu"),
+        default=None,
+        help="accelerator kind (default: npu; cpu for the tiny model)",
+    )
     p.add_argument("--device_memory_gb", type=float, default=None, help="memory of one device in GiB")
     p.add_argument("--model_path", default=None, help="HuggingFace checkpoint directory")
     p.add_argument("--dataset_dir", default=None, help="dataset directory (geo3k parquet, raw or jsonl)")
-    p.add_argument("--allow-oversubscribe", action="store_true",
-                   help="write the yaml even when the plan's memory estimate exceeds a device's memory")
+    p.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="write the yaml even when the plan's memory estimate exceeds a device's memory",
+    )
     p.set_defaults(run=_run_config)
 
 
@@ -58,8 +68,16 @@ def _run_config(args: argparse.Namespace, overrides: list[str]) -> int:
     device = args.device or ("cpu" if embedded else "npu")
     nproc = args.nproc_per_node if args.nproc_per_node is not None else (1 if device == "cpu" else 8)
     cluster = ClusterSpec(args.nnodes, nproc, device, args.device_memory_gb)
-    node, job, plan = create_job(args.af_model_name, args.exp_name, cluster, args.model_path, args.dataset_dir,
-                                 overrides, args.backend, allow_oversubscribe=args.allow_oversubscribe)
+    node, job, plan = create_job(
+        args.af_model_name,
+        args.exp_name,
+        cluster,
+        args.model_path,
+        args.dataset_dir,
+        overrides,
+        args.backend,
+        allow_oversubscribe=args.allow_oversubscribe,
+    )
     path = write_job(node, plan, args.output_file_path, args.af_model_name)
     print(plan.describe())
     if load_preset(args.af_model_name).embedded:
@@ -82,18 +100,20 @@ def _materialise_embedded(job: JobConfig) -> None:
     b = job.backend_config
     variant = tiny_overrides(b.model)
     hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir, family=b.model.model_id, **variant)
-    data_dir = write_synthetic_geo3k(b.data.dataset_param.basic_parameters.dataset_dir, seed=b.training.seed,
-                                     templates=DEMO_TEMPLATES)
+    data_dir = write_synthetic_geo3k(
+        b.data.dataset_param.basic_parameters.dataset_dir, seed=b.training.seed, templates=DEMO_TEMPLATES
+    )
     print(f"embedded synthetic geo3k data: {data_dir}")
     try:
         warm = warm_up_format(hf_dir, data_dir)
     except ValueError:  # warmed up by another mm_rl version: the tiny checkpoint is derived data, rebuild it
         _start_over(job)
-        hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir, family=b.model.model_id,
-                                       **variant)
+        hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir, family=b.model.model_id, **variant)
         warm = warm_up_format(hf_dir, data_dir)
-    print(f"embedded tiny model: {hf_dir} (format warm-up: format rate {warm['before']['format']:.2f} -> "
-          f"{warm['after']['format']:.2f}, accuracy {warm['after']['accuracy']:.2f})")
+    print(
+        f"embedded tiny model: {hf_dir} (format warm-up: format rate {warm['before']['format']:.2f} -> "
+        f"{warm['after']['format']:.2f}, accuracy {warm['after']['accuracy']:.2f})"
+    )
 
 
 def _start_over(job: JobConfig) -> None:
@@ -102,10 +122,16 @@ def _start_over(job: JobConfig) -> None:
     from pathlib import Path
 
     b = job.backend_config
-    stale = [Path(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir), Path(b.megatron_training.save),
-             Path(job.af_output_dir) / "metrics.jsonl", Path(job.af_output_dir) / "tensorboard"]
-    print(f"the embedded tiny model in {stale[0]} was built by another mm_rl version: rebuilding it and removing "
-          "the checkpoints and metrics trained from it")
+    stale = [
+        Path(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir),
+        Path(b.megatron_training.save),
+        Path(job.af_output_dir) / "metrics.jsonl",
+        Path(job.af_output_dir) / "tensorboard",
+    ]
+    print(
+        f"the embedded tiny model in {stale[0]} was built by another mm_rl version: rebuilding it and removing "
+        "the checkpoints and metrics trained from it"
+    )
     for path in stale:
         if path.is_dir():
             shutil.rmtree(path)
@@ -139,16 +165,21 @@ def _run_check(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _add_convert(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
-        "convert", help="convert a checkpoint: HuggingFace <-> Megatron shards (MindSpeed-MM layout)",
+        "convert",
+        help="convert a checkpoint: HuggingFace <-> Megatron shards (MindSpeed-MM layout)",
         epilog="With --job, any --a.b.c=VALUE overrides that key of the job yaml. Without --job, give the "
-               "conversion keys as --cfg.KEY VALUE (hf2mg: --cfg.mm_dir, --cfg.hf_config.hf_dir; mg2hf: "
-               "--cfg.load_dir, --cfg.save_hf_dir and --hf_dir; both: --cfg.parallel_config.tp_size, "
-               "--cfg.parallel_config.llm_pp_layers '[1,10,10,7]', --cfg.parallel_config.vit_pp_layers) and "
-               "model.json changes as --model.KEY VALUE; model.json comes from the HF config.json.")
+        "conversion keys as --cfg.KEY VALUE (hf2mg: --cfg.mm_dir, --cfg.hf_config.hf_dir; mg2hf: "
+        "--cfg.load_dir, --cfg.save_hf_dir and --hf_dir; both: --cfg.parallel_config.tp_size, "
+        "--cfg.parallel_config.llm_pp_layers '[1,10,10,7]', --cfg.parallel_config.vit_pp_layers) and "
+        "model.json changes as --model.KEY VALUE; model.json comes from the HF config.json.",
+    )
     p.add_argument("direction", choices=("hf2mg", "mg2hf"), help="hf2mg: HF -> Megatron; mg2hf: Megatron -> HF")
     p.add_argument("--job", default=None, help="job yaml holding backend_config.convert_ckpt_* and the model")
-    p.add_argument("--hf_dir", default=None,
-                   help="mg2hf: the HF checkpoint trained from (config, tokenizer, processor files are copied)")
+    p.add_argument(
+        "--hf_dir",
+        default=None,
+        help="mg2hf: the HF checkpoint trained from (config, tokenizer, processor files are copied)",
+    )
     p.add_argument("--iteration", default=None, help="mg2hf: 'release' or a step number (default: the latest)")
     p.add_argument("--max_shard_size", default=None, help="mg2hf: largest output safetensors file (default 2GiB)")
     p.set_defaults(run=_run_convert)
@@ -170,9 +201,12 @@ def _run_convert(args: argparse.Namespace, overrides: list[str]) -> int:
 def _add_train(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("train", help="run the job: hf2mg, the GRPO loop, mg2hf", epilog=EPILOG)
     p.add_argument("job", help="job yaml")
-    p.add_argument("--verbose", action="store_true",
-                   help="also print what the rollout engine, the ranks and Ray print (by default it goes to "
-                        "af_output_dir/logs/workers.log)")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print what the rollout engine, the ranks and Ray print (by default it goes to "
+        "af_output_dir/logs/workers.log)",
+    )
     p.set_defaults(run=_run_train)
 
 
@@ -198,8 +232,9 @@ def _run_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _add_submit(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("submit", help="submit the job to a running Ray cluster (Ray job submission)",
-                            epilog=EPILOG)
+    p = commands.add_parser(
+        "submit", help="submit the job to a running Ray cluster (Ray job submission)", epilog=EPILOG
+    )
     p.add_argument("job", help="job yaml")
     p.add_argument("--address", required=True, help="the cluster's dashboard address, e.g. http://HEAD:8265")
     p.add_argument("--no-wait", action="store_true", help="return once submitted instead of streaming the logs")

@@ -74,8 +74,11 @@ def key(kind: str, args: dict[str, Any], modules: Iterable[str]) -> str:
 
 
 def _file_digests(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != DIGEST}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != DIGEST
+    }
 
 
 def is_valid(entry: Path) -> bool:
@@ -113,8 +116,9 @@ def entry(name: str, build: Callable[[Path], None], report: Callable[[str], None
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.building-", dir=base))
         try:
             build(staging)
-            (staging / DIGEST).write_text(json.dumps(_file_digests(staging), indent=1, sort_keys=True) + "\n",
-                                          encoding="utf-8")
+            (staging / DIGEST).write_text(
+                json.dumps(_file_digests(staging), indent=1, sort_keys=True) + "\n", encoding="utf-8"
+            )
             staging.chmod(0o755)
             replace_dir(staging, path)
         finally:

@@ -92,8 +92,9 @@ class CheckpointManager:
         self._staging: dict[int, Path] = {}
 
     # ------------------------------------------------------------------------------------------- saving
-    def save(self, step: int, rank_states: Mapping[tuple[int, int], Mapping[str, Any]],
-             trainer_state: Mapping[str, Any]) -> Path:
+    def save(
+        self, step: int, rank_states: Mapping[tuple[int, int], Mapping[str, Any]], trainer_state: Mapping[str, Any]
+    ) -> Path:
         """Write every rank's state and the trainer state as iteration ``step``; returns its directory.
 
         On an error nothing is published (see ``saving``): the previous checkpoint stays the latest."""
@@ -119,8 +120,10 @@ class CheckpointManager:
             self._staging.pop(step, None)
             shutil.rmtree(staging, ignore_errors=True)
             if isinstance(err, OSError):
-                raise CheckpointError(f"cannot save checkpoint step {step}: {describe_os_error(err, staging)}; the "
-                                      f"unfinished save was removed, {self._latest_text()}") from err
+                raise CheckpointError(
+                    f"cannot save checkpoint step {step}: {describe_os_error(err, staging)}; the "
+                    f"unfinished save was removed, {self._latest_text()}"
+                ) from err
             raise
 
     def _latest_text(self) -> str:
@@ -144,8 +147,17 @@ class CheckpointManager:
         self._staging[step] = staging
         return staging
 
-    def write_rank(self, staging: Path, tp: int, pp: int, state: Mapping[str, Any], *, pp_size: int = 1,
-                   ep_rank: int = 0, ep: int = 1) -> Path:
+    def write_rank(
+        self,
+        staging: Path,
+        tp: int,
+        pp: int,
+        state: Mapping[str, Any],
+        *,
+        pp_size: int = 1,
+        ep_rank: int = 0,
+        ep: int = 1,
+    ) -> Path:
         """Write one rank's ``model_optim_rng.pt`` (``state`` plus version and iteration), flushed to disk.
 
         ``pp_size`` (the pipeline size) and ``ep`` (expert parallelism) decide the file name: ``mp_rank_TT``, with
@@ -189,8 +201,11 @@ class CheckpointManager:
             raise CheckpointError(f"{staging} holds ranks {sorted(ranks.values())}, expected {sorted(expected)}")
         tp_size, pp_size = _grid_shape(staging, ranks, ep)
         fsync_tree(staging)  # files written by others (megatron's distrib_optim.pt) are flushed before the marker
-        files = {path.relative_to(staging).as_posix(): path.stat().st_size
-                 for path in sorted(staging.rglob("*")) if path.is_file() and path.name != COMPLETE}
+        files = {
+            path.relative_to(staging).as_posix(): path.stat().st_size
+            for path in sorted(staging.rglob("*"))
+            if path.is_file() and path.name != COMPLETE
+        }
         marker = {"step": step, "tp": tp_size, "pp": pp_size, "ep": ep, "files": files}
         path = staging / COMPLETE
         with _naming(path), open(path, "w") as f:
@@ -204,7 +219,7 @@ class CheckpointManager:
         steps. A directory is renamed away before its removal so that no half-deleted iteration remains."""
         if self.keep_last == 0:
             return []
-        doomed = [s for s in self.complete_steps()[:-self.keep_last] if s != keep]
+        doomed = [s for s in self.complete_steps()[: -self.keep_last] if s != keep]
         for step in doomed:
             remove_dir_atomically(self.save_dir / iteration_name(step), prefix=_staging_prefix(step))
         return doomed
@@ -247,8 +262,12 @@ class CheckpointManager:
 
     def _warn(self, step: int | None, notes: list[str]) -> int | None:
         for note in notes:
-            logger.warning("%s; falling back to %s, the newest complete checkpoint in %s", note,
-                           iteration_name(step), self.save_dir)
+            logger.warning(
+                "%s; falling back to %s, the newest complete checkpoint in %s",
+                note,
+                iteration_name(step),
+                self.save_dir,
+            )
         return step
 
     def _auto_resume(self) -> tuple[int | None, list[str]]:
@@ -264,11 +283,17 @@ class CheckpointManager:
         complete = self.complete_steps()
         newest = complete[-1] if complete else None
         passed = [problem] if problem else []
-        passed += [f"checkpoint step {s}: {self.incomplete_reason(s)}" for s in self._iteration_steps()
-                   if s != named and s > (-1 if newest is None else newest) and s not in complete]
+        passed += [
+            f"checkpoint step {s}: {self.incomplete_reason(s)}"
+            for s in self._iteration_steps()
+            if s != named and s > (-1 if newest is None else newest) and s not in complete
+        ]
         if newest is None and passed:
-            raise CheckpointRefused("auto", f"{self.save_dir} holds no complete checkpoint to resume from: "
-                                    + "; ".join(passed), self._choices())
+            raise CheckpointRefused(
+                "auto",
+                f"{self.save_dir} holds no complete checkpoint to resume from: " + "; ".join(passed),
+                self._choices(),
+            )
         notes = [f"skipping {why}" for why in passed]
         if named is None and newest is not None and problem is None:
             notes.insert(0, f"{self.save_dir / LATEST} is missing")
@@ -284,9 +309,11 @@ class CheckpointManager:
         """What a user can set ``resume_mode`` to instead, naming the complete iterations (newest first)."""
         complete = [str(self.save_dir / iteration_name(s)) for s in reversed(self.complete_steps())]
         shown = ", ".join(complete[:3]) + (f" and {len(complete) - 3} older" if len(complete) > 3 else "")
-        return ("set it to 'disable' to start over from step 0 (metrics are cut back and the checkpoints replaced), "
-                "or to the path of a complete iter_NNNNNNN directory to resume from it ("
-                + (f"complete: {shown})" if complete else f"none in {self.save_dir} is complete)"))
+        return (
+            "set it to 'disable' to start over from step 0 (metrics are cut back and the checkpoints replaced), "
+            "or to the path of a complete iter_NNNNNNN directory to resume from it ("
+            + (f"complete: {shown})" if complete else f"none in {self.save_dir} is complete)")
+        )
 
     def resolve_resume(self, resume_mode: str) -> int | None:
         """The step to resume from: "auto" (see ``latest``), "disable" (None), or the path of an ``iter_NNNNNNN``
@@ -302,27 +329,34 @@ class CheckpointManager:
         path = Path(resume_mode)
         match = ITER_RE.fullmatch(path.name)
         if match is None:
-            raise CheckpointRefused(resume_mode, "it is neither 'auto', 'disable' nor an iter_NNNNNNN checkpoint "
-                                    "directory", self._choices())
+            raise CheckpointRefused(
+                resume_mode, "it is neither 'auto', 'disable' nor an iter_NNNNNNN checkpoint directory", self._choices()
+            )
         if path.parent.resolve() != self.save_dir.resolve():
-            raise CheckpointRefused(resume_mode, f"checkpoint {path} is not inside the save directory "
-                                    f"{self.save_dir}", f"set save to {path.parent}, or {self._choices()}")
+            raise CheckpointRefused(
+                resume_mode,
+                f"checkpoint {path} is not inside the save directory {self.save_dir}",
+                f"set save to {path.parent}, or {self._choices()}",
+            )
         reason = incomplete_reason(path)
         if reason is not None:
             raise CheckpointRefused(resume_mode, f"{path} is not a complete checkpoint: {reason}", self._choices())
         return int(match.group(1)), []
 
     # ----------------------------------------------------------------------------------------- loading
-    def load(self, step: int, tp: int, pp: int, load_optim: bool = True, load_rng: bool = True,
-             ep_rank: int = 0) -> dict[str, Any]:
+    def load(
+        self, step: int, tp: int, pp: int, load_optim: bool = True, load_rng: bool = True, ep_rank: int = 0
+    ) -> dict[str, Any]:
         """Rank (tp, pp, ep_rank)'s state of iteration ``step``, without optimizer / RNG entries when not wanted
         (Megatron's --no-load-optim / --no-load-rng: e.g. resuming with another optimizer or seed)."""
         marker = self._complete_marker(step)
         ep = int(marker.get("ep", 1))
         path = rank_file(self.save_dir / iteration_name(step), tp, pp, marker["pp"], ep_rank, ep)
         if not (tp < marker["tp"] and pp < marker["pp"] and ep_rank < ep):
-            raise CheckpointError(f"{path}: rank (tp={tp}, pp={pp}, ep={ep_rank}) is outside the checkpoint's "
-                                  f"TP={marker['tp']} x PP={marker['pp']} x EP={ep}")
+            raise CheckpointError(
+                f"{path}: rank (tp={tp}, pp={pp}, ep={ep_rank}) is outside the checkpoint's "
+                f"TP={marker['tp']} x PP={marker['pp']} x EP={ep}"
+            )
         state = _load(path)
         dropped = (OPTIM_KEYS if not load_optim else ()) + (RNG_KEYS if not load_rng else ())
         return {k: v for k, v in state.items() if k not in dropped}
@@ -389,8 +423,7 @@ def _grid_shape(staging: Path, ranks: dict[str, tuple[int, int, int]], ep: int =
     missing = grid - set(ranks.values())
     if missing:
         what = "(tp, pp, ep)" if ep > 1 else "(tp, pp)"
-        raise CheckpointError(f"{staging} lacks rank files of {what} "
-                              f"{sorted(m if ep > 1 else m[:2] for m in missing)}")
+        raise CheckpointError(f"{staging} lacks rank files of {what} {sorted(m if ep > 1 else m[:2] for m in missing)}")
     return tp_size, pp_size
 
 

@@ -56,8 +56,9 @@ def atomic_path(path: Path, *, suffix: str = "", mode: int | None = None, sync: 
         fsync_path(path.parent)
 
 
-def write_atomic(path: Path, data: str | bytes, *, mode: int | None = 0o644, sync: bool = True,
-                 suffix: str = "") -> None:
+def write_atomic(
+    path: Path, data: str | bytes, *, mode: int | None = 0o644, sync: bool = True, suffix: str = ""
+) -> None:
     """Replace ``path`` by ``data`` (text as UTF-8) in one rename; see ``atomic_path`` for the arguments."""
     with atomic_path(path, suffix=suffix, mode=mode, sync=sync) as tmp:
         tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)

@@ -105,8 +105,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for line in warn + fail:
         write(line, red=True, bold=True)
     if fail:
-        write(f"SUITE BUDGET: {len(fail)} file(s) over {FAIL_FACTOR:.0f}x their share: the run fails", red=True,
-              bold=True)
+        write(
+            f"SUITE BUDGET: {len(fail)} file(s) over {FAIL_FACTOR:.0f}x their share: the run fails", red=True, bold=True
+        )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -42,11 +42,24 @@ aten = torch.ops.aten
 CPU = torch.device("cpu")
 
 # Ops that may take a labelled and a CPU tensor of any size together (CUDA allows them too).
-_CROSS_DEVICE = {aten._to_copy.default, aten.copy_.default, aten.copy.default, aten._copy_from.default,
-                 aten._copy_from_and_resize.default, aten.lift_fresh.default, aten.lift_fresh_copy.default}
+_CROSS_DEVICE = {
+    aten._to_copy.default,
+    aten.copy_.default,
+    aten.copy.default,
+    aten._copy_from.default,
+    aten._copy_from_and_resize.default,
+    aten.lift_fresh.default,
+    aten.lift_fresh_copy.default,
+}
 # Indexing ops whose indices (argument 1) may stay on the CPU for a device tensor.
-_CPU_INDICES = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
-                aten._unsafe_index.Tensor, aten._unsafe_index_put.default}
+_CPU_INDICES = {
+    aten.index.Tensor,
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten._index_put_impl_.default,
+    aten._unsafe_index.Tensor,
+    aten._unsafe_index_put.default,
+}
 
 
 class DeviceMismatch(RuntimeError):
@@ -66,9 +79,15 @@ class Labelled(torch.Tensor):
     @staticmethod
     def __new__(cls, value: torch.Tensor, device: torch.device, requires_grad: bool | None = None) -> Labelled:
         wrapper = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, value.size(), strides=value.stride(), storage_offset=value.storage_offset(), dtype=value.dtype,
-            layout=value.layout, device=device,
-            requires_grad=value.requires_grad if requires_grad is None else requires_grad)
+            cls,
+            value.size(),
+            strides=value.stride(),
+            storage_offset=value.storage_offset(),
+            dtype=value.dtype,
+            layout=value.layout,
+            device=device,
+            requires_grad=value.requires_grad if requires_grad is None else requires_grad,
+        )
         wrapper.value = value.detach() if value.requires_grad else value
         return wrapper
 
@@ -120,11 +139,16 @@ def _check_devices(func: Any, args: Any, kwargs: Any, device: torch.device) -> N
     if func in _CROSS_DEVICE:
         return
     checked = (args[:1] + args[2:]) if func in _CPU_INDICES else args
-    plain = [t for t in tree_flatten((checked, kwargs))[0]
-             if isinstance(t, torch.Tensor) and not isinstance(t, Labelled) and t.dim() > 0 and t.device.type == "cpu"]
+    plain = [
+        t
+        for t in tree_flatten((checked, kwargs))[0]
+        if isinstance(t, torch.Tensor) and not isinstance(t, Labelled) and t.dim() > 0 and t.device.type == "cpu"
+    ]
     if plain:
-        raise DeviceMismatch(f"{func}: a tensor on {device} meets a {_describe(plain[0])} in one op, called from "
-                             f"{_caller()} (on a GPU: 'Expected all tensors to be on the same device')")
+        raise DeviceMismatch(
+            f"{func}: a tensor on {device} meets a {_describe(plain[0])} in one op, called from "
+            f"{_caller()} (on a GPU: 'Expected all tensors to be on the same device')"
+        )
 
 
 def _caller() -> str:
@@ -198,11 +222,16 @@ def _check_collective(func: Any, args: Any, kwargs: Any, device: torch.device) -
         if frame.f_code.co_name in _OBJECT_COLLECTIVES:
             return
         frame = frame.f_back  # type: ignore[assignment]
-    plain = [t for t in tree_flatten((args, kwargs))[0]
-             if isinstance(t, torch.Tensor) and not isinstance(t, Labelled) and t.device.type == "cpu"]
+    plain = [
+        t
+        for t in tree_flatten((args, kwargs))[0]
+        if isinstance(t, torch.Tensor) and not isinstance(t, Labelled) and t.device.type == "cpu"
+    ]
     if plain:
-        raise DeviceMismatch(f"{func}: a collective of a rank on {device} gets a {_describe(plain[0])}, called from "
-                             f"{_caller()} (nccl / hccl take device tensors only)")
+        raise DeviceMismatch(
+            f"{func}: a collective of a rank on {device} gets a {_describe(plain[0])}, called from "
+            f"{_caller()} (nccl / hccl take device tensors only)"
+        )
 
 
 def _split_to_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -252,12 +281,15 @@ class _LabelFunctions(TorchFunctionMode):
         super().__init__()
         self.device = device
 
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
-                           kwargs: Mapping[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> Any:
         kwargs = dict(kwargs or {})
         if self.device.type == "cuda" and func in _BACKWARD:
-            raise LabelledAutogradError("backward through cuda-labelled tensors needs torch's CUDA hooks, which a "
-                                        "CPU build lacks: use the npu label (register_npu_label)")
+            raise LabelledAutogradError(
+                "backward through cuda-labelled tensors needs torch's CUDA hooks, which a "
+                "CPU build lacks: use the npu label (register_npu_label)"
+            )
         if func is torch.Tensor.to:
             device, kw = _split_to_args(args[1:], kwargs)
             if _is_accelerator(device, self.device):
@@ -274,8 +306,12 @@ class _LabelFunctions(TorchFunctionMode):
             return False
         if func is torch._has_compatible_shallow_copy_type and any(isinstance(t, Labelled) for t in args):
             return True  # module.to(device) then assigns param.data (handled above): the same Parameter objects
-        if func in (torch.tensor, torch.as_tensor) and args and not isinstance(args[0], torch.Tensor) and any(
-                isinstance(t, Labelled) for t in tree_flatten(args[0])[0]):
+        if (
+            func in (torch.tensor, torch.as_tensor)
+            and args
+            and not isinstance(args[0], torch.Tensor)
+            and any(isinstance(t, Labelled) for t in tree_flatten(args[0])[0])
+        ):
             # a list of device scalars: torch reads them with the Python key off, so read the values here (a host
             # tensor unless a device is named, as on a GPU)
             args = (tree_map(_unwrap, args[0]), *args[1:])
@@ -302,8 +338,11 @@ def _mm_rl_current_device_sites() -> list[tuple[Any, str]]:
     from mm_rl.platform import device as device_module
 
     original = device_module.current_device
-    return [(module, "current_device") for name, module in list(sys.modules.items())
-            if module is not None and name.startswith("mm_rl") and vars(module).get("current_device") is original]
+    return [
+        (module, "current_device")
+        for name, module in list(sys.modules.items())
+        if module is not None and name.startswith("mm_rl") and vars(module).get("current_device") is original
+    ]
 
 
 def _megatron_torch_view() -> Any:
@@ -372,8 +411,12 @@ def labelled_device(device: str | torch.device = "cuda:0") -> Iterator[torch.dev
     clear_megatron_buffers()
     try:
         guard = cuda_device_guard() if label_device.type == "cuda" else contextlib.nullcontext()
-        with guard, _LabelFunctions(label_device), _LabelDispatch(label_device), \
-                torch.autograd.set_multithreading_enabled(False):
+        with (
+            guard,
+            _LabelFunctions(label_device),
+            _LabelDispatch(label_device),
+            torch.autograd.set_multithreading_enabled(False),
+        ):
             yield label_device
     finally:
         for owner, name, value in reversed(saved):

@@ -30,9 +30,18 @@ def free_port() -> int:
 
 # What every rank imports, imported once by the fork server rather than by each fresh process (~5 s a rank on
 # 2 cores, dozens of ranks a suite). The server starts single-threaded (importing torch starts no thread pool).
-PRELOAD = ["torch", "transformers", "megatron.core.parallel_state", "megatron.core.tensor_parallel",
-           "megatron.core.transformer", "megatron.core.models.gpt", "mm_rl.models.registry",
-           "mm_rl.models.qwen_vl.model", "mm_rl.models.qwen_vl.vision", "mp_utils"]
+PRELOAD = [
+    "torch",
+    "transformers",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.transformer",
+    "megatron.core.models.gpt",
+    "mm_rl.models.registry",
+    "mm_rl.models.qwen_vl.model",
+    "mm_rl.models.qwen_vl.vision",
+    "mp_utils",
+]
 
 
 def spawn(worker: Callable[..., None], nprocs: int, *args: Any) -> None:

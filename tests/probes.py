@@ -193,7 +193,10 @@ def record_schedule(schedule: Any, patch: Any) -> list[str]:
         for name in ("offload", "onload"):
             if group is not None:
                 wrap(group, name, switched(role, name))
-    wrap(schedule, "_engines", lambda method, *args: f"engine.{method}" + (f"({', '.join(args[0])})"
-                                                                          if method == "wake_up" else ""))
+    wrap(
+        schedule,
+        "_engines",
+        lambda method, *args: f"engine.{method}" + (f"({', '.join(args[0])})" if method == "wake_up" else ""),
+    )
     wrap(schedule_module, "sync_weights", lambda *args, **kwargs: "sync")
     return log

@@ -52,8 +52,9 @@ def test_engine_with_tp_uses_vllms_multiprocessing_executor_inside_a_placement_g
     def resolved(backend: str | None) -> str:
         from vllm.config import ParallelConfig
 
-        return str(ParallelConfig(tensor_parallel_size=2, distributed_executor_backend=backend)
-                   .distributed_executor_backend)
+        return str(
+            ParallelConfig(tensor_parallel_size=2, distributed_executor_backend=backend).distributed_executor_backend
+        )
 
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
@@ -82,8 +83,9 @@ def _gather_worker(rank: int, world: int, port: int, out: str) -> None:
 
     group = parallel_state.get_tensor_model_parallel_group()
     shard = torch.arange(6.0).view(2, 3) + 10 * rank
-    save_rank_result(out, rank, {"split": gather_shards(shard, True, group),
-                                 "replicated": gather_shards(shard, False, group)})
+    save_rank_result(
+        out, rank, {"split": gather_shards(shard, True, group), "replicated": gather_shards(shard, False, group)}
+    )
     shutdown()
 
 
@@ -131,8 +133,9 @@ def _rng_worker(rank: int, world: int, port: int, out: str) -> None:
     first = torch.rand(3)
     torch.rand(5)
     set_rng_state(state)
-    save_rank_result(out, rank, {"keys": sorted(state), "device": state["device"], "again": torch.rand(3),
-                                 "first": first})
+    save_rank_result(
+        out, rank, {"keys": sorted(state), "device": state["device"], "again": torch.rand(3), "first": first}
+    )
     shutdown()
 
 
@@ -148,8 +151,12 @@ def test_rank_rng_state_round_trips_with_its_device_entry(tmp_path):
 def _plan_job(**overrides):
     from mm_rl.job.create import ClusterSpec, create_job
 
-    _, job, _ = create_job("qwen2_5_vl_7b", "geo3k", ClusterSpec(nnodes=1, nproc_per_node=8, device="npu"),
-                           overrides=[f"{k}={v}" for k, v in overrides.items()])
+    _, job, _ = create_job(
+        "qwen2_5_vl_7b",
+        "geo3k",
+        ClusterSpec(nnodes=1, nproc_per_node=8, device="npu"),
+        overrides=[f"{k}={v}" for k, v in overrides.items()],
+    )
     return job
 
 
@@ -222,8 +229,9 @@ def test_llm_core_attention_keeps_no_scores_for_backward(packed):
     segments = CausalSegments.build(torch.tensor([0, 40, 96], dtype=torch.int32)) if packed else None
     saved: list[torch.Size] = []
     core = LLMCoreAttention(config, 1, None, "self")
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.is_floating_point() and saved.append(t.shape) or t,
-                                                  lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: t.is_floating_point() and saved.append(t.shape) or t, lambda t: t
+    ):
         out = core(q, k, v, mask, packed_seq_params=segments)
     # q, k, v, out, log-sum-exp: O(S d) per head; padded rows also the mask as floats, one S x S per row (not per
     # head, as a math kernel's probabilities would be)
@@ -253,9 +261,18 @@ def _attention_config():
 
     from mm_rl.platform.device import cpu_safe_transformer_kwargs
 
-    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                             ffn_hidden_size=128, kv_channels=16, activation_func=F.silu, hidden_dropout=0.0,
-                             attention_dropout=0.0, **cpu_safe_transformer_kwargs())
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        kv_channels=16,
+        activation_func=F.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **cpu_safe_transformer_kwargs(),
+    )
 
 
 def test_colocated_rollout_phase_counts_the_engine_share_beside_what_the_actor_keeps():
@@ -264,17 +281,33 @@ def test_colocated_rollout_phase_counts_the_engine_share_beside_what_the_actor_k
     from mm_rl.config.plan import device_memory_gb, estimate_memory
 
     util, actor = "backend_config.generate_config.gpu_memory_utilization", "backend_config.actor_config"
-    kept = _plan_job(**{util: 0.5, f"{actor}.offload_train_param": False, f"{actor}.offload_train_grad": False,
-                        f"{actor}.offload_train_optimizer": False})
-    offloaded = _plan_job(**{util: 0.5, f"{actor}.offload_train_param": True, f"{actor}.offload_train_grad": True,
-                             f"{actor}.offload_train_optimizer": True})
+    kept = _plan_job(
+        **{
+            util: 0.5,
+            f"{actor}.offload_train_param": False,
+            f"{actor}.offload_train_grad": False,
+            f"{actor}.offload_train_optimizer": False,
+        }
+    )
+    offloaded = _plan_job(
+        **{
+            util: 0.5,
+            f"{actor}.offload_train_param": True,
+            f"{actor}.offload_train_grad": True,
+            f"{actor}.offload_train_optimizer": True,
+        }
+    )
     share = 0.5 * device_memory_gb(kept)
     for full, empty in zip(estimate_memory(kept), estimate_memory(offloaded), strict=True):
         assert full.rollout == pytest.approx(share + full.weights + full.reference + full.grads + full.optimizer)
         assert empty.rollout == pytest.approx(share)
         assert full.total == max(full.training, full.rollout)
-    separate = _plan_job(**{"backend_config.generate_config.colocate": False,
-                            "backend_config.generate_config.infer_tensor_parallel_size": 4})
+    separate = _plan_job(
+        **{
+            "backend_config.generate_config.colocate": False,
+            "backend_config.generate_config.infer_tensor_parallel_size": 4,
+        }
+    )
     assert all(m.rollout == 0.0 for m in estimate_memory(separate))
 
 

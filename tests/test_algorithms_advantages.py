@@ -54,11 +54,15 @@ def test_token_level_broadcast_and_mask():
     torch.testing.assert_close(adv, expected, rtol=0, atol=1e-7)
     assert (adv[MASK == 0] == 0).all()
     # the dispatcher gives the same token-level result
-    torch.testing.assert_close(compute_advantages("grpo", SCORES, MASK, GROUPS, norm_by_std=False), expected,
-                               rtol=0, atol=1e-7)
-    torch.testing.assert_close(compute_advantages("rloo", SCORES, MASK, GROUPS),
-                               torch.tensor([1.0, -0.25, -0.5, -0.25, -0.5, 0.5]).unsqueeze(1) * MASK,
-                               rtol=0, atol=1e-7)
+    torch.testing.assert_close(
+        compute_advantages("grpo", SCORES, MASK, GROUPS, norm_by_std=False), expected, rtol=0, atol=1e-7
+    )
+    torch.testing.assert_close(
+        compute_advantages("rloo", SCORES, MASK, GROUPS),
+        torch.tensor([1.0, -0.25, -0.5, -0.25, -0.5, 0.5]).unsqueeze(1) * MASK,
+        rtol=0,
+        atol=1e-7,
+    )
 
 
 def test_token_level_rewards_are_summed_over_the_mask():
@@ -82,8 +86,9 @@ def test_float_rounding_makes_naive_centering_nonzero():
     assert (x - x.mean()).abs().max() > 0
 
 
-@pytest.mark.parametrize("values", [[0.1, 0.1, 0.1], [0.9] * 5, [0.9] * 3, [0.1] * 7, [1.0] * 4, [0.0] * 2,
-                                    [0.7] * 7, [0.3]])
+@pytest.mark.parametrize(
+    "values", [[0.1, 0.1, 0.1], [0.9] * 5, [0.9] * 3, [0.1] * 7, [1.0] * 4, [0.0] * 2, [0.7] * 7, [0.3]]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_uniform_group_is_exactly_zero(values, dtype):
     # the uniform group interleaved with an informative one
@@ -92,13 +97,15 @@ def test_uniform_group_is_exactly_zero(values, dtype):
     groups = torch.tensor([5] * n + [9, 9, 9])[torch.arange(n + 3).roll(1)]
     uniform = groups == 5
     mask = torch.ones(n + 3, 3)
-    for adv in (grpo_advantages(scores, groups),
-                grpo_advantages(scores, groups, norm_by_std=False),
-                grpo_advantages(scores, groups, epsilon=0.0),
-                rloo_advantages(scores, groups),
-                compute_advantages("grpo", scores, mask, groups),
-                compute_advantages("rloo", scores, mask, groups),
-                reinforce_pp_advantages(scores, mask, groups, shift_mean=False)):
+    for adv in (
+        grpo_advantages(scores, groups),
+        grpo_advantages(scores, groups, norm_by_std=False),
+        grpo_advantages(scores, groups, epsilon=0.0),
+        rloo_advantages(scores, groups),
+        compute_advantages("grpo", scores, mask, groups),
+        compute_advantages("rloo", scores, mask, groups),
+        reinforce_pp_advantages(scores, mask, groups, shift_mean=False),
+    ):
         assert (adv[uniform] == 0.0).all(), adv
         assert (adv[~uniform] != 0.0).any()
         assert torch.isfinite(adv).all()
@@ -119,8 +126,11 @@ def test_grpo_groups_have_zero_mean():
     gen = torch.Generator().manual_seed(0)
     scores = torch.rand(40, generator=gen)
     groups = torch.randint(0, 6, (40,), generator=gen)
-    for adv in (grpo_advantages(scores, groups), grpo_advantages(scores, groups, norm_by_std=False),
-                rloo_advantages(scores, groups)):
+    for adv in (
+        grpo_advantages(scores, groups),
+        grpo_advantages(scores, groups, norm_by_std=False),
+        rloo_advantages(scores, groups),
+    ):
         for g in groups.unique():
             assert abs(adv[groups == g].double().sum().item()) < 1e-5
 
@@ -165,8 +175,9 @@ def test_reinforce_pp_with_group_baseline_hand_values():
     expected = torch.tensor([[w[0], w[1]], [w[2], 0.0], [w[3], 0.0], [w[4], w[5]]])
     adv = reinforce_pp_advantages(scores, mask, groups, epsilon=eps)
     torch.testing.assert_close(adv, expected, rtol=0, atol=1e-6)
-    torch.testing.assert_close(compute_advantages("reinforce_plus_plus_baseline", scores, mask, groups), expected,
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        compute_advantages("reinforce_plus_plus_baseline", scores, mask, groups), expected, rtol=0, atol=1e-6
+    )
     # without shifting the mean only the scale changes, and the uniform group stays exactly 0
     no_shift = reinforce_pp_advantages(scores, mask, groups, epsilon=eps, shift_mean=False)
     expected_ns = torch.tensor([[0.5, 0.5], [-0.5, 0.0], [0.0, 0.0], [0.0, 0.0]]) / (std + eps)
@@ -204,11 +215,15 @@ def test_grpo_biased_std_hand_values():
     torch.testing.assert_close(token, expected.unsqueeze(1) * MASK, rtol=0, atol=1e-6)
     # the default is the unbiased std (verl, TRL): larger by sqrt(n / (n - 1)) = sqrt(3 / 2)
     default = grpo_advantages(SCORES, GROUPS, epsilon=0.0)
-    torch.testing.assert_close(grpo_advantages(SCORES, GROUPS, epsilon=0.0, unbiased_std=False),
-                               default * math.sqrt(3 / 2), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        grpo_advantages(SCORES, GROUPS, epsilon=0.0, unbiased_std=False), default * math.sqrt(3 / 2), rtol=1e-6, atol=0
+    )
     # uniform groups and groups of one stay exactly 0
-    assert grpo_advantages(torch.tensor([0.3, 0.3, 0.7]), torch.tensor([1, 1, 2]), unbiased_std=False).tolist() == \
-        [0.0, 0.0, 0.0]
+    assert grpo_advantages(torch.tensor([0.3, 0.3, 0.7]), torch.tensor([1, 1, 2]), unbiased_std=False).tolist() == [
+        0.0,
+        0.0,
+        0.0,
+    ]
 
 
 def test_reinforce_pp_discounted_returns_hand_values():

@@ -20,7 +20,8 @@ def test_aggregation_hand_values():
     assert aggregate_loss(LOSS, AGG_MASK, "seq-mean-token-sum").item() == pytest.approx((6 + 9) / 2)
     assert aggregate_loss(LOSS, AGG_MASK, "seq-mean-token-mean").item() == pytest.approx((6 / 3 + 9 / 2) / 2)
     assert aggregate_loss(LOSS, AGG_MASK, "seq-mean-token-sum-norm", horizon=10).item() == pytest.approx(
-        (6 / 10 + 9 / 10) / 2)
+        (6 / 10 + 9 / 10) / 2
+    )
 
 
 def test_token_mean_uneven_lengths_is_not_mean_of_means():
@@ -33,11 +34,16 @@ def test_token_mean_uneven_lengths_is_not_mean_of_means():
 
 def test_aggregation_denominator_for_micro_batches():
     # split the batch in two micro-batches; summing with the global denominators gives the full-batch value
-    for mode, denom in (("token-mean", 5), ("seq-mean-token-sum", 2), ("seq-mean-token-mean", 2),
-                        ("seq-mean-token-sum-norm", 2)):
+    for mode, denom in (
+        ("token-mean", 5),
+        ("seq-mean-token-sum", 2),
+        ("seq-mean-token-mean", 2),
+        ("seq-mean-token-sum-norm", 2),
+    ):
         full = aggregate_loss(LOSS, AGG_MASK, mode, horizon=10)
-        parts = sum(aggregate_loss(LOSS[i:i + 1], AGG_MASK[i:i + 1], mode, horizon=10, denominator=denom)
-                    for i in range(3))
+        parts = sum(
+            aggregate_loss(LOSS[i : i + 1], AGG_MASK[i : i + 1], mode, horizon=10, denominator=denom) for i in range(3)
+        )
         assert parts.item() == pytest.approx(full.item()), mode
 
 
@@ -88,9 +94,11 @@ def test_policy_loss_hand_values_and_metrics():
     assert m["pg_clipfrac_dual"].item() == pytest.approx(1 / 7)
     logs = [math.log(r) for r in (1.1, 1.5, 0.5, 4.0, 0.9, 0.5, 1.0)]
     assert m["ppo_kl"].item() == pytest.approx(-sum(logs) / 7, abs=1e-6)
-    for mode, expected in (("seq-mean-token-sum", (row0 + row1) / 2),
-                           ("seq-mean-token-mean", (row0 / 3 + row1 / 4) / 2),
-                           ("seq-mean-token-sum-norm", (row0 / 8 + row1 / 8) / 2)):
+    for mode, expected in (
+        ("seq-mean-token-sum", (row0 + row1) / 2),
+        ("seq-mean-token-mean", (row0 / 3 + row1 / 4) / 2),
+        ("seq-mean-token-sum-norm", (row0 / 8 + row1 / 8) / 2),
+    ):
         loss, _ = policy_loss(logprob, old, ADV, PG_MASK, **CLIP, loss_agg_mode=mode, horizon=8)
         assert loss.item() == pytest.approx(expected, abs=1e-6), mode
 
@@ -113,8 +121,9 @@ def test_dual_clip_bounds_negative_advantage_loss():
     for a in (-0.5, -1.0, -4.0):
         adv = torch.full_like(ratios, a)
         logprob = ratios.log().requires_grad_(True)
-        loss, m = policy_loss(logprob, torch.zeros_like(ratios), adv, mask, 0.2, 0.2, 3.0,
-                              loss_agg_mode="seq-mean-token-sum")
+        loss, m = policy_loss(
+            logprob, torch.zeros_like(ratios), adv, mask, 0.2, 0.2, 3.0, loss_agg_mode="seq-mean-token-sum"
+        )
         per_token = []
         for r in ratios[0].tolist():
             ppo = max(-a * r, -a * min(max(r, 0.8), 1.2))
@@ -128,8 +137,9 @@ def test_dual_clip_bounds_negative_advantage_loss():
         assert m["pg_clipfrac_dual"].item() == pytest.approx(4 / 7)
         assert m["pg_clipfrac_low"].item() == pytest.approx(1 / 7)
     # without the dual clip (PPO alone) the loss would be unbounded: check against the single-token value
-    loss, _ = policy_loss(torch.tensor([[math.log(1e8)]]), torch.zeros(1, 1), torch.tensor([[-1.0]]),
-                          torch.ones(1, 1), 0.2, 0.2, 3.0)
+    loss, _ = policy_loss(
+        torch.tensor([[math.log(1e8)]]), torch.zeros(1, 1), torch.tensor([[-1.0]]), torch.ones(1, 1), 0.2, 0.2, 3.0
+    )
     assert loss.item() == pytest.approx(3.0)
 
 
@@ -166,8 +176,14 @@ def test_masked_tokens_have_no_effect(mode):
     ref = old + 0.3 * torch.randn(shape, generator=gen)
     adv = torch.randn(shape, generator=gen)
     entropy = torch.rand(shape, generator=gen)
-    cfg = RLConfig(loss_agg_mode=mode, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl",
-                   entropy_coeff=0.01, clip_ratio_high=0.28)
+    cfg = RLConfig(
+        loss_agg_mode=mode,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        kl_loss_type="low_var_kl",
+        entropy_coeff=0.01,
+        clip_ratio_high=0.28,
+    )
     base = _loss_and_grads(logprob, old, ref, adv, entropy, mask, cfg)
     pad = mask == 0
     garbage = [t.clone() for t in (logprob, old, ref, adv, entropy)]
@@ -197,8 +213,13 @@ def test_actor_loss_hand_values():
     assert m["loss"].item() == pytest.approx(loss.item())
     assert {"pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "pg_clipfrac_dual"} <= set(m)
     # k3 and seq-mean-token-sum-norm (horizon 4): every term is sum / 4
-    cfg = RLConfig(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", entropy_coeff=0.01,
-                   loss_agg_mode="seq-mean-token-sum-norm")
+    cfg = RLConfig(
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        kl_loss_type="k3",
+        entropy_coeff=0.01,
+        loss_agg_mode="seq-mean-token-sum-norm",
+    )
     k3 = (math.exp(-0.2) + 0.2 - 1) + (math.exp(0.4) - 0.4 - 1)
     loss, m = actor_loss(logprob, old, ref, adv, mask, entropy, cfg, max_response_len=4)
     assert m["kl_loss"].item() == pytest.approx(k3 / 4, abs=1e-6)
@@ -277,8 +298,7 @@ def test_gspo_equals_the_sequence_level_objective_and_ignores_token_outliers():
     # token log-ratios (+0.5, -0.5): PPO clips the first token (r = 1.65), GSPO's s = exp(0) = 1 clips nothing
     lp, zeros, one = torch.tensor([[0.5, -0.5]]), torch.zeros(1, 2), torch.ones(1, 2)
     _, ppo = policy_loss(lp, zeros, one, one, 0.2, 0.2)
-    gspo_loss, gspo = policy_loss(lp, zeros, one, one, 0.2, 0.2, loss_agg_mode="seq-mean-token-mean",
-                                  loss_type="gspo")
+    gspo_loss, gspo = policy_loss(lp, zeros, one, one, 0.2, 0.2, loss_agg_mode="seq-mean-token-mean", loss_type="gspo")
     assert ppo["pg_clipfrac"].item() == 0.5 and gspo["pg_clipfrac"].item() == 0.0
     assert gspo_loss.item() == pytest.approx(-1.0)
 
@@ -293,8 +313,9 @@ def test_cispo_clipped_weight_is_a_constant_and_every_token_keeps_its_gradient()
     loss, m = policy_loss(lp, old, adv, mask, 0.2, 0.28, loss_type="cispo")
     # -w * A * logprob: 1.28 * 1 * 1 = 1.28; -0.8 * -1 * -2 = -1.6; -1.1 * 2 * -0.5 = 1.1; token mean over 3
     assert loss.item() == pytest.approx((1.28 - 1.6 + 1.1) / 3, abs=1e-6)
-    assert (m["pg_clipfrac"].item(), m["pg_clipfrac_high"].item(), m["pg_clipfrac_low"].item()) == \
-        pytest.approx((2 / 3, 1 / 3, 1 / 3))
+    assert (m["pg_clipfrac"].item(), m["pg_clipfrac_high"].item(), m["pg_clipfrac_low"].item()) == pytest.approx(
+        (2 / 3, 1 / 3, 1 / 3)
+    )
     loss.backward()
     # stop-gradient: d/dlp = -w * A (the ratio inside w gives nothing), also on the two clipped tokens
     torch.testing.assert_close(lp.grad, torch.tensor([[-1.28, 0.8, -2.2, 0.0]]) / 3, rtol=0, atol=1e-6)

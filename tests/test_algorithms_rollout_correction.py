@@ -32,8 +32,13 @@ UNCORRECTED = (-2.0 + 3.0) / 5
 
 
 def _cfg(level, mode="truncate", threshold=C, **rl):
-    return RLConfig(use_kl_loss=False, rollout_correction=RolloutCorrectionConfig(
-        rollout_is=level, rollout_is_mode=mode, rollout_is_threshold=threshold), **rl)
+    return RLConfig(
+        use_kl_loss=False,
+        rollout_correction=RolloutCorrectionConfig(
+            rollout_is=level, rollout_is_mode=mode, rollout_is_threshold=threshold
+        ),
+        **rl,
+    )
 
 
 def _loss(cfg, engine=ENGINE):
@@ -93,8 +98,10 @@ def test_off_by_default_and_bit_identical_when_off():
 
 def test_resolver_auto_is_off_unless_one_step_off_policy():
     def rl(level="auto", bypass=False, one_step=False):
-        return RLConfig(one_step_off_policy=one_step,
-                        rollout_correction=RolloutCorrectionConfig(rollout_is=level, bypass_mode=bypass))
+        return RLConfig(
+            one_step_off_policy=one_step,
+            rollout_correction=RolloutCorrectionConfig(rollout_is=level, bypass_mode=bypass),
+        )
 
     assert resolve_rollout_is(rl()) == "off"
     assert resolve_rollout_is(rl(one_step=True)) == "token"
@@ -102,8 +109,9 @@ def test_resolver_auto_is_off_unless_one_step_off_policy():
     assert resolve_rollout_is(rl(None, one_step=True)) == "off"
     assert resolve_rollout_is(rl("sequence")) == "sequence" and resolve_rollout_is(rl("token")) == "token"
     # auto under one_step_off_policy is token-level truncation
-    cfg = RLConfig(use_kl_loss=False, one_step_off_policy=True,
-                   rollout_correction=RolloutCorrectionConfig(rollout_is_threshold=C))
+    cfg = RLConfig(
+        use_kl_loss=False, one_step_off_policy=True, rollout_correction=RolloutCorrectionConfig(rollout_is_threshold=C)
+    )
     assert _loss(cfg)[0].item() == pytest.approx(HAND["token", "truncate"], abs=1e-6)
 
 
@@ -130,9 +138,20 @@ def test_micro_batch_maxima_are_reduced_by_max(monkeypatch):
 
     monkeypatch.setattr(parallel_state, "get_data_parallel_group", lambda with_context_parallel=False: None)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
-    collected = [{"loss": torch.tensor(0.5), "rollout_corr/rollout_is_mean": torch.tensor(1.0),
-                  "rollout_corr/rollout_is_max": torch.tensor(3.0)},
-                 {"loss": torch.tensor(0.25), "rollout_corr/rollout_is_mean": torch.tensor(2.0),
-                  "rollout_corr/rollout_is_max": torch.tensor(1.5)}]
-    assert reduce_over_replicas(collected) == {"loss": 0.75, "rollout_corr/rollout_is_mean": 1.5,
-                                               "rollout_corr/rollout_is_max": 3.0}
+    collected = [
+        {
+            "loss": torch.tensor(0.5),
+            "rollout_corr/rollout_is_mean": torch.tensor(1.0),
+            "rollout_corr/rollout_is_max": torch.tensor(3.0),
+        },
+        {
+            "loss": torch.tensor(0.25),
+            "rollout_corr/rollout_is_mean": torch.tensor(2.0),
+            "rollout_corr/rollout_is_max": torch.tensor(1.5),
+        },
+    ]
+    assert reduce_over_replicas(collected) == {
+        "loss": 0.75,
+        "rollout_corr/rollout_is_mean": 1.5,
+        "rollout_corr/rollout_is_max": 3.0,
+    }

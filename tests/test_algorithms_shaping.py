@@ -16,8 +16,13 @@ def test_filter_zero_variance_groups_counts():
     keep, m = filter_zero_variance_groups(scores, groups)
     assert keep.dtype == torch.bool
     assert keep.tolist() == [True, False, True, False, False, False, False, True, True, True]
-    assert m == {"num_groups": 5, "num_groups_kept": 2, "num_groups_dropped": 3, "num_samples_kept": 5,
-                 "num_samples_dropped": 5}
+    assert m == {
+        "num_groups": 5,
+        "num_groups_kept": 2,
+        "num_groups_dropped": 3,
+        "num_samples_kept": 5,
+        "num_samples_dropped": 5,
+    }
 
 
 def test_filter_all_informative_and_all_uniform():
@@ -33,8 +38,9 @@ def test_overlong_penalty_hand_values():
     expected = torch.tensor([0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0])
     torch.testing.assert_close(overlong_penalty(lengths, 20, 4, 1.0), expected)
     torch.testing.assert_close(overlong_penalty(lengths, 20, 4, 0.5), expected * 0.5)
-    torch.testing.assert_close(overlong_penalty(lengths, 20, 20, 2.0),
-                               torch.tensor([-1.0, -1.6, -1.7, -1.8, -1.9, -2.0, -2.0]))
+    torch.testing.assert_close(
+        overlong_penalty(lengths, 20, 20, 2.0), torch.tensor([-1.0, -1.6, -1.7, -1.8, -1.9, -2.0, -2.0])
+    )
     with pytest.raises(ValueError, match="buffer_len"):
         overlong_penalty(lengths, 20, 0, 1.0)
     with pytest.raises(ValueError, match="buffer_len"):

@@ -5,10 +5,16 @@ import budget
 
 def test_a_file_over_its_share_is_reported_and_over_twice_it_fails():
     share = budget.share("tests/test_trainer.py")
-    warn, fail = budget.over_budget({"tests/test_trainer.py": share * 1.5, "tests/test_new.py": 1.0,
-                                     "tests/test_other_new.py": budget.DEFAULT_SHARE_S * 2.5})
-    assert warn == [f"SUITE BUDGET: tests/test_trainer.py took {share * 1.5:.0f} s, its share is {share:.0f} s "
-                    "(tests/budget.py)"]
+    warn, fail = budget.over_budget(
+        {
+            "tests/test_trainer.py": share * 1.5,
+            "tests/test_new.py": 1.0,
+            "tests/test_other_new.py": budget.DEFAULT_SHARE_S * 2.5,
+        }
+    )
+    assert warn == [
+        f"SUITE BUDGET: tests/test_trainer.py took {share * 1.5:.0f} s, its share is {share:.0f} s (tests/budget.py)"
+    ]
     assert len(fail) == 1 and "tests/test_other_new.py" in fail[0]  # an unlisted file gets the default share
 
 

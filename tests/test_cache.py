@@ -31,6 +31,7 @@ def _writer(calls: list[str], text: str = "bytes"):
         (staging / "sub").mkdir()
         (staging / "sub" / "a.txt").write_text(text)
         (staging / "b.bin").write_bytes(b"\0\1\2")
+
     return build
 
 
@@ -109,8 +110,10 @@ def test_the_key_follows_arguments_sources_and_versions(monkeypatch):
     assert cache.key("k", {"seed": 0}, modules) != base
 
 
-_KEY_SCRIPT = ("from mm_rl import cache; from mm_rl.demo.tiny import _build_args, build_sources; "
-               "print(cache.key('tiny', _build_args('qwen2_5vl', 0, False, {}), build_sources('qwen2_5vl')))")
+_KEY_SCRIPT = (
+    "from mm_rl import cache; from mm_rl.demo.tiny import _build_args, build_sources; "
+    "print(cache.key('tiny', _build_args('qwen2_5vl', 0, False, {}), build_sources('qwen2_5vl')))"
+)
 
 
 def test_a_changed_byte_of_the_builder_gives_a_new_key(tmp_path):
@@ -120,8 +123,9 @@ def test_a_changed_byte_of_the_builder_gives_a_new_key(tmp_path):
 
     def key() -> str:
         env = dict(os.environ, PYTHONPATH=str(tmp_path))
-        done = subprocess.run([sys.executable, "-c", _KEY_SCRIPT], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", _KEY_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, check=True
+        )
         return done.stdout.strip()
 
     before = key()

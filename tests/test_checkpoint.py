@@ -34,8 +34,12 @@ def states(step: int, tp: int = 2, pp: int = 1) -> dict:
 
 
 def trainer_state(step: int) -> dict:
-    return {"step": step, "sampler": {"epoch": 0, "index": step * 8}, "metrics": [{"reward": 0.5}] * step,
-            "kl_ctl": {"value": 0.01}}
+    return {
+        "step": step,
+        "sampler": {"epoch": 0, "index": step * 8},
+        "metrics": [{"reward": 0.5}] * step,
+        "kl_ctl": {"value": 0.01},
+    }
 
 
 def assert_same(a: object, b: object) -> None:
@@ -110,8 +114,11 @@ def test_keep_last_prunes_oldest(tmp_path):
     for step in (1, 2, 3, 4):
         mgr.save(step, states(step, tp=1), trainer_state(step))
     assert mgr.complete_steps() == [3, 4]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003", "iter_0000004",
-                                                         "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000003",
+        "iter_0000004",
+        "latest_checkpointed_iteration.txt",
+    ]
     # re-saving an older step than the kept ones never deletes the one just written
     mgr.save(1, states(1, tp=1), trainer_state(1))
     assert 1 in mgr.complete_steps() and mgr.latest() == 1
@@ -130,6 +137,7 @@ def test_latest_falls_back_with_warning(tmp_path, caplog):
     partial.mkdir(parents=True)
     (partial / "model_optim_rng.pt").write_bytes(b"half")
     import shutil
+
     shutil.rmtree(tmp_path / "iter_0000003")
     with caplog.at_level(logging.WARNING, logger="mm_rl.checkpoint"):
         assert mgr.latest() == 2

@@ -15,8 +15,11 @@ from mm_rl_cli.main import main
 
 B = "backend_config"
 MT, RL, TRAIN, ACTOR = f"{B}.megatron_training", f"{B}.rl_config", f"{B}.training", f"{B}.actor_config"
-GEN, SAMPLING, VAL = f"{B}.generate_config", f"{B}.generate_config.sampling_config", \
-    f"{B}.generate_config.val_sampling_config"
+GEN, SAMPLING, VAL = (
+    f"{B}.generate_config",
+    f"{B}.generate_config.sampling_config",
+    f"{B}.generate_config.val_sampling_config",
+)
 DATA = f"{B}.data.dataset_param.basic_parameters"
 TEXT = f"{B}.model.text_decoder"
 HF_DIR = f"{B}.convert_ckpt_hf2mg.cfg.hf_config.hf_dir"
@@ -88,21 +91,27 @@ def test_sampling_temperature_and_greedy_validation_are_accepted(check):
     assert check(f"{SAMPLING}.temperature=0.7", f"{VAL}.temperature=0") == []
 
 
-@pytest.mark.parametrize(("override", "key"), [
-    (f"{SAMPLING}.top_p=0", f"{SAMPLING}.top_p"),
-    (f"{SAMPLING}.top_p=1.5", f"{SAMPLING}.top_p"),
-    (f"{SAMPLING}.top_k=-2", f"{SAMPLING}.top_k"),
-    (f"{VAL}.top_p=0", f"{VAL}.top_p"),
-    (f"{VAL}.top_k=-5", f"{VAL}.top_k"),
-])
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        (f"{SAMPLING}.top_p=0", f"{SAMPLING}.top_p"),
+        (f"{SAMPLING}.top_p=1.5", f"{SAMPLING}.top_p"),
+        (f"{SAMPLING}.top_k=-2", f"{SAMPLING}.top_k"),
+        (f"{VAL}.top_p=0", f"{VAL}.top_p"),
+        (f"{VAL}.top_k=-5", f"{VAL}.top_k"),
+    ],
+)
 def test_top_p_and_top_k_outside_what_the_engine_takes_are_rejected(check, override, key):
     assert "(off)" in rejected(check(override), key).fix
 
 
-@pytest.mark.parametrize("overrides", [
-    [f"{SAMPLING}.top_k=0", f"{VAL}.top_k=-1"],  # both mean off, in vLLM as in the HF engine
-    [f"{SAMPLING}.top_k=50", f"{SAMPLING}.top_p=0.9", f"{VAL}.top_p=1.0"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [f"{SAMPLING}.top_k=0", f"{VAL}.top_k=-1"],  # both mean off, in vLLM as in the HF engine
+        [f"{SAMPLING}.top_k=50", f"{SAMPLING}.top_p=0.9", f"{VAL}.top_p=1.0"],
+    ],
+)
 def test_valid_top_p_and_top_k_are_accepted(check, overrides):
     assert check(*overrides) == []
 
@@ -118,13 +127,16 @@ def test_positive_lr_is_accepted(check):
     assert check(f"{ACTOR}.lr=1e-4") == []
 
 
-@pytest.mark.parametrize(("overrides", "key"), [
-    ([f"{RL}.kl_loss_coef=-0.1"], f"{RL}.kl_loss_coef"),
-    ([f"{RL}.kl_ctrl.kl_coef=-0.001"], f"{RL}.kl_ctrl.kl_coef"),
-    ([f"{RL}.kl_ctrl.type=adaptive", f"{RL}.kl_ctrl.target_kl=0"], f"{RL}.kl_ctrl.target_kl"),
-    ([f"{RL}.kl_ctrl.type=adaptive", f"{RL}.kl_ctrl.horizon=0"], f"{RL}.kl_ctrl.horizon"),
-    ([f"{TRAIN}.clip-grad=-1"], f"{TRAIN}.clip-grad"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ([f"{RL}.kl_loss_coef=-0.1"], f"{RL}.kl_loss_coef"),
+        ([f"{RL}.kl_ctrl.kl_coef=-0.001"], f"{RL}.kl_ctrl.kl_coef"),
+        ([f"{RL}.kl_ctrl.type=adaptive", f"{RL}.kl_ctrl.target_kl=0"], f"{RL}.kl_ctrl.target_kl"),
+        ([f"{RL}.kl_ctrl.type=adaptive", f"{RL}.kl_ctrl.horizon=0"], f"{RL}.kl_ctrl.horizon"),
+        ([f"{TRAIN}.clip-grad=-1"], f"{TRAIN}.clip-grad"),
+    ],
+)
 def test_negative_kl_weights_and_clip_grad_are_rejected(check, overrides, key):
     rejected(check(*overrides), key)
 
@@ -165,12 +177,15 @@ def test_seq_length_within_the_positions_is_accepted(check):
 
 
 # ------------------------------------------------------------------------------------------- HF checkpoint
-@pytest.mark.parametrize(("missing", "key", "named"), [
-    ("config.json", HF_DIR, "config.json"),
-    ("model.safetensors", HF_DIR, "*.safetensors"),
-    ("tokenizer.json", PROCESSOR_DIR, "tokenizer"),
-    ("chat_template.jinja", PROCESSOR_DIR, "chat template"),
-])
+@pytest.mark.parametrize(
+    ("missing", "key", "named"),
+    [
+        ("config.json", HF_DIR, "config.json"),
+        ("model.safetensors", HF_DIR, "*.safetensors"),
+        ("tokenizer.json", PROCESSOR_DIR, "tokenizer"),
+        ("chat_template.jinja", PROCESSOR_DIR, "chat template"),
+    ],
+)
 def test_checkpoint_without_its_files_is_rejected(check, tmp_path, missing, key, named):
     (tmp_path / "tiny_hf" / missing).unlink()
     problem = rejected(check(), key)
@@ -186,8 +201,9 @@ def test_chat_template_in_tokenizer_config_is_accepted(check, tmp_path):
 def test_missing_checkpoint_dir_is_reported_once(check, tmp_path):
     problem = rejected(check(f"{MT}.tokenizer_name_or_path={tmp_path / 'nowhere'}"), HF_DIR)
     assert "does not exist" in problem.rule
-    problem = rejected(check(f"{PROCESSOR_DIR}={tmp_path / 'nowhere'}", f"{HF_DIR}={tmp_path / 'tiny_hf'}"),
-                       PROCESSOR_DIR)  # set apart from hf_dir, which otherwise follows it
+    problem = rejected(
+        check(f"{PROCESSOR_DIR}={tmp_path / 'nowhere'}", f"{HF_DIR}={tmp_path / 'tiny_hf'}"), PROCESSOR_DIR
+    )  # set apart from hf_dir, which otherwise follows it
     assert "does not exist" in problem.rule
 
 
@@ -281,8 +297,10 @@ def test_save_dir_that_cannot_be_written_is_rejected(check, tmp_path):
 
 def test_unwritable_output_dir_is_reported_once_for_the_paths_under_it(check, tmp_path):
     (tmp_path / "afile").write_text("")
-    inputs = [f"{MT}.tokenizer_name_or_path={tmp_path / 'tiny_hf'}",
-              f"{DATA}.dataset_dir={tmp_path / 'geo3k_synthetic'}"]
+    inputs = [
+        f"{MT}.tokenizer_name_or_path={tmp_path / 'tiny_hf'}",
+        f"{DATA}.dataset_dir={tmp_path / 'geo3k_synthetic'}",
+    ]
     rejected(check(*inputs, f"af_output_dir={tmp_path / 'afile' / 'out'}"), "af_output_dir")  # not save, mm_dir...
 
 
@@ -330,10 +348,12 @@ def test_token_budget_below_the_longest_sample_is_rejected(check, name):
 
 
 def test_token_budgets_that_hold_the_longest_sample_are_accepted_and_free_gbs_from_mbs(check):
-    budgets = (f"{ACTOR}.max_tokens_per_micro_batch=640",
-               f"{ACTOR}.log_prob_max_tokens_per_micro_batch=2560")
+    budgets = (f"{ACTOR}.max_tokens_per_micro_batch=640", f"{ACTOR}.log_prob_max_tokens_per_micro_batch=2560")
     assert check(*budgets) == []
-    assert check(*budgets, f"{MT}.global_batch_size=12",
-                 f"{RL}.rollout_batch_size=3", f"{RL}.n_samples_per_prompt=4") == []  # not a multiple of MBS 8
-    assert check(f"{MT}.global_batch_size=12", f"{RL}.rollout_batch_size=3",
-                 f"{RL}.n_samples_per_prompt=4") != []  # without a budget it must be
+    assert (
+        check(*budgets, f"{MT}.global_batch_size=12", f"{RL}.rollout_batch_size=3", f"{RL}.n_samples_per_prompt=4")
+        == []
+    )  # not a multiple of MBS 8
+    assert (
+        check(f"{MT}.global_batch_size=12", f"{RL}.rollout_batch_size=3", f"{RL}.n_samples_per_prompt=4") != []
+    )  # without a budget it must be

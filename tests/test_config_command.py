@@ -10,8 +10,18 @@ from mm_rl.config.schema import ModelConfig
 from mm_rl.job.create import ClusterSpec, create_job
 from mm_rl_cli.main import main
 
-REAL = ["qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b", "qwen2_vl_2b", "qwen2_vl_72b",
-        "qwen3_vl_2b", "qwen3_vl_32b", "qwen3_vl_30b_a3b", "qwen3_vl_235b_a22b"]
+REAL = [
+    "qwen2_5_vl_3b",
+    "qwen2_5_vl_7b",
+    "qwen2_5_vl_32b",
+    "qwen2_5_vl_72b",
+    "qwen2_vl_2b",
+    "qwen2_vl_72b",
+    "qwen3_vl_2b",
+    "qwen3_vl_32b",
+    "qwen3_vl_30b_a3b",
+    "qwen3_vl_235b_a22b",
+]
 
 
 def preset_model(name):
@@ -30,9 +40,26 @@ def paths(tmp_path):
 def test_config_output_passes_check(model, nodes, tmp_path, paths, capsys):
     write_hf_dir(tmp_path / "hf", model=model)
     out = tmp_path / "job.yaml"
-    argv = ["config", "--backend", "mm_rl", "--af_model_name", model, "--exp_name", "e", "--output_file_path",
-            str(out), "--nnodes", str(nodes), "--nproc_per_node", "8", "--device", "npu", *paths,
-            f"--af_output_dir={tmp_path / 'out'}", "--allow-oversubscribe"]  # 72B on few nodes exceeds 64 GiB
+    argv = [
+        "config",
+        "--backend",
+        "mm_rl",
+        "--af_model_name",
+        model,
+        "--exp_name",
+        "e",
+        "--output_file_path",
+        str(out),
+        "--nnodes",
+        str(nodes),
+        "--nproc_per_node",
+        "8",
+        "--device",
+        "npu",
+        *paths,
+        f"--af_output_dir={tmp_path / 'out'}",
+        "--allow-oversubscribe",
+    ]  # 72B on few nodes exceeds 64 GiB
     assert main(argv) == 0
     assert main(["check", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -49,9 +76,23 @@ def test_config_output_passes_check(model, nodes, tmp_path, paths, capsys):
 
 def test_config_overrides_and_single_source(tmp_path, paths):
     out = tmp_path / "job.yaml"
-    assert main(["config", "--af_model_name", "qwen2_5_vl_7b", "--output_file_path", str(out), "--nproc_per_node",
-                 "8", *paths, "--backend_config.actor_config.tensor_model_parallel_size=4",
-                 "--backend_config.actor_config.lr=2.5e-5"]) == 0
+    assert (
+        main(
+            [
+                "config",
+                "--af_model_name",
+                "qwen2_5_vl_7b",
+                "--output_file_path",
+                str(out),
+                "--nproc_per_node",
+                "8",
+                *paths,
+                "--backend_config.actor_config.tensor_model_parallel_size=4",
+                "--backend_config.actor_config.lr=2.5e-5",
+            ]
+        )
+        == 0
+    )
     cfg = load_job(out)
     assert cfg.backend_config.training.tensor_model_parallel_size == 4
     assert cfg.backend_config.convert_ckpt_mg2hf.cfg.parallel_config.tp_size == 4
@@ -68,8 +109,19 @@ def test_unknown_model_and_backend_list_the_known(capsys):
 
 def test_config_rejects_a_bad_override_without_writing(tmp_path, capsys):
     out = tmp_path / "job.yaml"
-    assert main(["config", "--af_model_name", "qwen2_5_vl_7b", "--output_file_path", str(out),
-                 "--backend_config.actor_config.tensor_model_parallel_size=3"]) == 1
+    assert (
+        main(
+            [
+                "config",
+                "--af_model_name",
+                "qwen2_5_vl_7b",
+                "--output_file_path",
+                str(out),
+                "--backend_config.actor_config.tensor_model_parallel_size=3",
+            ]
+        )
+        == 1
+    )
     assert "TP must divide" in capsys.readouterr().err
     assert not out.exists()
 
@@ -151,10 +203,23 @@ def test_tiny_config_builds_its_model_and_data_and_passes_check(tiny_base, capsy
     assert cfg.env.DEVICE == "cpu" and cfg.backend_config.model.text_decoder.vocab_size == 1024
 
 
-@pytest.mark.parametrize(("model", "billions"), [
-    ("qwen2_5_vl_3b", 3.75), ("qwen2_5_vl_7b", 8.29), ("qwen2_5_vl_72b", 73.4), ("qwen2_vl_2b", 2.21),
-    ("qwen2_vl_7b", 8.29), ("qwen2_vl_72b", 73.4), ("qwen3_vl_2b", 2.13), ("qwen3_vl_4b", 4.44),
-    ("qwen3_vl_8b", 8.77), ("qwen3_vl_32b", 33.4), ("qwen3_vl_30b_a3b", 31.1), ("qwen3_vl_235b_a22b", 236)])
+@pytest.mark.parametrize(
+    ("model", "billions"),
+    [
+        ("qwen2_5_vl_3b", 3.75),
+        ("qwen2_5_vl_7b", 8.29),
+        ("qwen2_5_vl_72b", 73.4),
+        ("qwen2_vl_2b", 2.21),
+        ("qwen2_vl_7b", 8.29),
+        ("qwen2_vl_72b", 73.4),
+        ("qwen3_vl_2b", 2.13),
+        ("qwen3_vl_4b", 4.44),
+        ("qwen3_vl_8b", 8.77),
+        ("qwen3_vl_32b", 33.4),
+        ("qwen3_vl_30b_a3b", 31.1),
+        ("qwen3_vl_235b_a22b", 236),
+    ],
+)
 def test_presets_have_the_published_parameter_counts(model, billions):
     """The planner's parameter count of each preset matches the model card's (safetensors total), so the presets'
     shapes and the memory estimates built on them are those of the published checkpoints."""
@@ -169,9 +234,26 @@ def test_moe_plans_spread_the_experts(model, tmp_path, paths):
     experts with EP inside DP, and passes check."""
     write_hf_dir(tmp_path / "hf", model=model)
     out = tmp_path / "job.yaml"
-    argv = ["config", "--backend", "mm_rl", "--af_model_name", model, "--exp_name", "e", "--output_file_path",
-            str(out), "--nnodes", "4", "--nproc_per_node", "8", "--device", "npu", *paths,
-            f"--af_output_dir={tmp_path / 'out'}", "--allow-oversubscribe"]
+    argv = [
+        "config",
+        "--backend",
+        "mm_rl",
+        "--af_model_name",
+        model,
+        "--exp_name",
+        "e",
+        "--output_file_path",
+        str(out),
+        "--nnodes",
+        "4",
+        "--nproc_per_node",
+        "8",
+        "--device",
+        "npu",
+        *paths,
+        f"--af_output_dir={tmp_path / 'out'}",
+        "--allow-oversubscribe",
+    ]
     assert main(argv) == 0 and main(["check", str(out)]) == 0
     b = load_job(out).backend_config
     ep, tp = b.actor_config.expert_model_parallel_size, b.actor_config.tensor_model_parallel_size

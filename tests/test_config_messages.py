@@ -57,8 +57,10 @@ backend_config:
 
 def test_a_typo_and_a_type_error_do_not_hide_the_rules(tmp_path):
     found = problems(FIVE_MISTAKES, tmp_path=tmp_path)
-    assert [(v.key, v.rule) for v in found[:2]] == [(f"{ACTOR}.micro_batch_sise", "unknown key"),
-                                                    (f"{TRAIN}.seq-length", "expected an integer")]
+    assert [(v.key, v.rule) for v in found[:2]] == [
+        (f"{ACTOR}.micro_batch_sise", "unknown key"),
+        (f"{TRAIN}.seq-length", "expected an integer"),
+    ]
     assert {v.key for v in found[2:]} == {f"{ACTOR}.min_lr", f"{TRAIN}.lr-warmup-fraction", f"{TEXT}.mrope_section"}
     assert len(found) == 5 and all(v.fix for v in found)
 
@@ -75,8 +77,11 @@ def test_check_prints_all_five_without_a_traceback(tmp_path, capsys):
 
 def test_a_rule_that_would_judge_a_broken_value_is_left_out(tmp_path):
     # 3 prompts x 8 samples = 24: GBS 16 (the default standing in for the broken value) would not divide them.
-    typed = problems("backend_config:\n  megatron_training: {global_batch_size: sixteen}\n",
-                     f"{RL}.rollout_batch_size=3", tmp_path=tmp_path)
+    typed = problems(
+        "backend_config:\n  megatron_training: {global_batch_size: sixteen}\n",
+        f"{RL}.rollout_batch_size=3",
+        tmp_path=tmp_path,
+    )
     assert [(v.key, v.rule) for v in typed] == [(GBS, "expected an integer")]
     misspelt = problems(None, f"{MT}.global_batch_sise=24", f"{RL}.rollout_batch_size=3")
     assert [(v.key, v.rule) for v in misspelt] == [(f"{MT}.global_batch_sise", "unknown key")]
@@ -93,13 +98,16 @@ def test_load_job_keeps_reporting_only_what_loading_finds(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------- followers
-@pytest.mark.parametrize(("follower", "value", "source"), [
-    (f"{RL}.mini_batch_size", 8, GBS),
-    (f"{GEN}.sampling_config.n", 4, f"{RL}.n_samples_per_prompt"),
-    (f"{TRAIN}.lr", 3e-6, f"{ACTOR}.lr"),
-    # hf_dir follows model_name_or_path, which follows the checkpoint path: the fix names where it is set
-    ("backend_config.convert_ckpt_hf2mg.cfg.hf_config.hf_dir", "/other", f"{MT}.tokenizer_name_or_path"),
-])
+@pytest.mark.parametrize(
+    ("follower", "value", "source"),
+    [
+        (f"{RL}.mini_batch_size", 8, GBS),
+        (f"{GEN}.sampling_config.n", 4, f"{RL}.n_samples_per_prompt"),
+        (f"{TRAIN}.lr", 3e-6, f"{ACTOR}.lr"),
+        # hf_dir follows model_name_or_path, which follows the checkpoint path: the fix names where it is set
+        ("backend_config.convert_ckpt_hf2mg.cfg.hf_config.hf_dir", "/other", f"{MT}.tokenizer_name_or_path"),
+    ],
+)
 def test_a_changed_follower_is_rejected_naming_its_source(follower, value, source, tmp_path):
     from_override = by_key(problems(None, f"{follower}={value}"))
     section, _, leaf = follower.rpartition(".")
@@ -122,16 +130,16 @@ def test_a_follower_equal_to_its_source_or_a_derived_path_is_accepted():
 
 def test_config_rejects_a_changed_follower(tmp_path, capsys):
     out = tmp_path / "job.yaml"
-    assert main(["config", "--af_model_name", "tiny", "--output_file_path", str(out),
-                 f"--{RL}.mini_batch_size=3"]) == 1
+    assert main(["config", "--af_model_name", "tiny", "--output_file_path", str(out), f"--{RL}.mini_batch_size=3"]) == 1
     err = capsys.readouterr().err
     assert f"{RL}.mini_batch_size = 3" in err and f"set {GBS} instead" in err
     assert not out.exists()
 
 
 # ------------------------------------------------------------------------------------- config's flags
-@pytest.mark.parametrize(("flag", "value"), [("--nnodes", "0"), ("--nnodes", "-1"), ("--nproc_per_node", "0"),
-                                             ("--device_memory_gb", "0")])
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--nnodes", "0"), ("--nnodes", "-1"), ("--nproc_per_node", "0"), ("--device_memory_gb", "0")]
+)
 def test_config_rejects_a_cluster_without_devices(flag, value, tmp_path, capsys):
     out = tmp_path / "job.yaml"
     assert main(["config", "--af_model_name", "qwen2_5_vl_3b", "--output_file_path", str(out), flag, value]) == 1
@@ -142,8 +150,10 @@ def test_config_rejects_a_cluster_without_devices(flag, value, tmp_path, capsys)
 
 def test_config_names_an_output_path_it_cannot_write(tmp_path, capsys):
     (tmp_path / "afile").write_text("")
-    assert main(["config", "--af_model_name", "qwen2_5_vl_3b", "--output_file_path",
-                 str(tmp_path / "afile" / "job.yaml")]) == 1
+    assert (
+        main(["config", "--af_model_name", "qwen2_5_vl_3b", "--output_file_path", str(tmp_path / "afile" / "job.yaml")])
+        == 1
+    )
     err = capsys.readouterr().err
     assert "--output_file_path" in err and f"{tmp_path / 'afile'} is a file, not a directory" in err
     assert main(["config", "--af_model_name", "qwen2_5_vl_3b", "--output_file_path", str(tmp_path)]) == 1
@@ -162,8 +172,7 @@ def test_config_refuses_a_plan_beyond_the_device_memory(tmp_path, capsys):
     assert not out.exists()
     assert main([*argv, "--allow-oversubscribe"]) == 0
     assert "WARNING" in capsys.readouterr().out and out.exists()
-    assert main(["config", "--af_model_name", "qwen2_5_vl_72b", "--nnodes", "8", "--output_file_path",
-                 str(out)]) == 0
+    assert main(["config", "--af_model_name", "qwen2_5_vl_72b", "--nnodes", "8", "--output_file_path", str(out)]) == 0
 
 
 # ------------------------------------------------------------------------------------ misleading fixes
@@ -200,18 +209,21 @@ def test_gbs_advice_waits_for_a_whole_dp():
 
 def test_vocab_padding_advice():
     # make-vocab-size-divisible-by is 1: only TP can be wrong, and tp_divides says so
-    found = by_key(problems(None, f"{TEXT}.vocab_size=152065", "env.NPROC_PER_NODE=2", f"{TP}=2",
-                            f"{TEXT}.num_query_groups=4"))
+    found = by_key(
+        problems(None, f"{TEXT}.vocab_size=152065", "env.NPROC_PER_NODE=2", f"{TP}=2", f"{TEXT}.num_query_groups=4")
+    )
     assert list(found) == [TP] and f"{TEXT}.vocab_size = 152065" in found[TP][0].rule
     (pad,) = by_key(problems(None, f"{TRAIN}.make-vocab-size-divisible-by=1000"))[
-        f"{TRAIN}.make-vocab-size-divisible-by"]
+        f"{TRAIN}.make-vocab-size-divisible-by"
+    ]
     assert pad.fix == "use a divisor of vocab / TP = 152064, e.g. 864"
     assert problems(None, f"{TRAIN}.make-vocab-size-divisible-by=864") == []
 
 
 def test_relative_paths_say_where_they_are_read_from(tmp_path, capsys):
-    (tmp_path / "job.yaml").write_text("backend_config:\n  data:\n    dataset_param:\n      basic_parameters:\n"
-                                       "        dataset_dir: no_such_data\n")
+    (tmp_path / "job.yaml").write_text(
+        "backend_config:\n  data:\n    dataset_param:\n      basic_parameters:\n        dataset_dir: no_such_data\n"
+    )
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:

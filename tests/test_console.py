@@ -23,15 +23,26 @@ from trainer_utils import job_for
 from mm_rl.trainer import runtime
 from mm_rl.trainer.runtime import LOG_ENV, VERBOSE_ENV, WORKER_LOG, Resources
 
-RESOURCES = Resources(device="cpu", world_size=1, bundle_cpus=1.0, actor_share=0.5, ref_share=0.5,
-                      device_share_actor=0.4, device_share_ref=0.2, device_share_rollout=0.4, threads=1)
+RESOURCES = Resources(
+    device="cpu",
+    world_size=1,
+    bundle_cpus=1.0,
+    actor_share=0.5,
+    ref_share=0.5,
+    device_share_actor=0.4,
+    device_share_ref=0.2,
+    device_share_rollout=0.4,
+    threads=1,
+)
 
 
 def _job(out_dir: Path, address: str | None = None) -> SimpleNamespace:
     """What the connection reads of a job."""
-    return SimpleNamespace(af_output_dir=str(out_dir), env=SimpleNamespace(RAY_ADDRESS=address),
-                           backend_config=SimpleNamespace(rl_config=SimpleNamespace(
-                               reward=SimpleNamespace(num_workers=1))))
+    return SimpleNamespace(
+        af_output_dir=str(out_dir),
+        env=SimpleNamespace(RAY_ADDRESS=address),
+        backend_config=SimpleNamespace(rl_config=SimpleNamespace(reward=SimpleNamespace(num_workers=1))),
+    )
 
 
 # ------------------------------------------------------------------------------------------- the worker's side
@@ -49,8 +60,14 @@ def _worker(env: dict[str, str]) -> str:
     """A process running the workers' set-up hook, then writing from Python, C and a child; what its console got."""
     import os
 
-    done = subprocess.run([sys.executable, "-c", WORKER], env={**os.environ, **env}, capture_output=True, text=True,
-                          timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return done.stdout + done.stderr
 
 
@@ -191,8 +208,9 @@ def test_the_engines_thread_binding_warning_is_dropped():
         return logging.LogRecord("vllm.v1.worker.cpu_worker", logging.WARNING, __file__, 1, message, None, None)
 
     drop = _DropThreadBindingWarning()
-    assert not drop.filter(record("CPU backend doesn't allow to use `torch.set_num_threads` after the thread "
-                                  "binding, skip it."))
+    assert not drop.filter(
+        record("CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.")
+    )
     assert drop.filter(record("libtcmalloc is not found in LD_PRELOAD."))
 
 

@@ -61,15 +61,18 @@ def parallel(tp, vit, llm, ep=1):
 
 
 def model_for(hf_dir, vit, llm):
-    model = model_config_from_hf(hf_dir, {"text_decoder": {"num_layers": sum(llm)},
-                                          "image_encoder": {"vision_encoder": {"num_layers": sum(vit)}}})
+    model = model_config_from_hf(
+        hf_dir,
+        {"text_decoder": {"num_layers": sum(llm)}, "image_encoder": {"vision_encoder": {"num_layers": sum(vit)}}},
+    )
     model.text_decoder.pipeline_num_layers, model.image_encoder.vision_encoder.pipeline_num_layers = llm, vit
     return model
 
 
 def to_mg(hf_dir, mm_dir, tp, vit, llm, model=None, ep=1):
-    cfg = Hf2MgCfg(mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(hf_dir)),
-                   parallel_config=parallel(tp, vit, llm, ep))
+    cfg = Hf2MgCfg(
+        mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel(tp, vit, llm, ep)
+    )
     return hf2mg(cfg, model or model_for(hf_dir, vit, llm))
 
 
@@ -126,8 +129,13 @@ def test_round_trip_is_bit_exact(hf_dir, layout, tmp_path):
     out = to_hf(hf_dir, mm_dir, tmp_path / "hf", tp, vit, llm)
     assert_same_tensors(hf_tensors(hf_dir), hf_tensors(out))
     assert json.loads((out / "config.json").read_text()) == json.loads((hf_dir / "config.json").read_text())
-    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json", "chat_template.jinja",
-                 "generation_config.json"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "preprocessor_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    ):
         assert (out / name).read_bytes() == (hf_dir / name).read_bytes()
 
 
@@ -141,22 +149,46 @@ def test_bf16_stays_bf16(tiny_untied, tmp_path):
 # -------------------------------------------------------------------------------------- layout by hand
 def vit_keys(i):
     p = f"image_encoder.encoder.blocks.layers.{i}."
-    return {p + k for k in ("input_layernorm.weight", "self_attention.linear_qkv.weight",
-                            "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight",
-                            "self_attention.linear_proj.bias", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
-                            "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")}
+    return {
+        p + k
+        for k in (
+            "input_layernorm.weight",
+            "self_attention.linear_qkv.weight",
+            "self_attention.linear_qkv.bias",
+            "self_attention.linear_proj.weight",
+            "self_attention.linear_proj.bias",
+            "pre_mlp_layernorm.weight",
+            "mlp.linear_fc1.weight",
+            "mlp.linear_fc1.bias",
+            "mlp.linear_fc2.weight",
+            "mlp.linear_fc2.bias",
+        )
+    }
 
 
 def llm_keys(i):
     p = f"text_decoder.decoder.layers.{i}."
-    return {p + k for k in ("input_layernorm.weight", "self_attention.linear_qkv.weight",
-                            "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight",
-                            "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")}
+    return {
+        p + k
+        for k in (
+            "input_layernorm.weight",
+            "self_attention.linear_qkv.weight",
+            "self_attention.linear_qkv.bias",
+            "self_attention.linear_proj.weight",
+            "pre_mlp_layernorm.weight",
+            "mlp.linear_fc1.weight",
+            "mlp.linear_fc2.weight",
+        )
+    }
 
 
-MERGER = {"image_encoder.projector.layernorm.weight", "image_encoder.projector.encoder.linear_fc1.weight",
-          "image_encoder.projector.encoder.linear_fc1.bias", "image_encoder.projector.encoder.linear_fc2.weight",
-          "image_encoder.projector.encoder.linear_fc2.bias"}
+MERGER = {
+    "image_encoder.projector.layernorm.weight",
+    "image_encoder.projector.encoder.linear_fc1.weight",
+    "image_encoder.projector.encoder.linear_fc1.bias",
+    "image_encoder.projector.encoder.linear_fc2.weight",
+    "image_encoder.projector.encoder.linear_fc2.bias",
+}
 
 
 def test_on_disk_layout_tp2_pp2(tiny_untied, tmp_path):
@@ -165,11 +197,25 @@ def test_on_disk_layout_tp2_pp2(tiny_untied, tmp_path):
     assert (mm_dir / "latest_checkpointed_iteration.txt").read_bytes() == b"release"
     assert sorted(p.name for p in mm_dir.iterdir()) == ["latest_checkpointed_iteration.txt", "release"]
     assert sorted(p.name for p in (mm_dir / "release").iterdir()) == [
-        "hf2mg_source.json", "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
-    stage0 = ({"image_encoder.encoder.patch_embed.proj.weight", "text_decoder.embedding.word_embeddings.weight"}
-              | vit_keys(0) | vit_keys(1) | MERGER | llm_keys(0))
-    stage1 = (llm_keys(0) | llm_keys(1) | llm_keys(2)
-              | {"text_decoder.decoder.final_layernorm.weight", "text_decoder.output_layer.weight"})
+        "hf2mg_source.json",
+        "mp_rank_00_000",
+        "mp_rank_00_001",
+        "mp_rank_01_000",
+        "mp_rank_01_001",
+    ]
+    stage0 = (
+        {"image_encoder.encoder.patch_embed.proj.weight", "text_decoder.embedding.word_embeddings.weight"}
+        | vit_keys(0)
+        | vit_keys(1)
+        | MERGER
+        | llm_keys(0)
+    )
+    stage1 = (
+        llm_keys(0)
+        | llm_keys(1)
+        | llm_keys(2)
+        | {"text_decoder.decoder.final_layernorm.weight", "text_decoder.output_layer.weight"}
+    )
     for tp_rank in (0, 1):
         for pp_rank, keys in ((0, stage0), (1, stage1)):
             saved = rank_state(mm_dir, tp_rank, pp_rank, 2)
@@ -192,8 +238,9 @@ def test_on_disk_layout_tp2_pp2(tiny_untied, tmp_path):
     want = torch.cat([hf[m + "gate_proj.weight"][128:], hf[m + "up_proj.weight"][128:]])
     assert torch.equal(s1["text_decoder.decoder.layers.0.mlp.linear_fc1.weight"], want)
     assert torch.equal(s1["text_decoder.decoder.layers.0.mlp.linear_fc2.weight"], hf[m + "down_proj.weight"][:, 128:])
-    assert torch.equal(s1["text_decoder.decoder.layers.0.self_attention.linear_proj.weight"],
-                       hf[h + "o_proj.weight"][:, 64:])
+    assert torch.equal(
+        s1["text_decoder.decoder.layers.0.self_attention.linear_proj.weight"], hf[h + "o_proj.weight"][:, 64:]
+    )
     assert torch.equal(s1["text_decoder.output_layer.weight"], hf["lm_head.weight"][512:])
     assert torch.equal(s1["text_decoder.decoder.final_layernorm.weight"], hf["model.norm.weight"])
     # ViT qkv per head: fused [Q; K; V] (hidden 64, 4 heads of 16) -> [q_0, k_0, v_0, q_1, k_1, v_1] on rank 0.
@@ -205,16 +252,19 @@ def test_on_disk_layout_tp2_pp2(tiny_untied, tmp_path):
     assert torch.equal(s0["image_encoder.encoder.blocks.layers.1.mlp.linear_fc1.bias"], want)
     assert torch.equal(s0["image_encoder.encoder.blocks.layers.1.mlp.linear_fc2.bias"], hf[v + "down_proj.bias"])
     assert torch.equal(s0["image_encoder.projector.encoder.linear_fc1.weight"], hf["visual.merger.mlp.0.weight"][:128])
-    assert torch.equal(s0["image_encoder.projector.encoder.linear_fc2.weight"],
-                       hf["visual.merger.mlp.2.weight"][:, :128])
+    assert torch.equal(
+        s0["image_encoder.projector.encoder.linear_fc2.weight"], hf["visual.merger.mlp.2.weight"][:, :128]
+    )
     assert torch.equal(s0["text_decoder.embedding.word_embeddings.weight"], hf["model.embed_tokens.weight"][:512])
-    assert torch.equal(s0["text_decoder.decoder.layers.0.input_layernorm.weight"],
-                       hf["model.layers.0.input_layernorm.weight"])
+    assert torch.equal(
+        s0["text_decoder.decoder.layers.0.input_layernorm.weight"], hf["model.layers.0.input_layernorm.weight"]
+    )
 
 
 def test_rank_files_are_valid_zips_with_checksums_on_request(tiny_untied, tmp_path):
-    cfg = Hf2MgCfg(mm_dir=str(tmp_path / "mm"), hf_config=HfConfig(hf_dir=str(tiny_untied)),
-                   parallel_config=parallel(2, [2], [4]))
+    cfg = Hf2MgCfg(
+        mm_dir=str(tmp_path / "mm"), hf_config=HfConfig(hf_dir=str(tiny_untied)), parallel_config=parallel(2, [2], [4])
+    )
     mm_dir = hf2mg(cfg, model_for(tiny_untied, [2], [4]), zip_crc32=True)
     with zipfile.ZipFile(mm_dir / "release" / "mp_rank_01" / "model_optim_rng.pt") as archive:
         assert archive.testzip() is None
@@ -225,8 +275,10 @@ def test_tied_embeddings_output_copy(tiny_tied, tmp_path):
     embed = hf_tensors(tiny_tied)["model.embed_tokens.weight"]
     mm_dir = to_mg(tiny_tied, tmp_path / "pp2", 2, [2, 0], [1, 3])
     for rank in (0, 1):  # PP > 1: the last stage holds a copy of its vocab shard of the word embeddings
-        assert torch.equal(rank_state(mm_dir, rank, 1, 2)["model"]["text_decoder.output_layer.weight"],
-                           embed[rank * 512:(rank + 1) * 512])
+        assert torch.equal(
+            rank_state(mm_dir, rank, 1, 2)["model"]["text_decoder.output_layer.weight"],
+            embed[rank * 512 : (rank + 1) * 512],
+        )
     mm_dir = to_mg(tiny_tied, tmp_path / "pp1", 2, [2], [4])
     assert not any("output_layer" in k for r in (0, 1) for k in rank_state(mm_dir, r, 0, 1)["model"])
     mm_dir = to_mg(tiny_tied, tmp_path / "same_stage", 1, [1, 1], [0, 4])  # embeddings and output on stage 1
@@ -239,11 +291,12 @@ def test_fewer_layers_keep_the_bottom_ones(tiny_untied, tmp_path):
 
     mm_dir = to_mg(tiny_untied, tmp_path / "mm", 1, [1, 0], [1, 1])
     hf = hf_tensors(tiny_untied)
-    assert torch.equal(rank_state(mm_dir, 0, 1, 2)["model"]["text_decoder.decoder.layers.0.mlp.linear_fc2.weight"],
-                       hf["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(
+        rank_state(mm_dir, 0, 1, 2)["model"]["text_decoder.decoder.layers.0.mlp.linear_fc2.weight"],
+        hf["model.layers.1.mlp.down_proj.weight"],
+    )
     out = to_hf(tiny_untied, mm_dir, tmp_path / "hf", 1, [1, 0], [1, 1])
-    kept = {k: v for k, v in hf.items()
-            if not k.startswith(("model.layers.2.", "model.layers.3.", "visual.blocks.1."))}
+    kept = {k: v for k, v in hf.items() if not k.startswith(("model.layers.2.", "model.layers.3.", "visual.blocks.1."))}
     assert_same_tensors(kept, hf_tensors(out))
     config = json.loads((out / "config.json").read_text())
     assert config["text_config"]["num_hidden_layers"] == 2 and len(config["text_config"]["layer_types"]) == 2
@@ -255,6 +308,7 @@ def test_fewer_layers_keep_the_bottom_ones(tiny_untied, tmp_path):
 # ----------------------------------------------------------------------------------- foreign directories
 def mindspeed_rank(hf, tp_rank):
     """MindSpeed-MM's TP2 x PP2 files for vit [2, 0] / llm [1, 3], written from the layout facts alone."""
+
     def chunk(t, dim=0):
         return t.chunk(2, dim)[tp_rank]
 
@@ -270,35 +324,52 @@ def mindspeed_rank(hf, tp_rank):
             m + "self_attention.linear_qkv.bias": chunk(per_head_b),
             m + "self_attention.linear_proj.weight": chunk(hf[v + "attn.proj.weight"], 1),
             m + "self_attention.linear_proj.bias": hf[v + "attn.proj.bias"],
-            m + "mlp.linear_fc1.weight": torch.cat([chunk(hf[v + "mlp.gate_proj.weight"]),
-                                                    chunk(hf[v + "mlp.up_proj.weight"])]),
-            m + "mlp.linear_fc1.bias": torch.cat([chunk(hf[v + "mlp.gate_proj.bias"]),
-                                                  chunk(hf[v + "mlp.up_proj.bias"])]),
+            m + "mlp.linear_fc1.weight": torch.cat(
+                [chunk(hf[v + "mlp.gate_proj.weight"]), chunk(hf[v + "mlp.up_proj.weight"])]
+            ),
+            m + "mlp.linear_fc1.bias": torch.cat(
+                [chunk(hf[v + "mlp.gate_proj.bias"]), chunk(hf[v + "mlp.up_proj.bias"])]
+            ),
             m + "mlp.linear_fc2.weight": chunk(hf[v + "mlp.down_proj.weight"], 1),
-            m + "mlp.linear_fc2.bias": hf[v + "mlp.down_proj.bias"]}
+            m + "mlp.linear_fc2.bias": hf[v + "mlp.down_proj.bias"],
+        }
     p = "image_encoder.projector."
-    stage0 |= {p + "layernorm.weight": hf["visual.merger.ln_q.weight"],
-               p + "encoder.linear_fc1.weight": chunk(hf["visual.merger.mlp.0.weight"]),
-               p + "encoder.linear_fc1.bias": chunk(hf["visual.merger.mlp.0.bias"]),
-               p + "encoder.linear_fc2.weight": chunk(hf["visual.merger.mlp.2.weight"], 1),
-               p + "encoder.linear_fc2.bias": hf["visual.merger.mlp.2.bias"],
-               "text_decoder.embedding.word_embeddings.weight": chunk(hf["model.embed_tokens.weight"])}
-    stage1 = {"text_decoder.decoder.final_layernorm.weight": hf["model.norm.weight"],
-              "text_decoder.output_layer.weight": chunk(hf["lm_head.weight"])}
+    stage0 |= {
+        p + "layernorm.weight": hf["visual.merger.ln_q.weight"],
+        p + "encoder.linear_fc1.weight": chunk(hf["visual.merger.mlp.0.weight"]),
+        p + "encoder.linear_fc1.bias": chunk(hf["visual.merger.mlp.0.bias"]),
+        p + "encoder.linear_fc2.weight": chunk(hf["visual.merger.mlp.2.weight"], 1),
+        p + "encoder.linear_fc2.bias": hf["visual.merger.mlp.2.bias"],
+        "text_decoder.embedding.word_embeddings.weight": chunk(hf["model.embed_tokens.weight"]),
+    }
+    stage1 = {
+        "text_decoder.decoder.final_layernorm.weight": hf["model.norm.weight"],
+        "text_decoder.output_layer.weight": chunk(hf["lm_head.weight"]),
+    }
     for layer in range(4):
         h, m = f"model.layers.{layer}.", f"text_decoder.decoder.layers.{layer if layer == 0 else layer - 1}."
-        grouped = [torch.cat([hf[h + "self_attn.q_proj." + kind].view(2, 64, -1),
-                              hf[h + "self_attn.k_proj." + kind].view(2, 32, -1),
-                              hf[h + "self_attn.v_proj." + kind].view(2, 32, -1)], 1).reshape(256, -1)
-                   for kind in ("weight", "bias")]
-        state = {m + "input_layernorm.weight": hf[h + "input_layernorm.weight"],
-                 m + "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
-                 m + "self_attention.linear_qkv.weight": chunk(grouped[0]),
-                 m + "self_attention.linear_qkv.bias": chunk(grouped[1]).reshape(-1),
-                 m + "self_attention.linear_proj.weight": chunk(hf[h + "self_attn.o_proj.weight"], 1),
-                 m + "mlp.linear_fc1.weight": torch.cat([chunk(hf[h + "mlp.gate_proj.weight"]),
-                                                         chunk(hf[h + "mlp.up_proj.weight"])]),
-                 m + "mlp.linear_fc2.weight": chunk(hf[h + "mlp.down_proj.weight"], 1)}
+        grouped = [
+            torch.cat(
+                [
+                    hf[h + "self_attn.q_proj." + kind].view(2, 64, -1),
+                    hf[h + "self_attn.k_proj." + kind].view(2, 32, -1),
+                    hf[h + "self_attn.v_proj." + kind].view(2, 32, -1),
+                ],
+                1,
+            ).reshape(256, -1)
+            for kind in ("weight", "bias")
+        ]
+        state = {
+            m + "input_layernorm.weight": hf[h + "input_layernorm.weight"],
+            m + "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
+            m + "self_attention.linear_qkv.weight": chunk(grouped[0]),
+            m + "self_attention.linear_qkv.bias": chunk(grouped[1]).reshape(-1),
+            m + "self_attention.linear_proj.weight": chunk(hf[h + "self_attn.o_proj.weight"], 1),
+            m + "mlp.linear_fc1.weight": torch.cat(
+                [chunk(hf[h + "mlp.gate_proj.weight"]), chunk(hf[h + "mlp.up_proj.weight"])]
+            ),
+            m + "mlp.linear_fc2.weight": chunk(hf[h + "mlp.down_proj.weight"], 1),
+        }
         (stage0 if layer == 0 else stage1).update(state)
     return [{k: v.clone() for k, v in stage.items()} for stage in (stage0, stage1)]
 
@@ -317,8 +388,9 @@ def test_mindspeed_written_directory_converts(tiny_untied, tmp_path):
     ours = to_mg(tiny_untied, tmp_path / "ours", 2, [2, 0], [1, 3])  # and hf2mg writes the same files' content
     for tp_rank in (0, 1):
         for pp_rank in (0, 1):
-            assert_same_tensors(rank_state(root, tp_rank, pp_rank, 2)["model"],
-                                rank_state(ours, tp_rank, pp_rank, 2)["model"])
+            assert_same_tensors(
+                rank_state(root, tp_rank, pp_rank, 2)["model"], rank_state(ours, tp_rank, pp_rank, 2)["model"]
+            )
 
 
 def test_training_iteration_with_optimizer_state(tiny_untied, tmp_path):
@@ -329,13 +401,30 @@ def test_training_iteration_with_optimizer_state(tiny_untied, tmp_path):
             model = rank_state(mm_dir, tp_rank, pp_rank, 2)["model"]
             path = ckpt / "iter_0000007" / f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" / "model_optim_rng.pt"
             path.parent.mkdir(parents=True)
-            torch.save({"model": model, "checkpoint_version": 3.0, "iteration": 7,
-                        "optimizer": {"state": {i: {"exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.ones_like(t)}
-                                                for i, t in enumerate(model.values())}, "param_groups": [{"lr": 1e-6}]},
-                        "opt_param_scheduler": {"num_steps": 7},
-                        "args": argparse.Namespace(tensor_model_parallel_size=2, params_dtype=torch.float32),
-                        "rng_state": [{"random_rng_state": (3, (1, 2), None), "np_rng_state": np.random.get_state(),
-                                       "torch_rng_state": torch.get_rng_state()}]}, path)
+            torch.save(
+                {
+                    "model": model,
+                    "checkpoint_version": 3.0,
+                    "iteration": 7,
+                    "optimizer": {
+                        "state": {
+                            i: {"exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.ones_like(t)}
+                            for i, t in enumerate(model.values())
+                        },
+                        "param_groups": [{"lr": 1e-6}],
+                    },
+                    "opt_param_scheduler": {"num_steps": 7},
+                    "args": argparse.Namespace(tensor_model_parallel_size=2, params_dtype=torch.float32),
+                    "rng_state": [
+                        {
+                            "random_rng_state": (3, (1, 2), None),
+                            "np_rng_state": np.random.get_state(),
+                            "torch_rng_state": torch.get_rng_state(),
+                        }
+                    ],
+                },
+                path,
+            )
     (ckpt / "latest_checkpointed_iteration.txt").write_text("7")
     out = to_hf(tiny_untied, ckpt, tmp_path / "hf", 2, [2, 0], [1, 3])
     assert_same_tensors(hf_tensors(tiny_untied), hf_tensors(out))
@@ -401,15 +490,37 @@ def test_model_config_from_hf_matches_the_presets(tiny_untied):
     tiny = json.loads((MODEL_DIR / "tiny.json").read_text())
     assert model_config_from_hf(tiny_untied) == load_section(ModelConfig, tiny)
     published_7b = {  # the published Qwen2.5-VL-7B-Instruct config.json (flat text fields, rope_scaling, in_chans)
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_size": 3584,
-        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-        "max_position_embeddings": 128000, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "vocab_size": 152064,
-        "tie_word_embeddings": False, "image_token_id": 151655, "vision_start_token_id": 151652,
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 128000,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "image_token_id": 151655,
+        "vision_start_token_id": 151652,
         "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
-        "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
-                          "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
-                          "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
-                          "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2}}
+        "vision_config": {
+            "depth": 32,
+            "hidden_act": "silu",
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "in_chans": 3,
+            "out_hidden_size": 3584,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            "tokens_per_second": 2,
+        },
+    }
     preset = json.loads((MODEL_DIR / "qwen2_5_vl_7b.json").read_text())
     assert model_config_from_hf(published_7b) == load_section(ModelConfig, preset)
 
@@ -421,8 +532,9 @@ def test_a_conversion_is_reused_only_when_source_model_and_layout_match(tiny_unt
     from mm_rl.convert.hf2mg import reusable_conversion
 
     mm_dir = tmp_path / "mm"
-    cfg = Hf2MgCfg(mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(tiny_untied)),
-                   parallel_config=parallel(2, [2, 0], [1, 3]))
+    cfg = Hf2MgCfg(
+        mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(tiny_untied)), parallel_config=parallel(2, [2, 0], [1, 3])
+    )
     model = model_for(tiny_untied, [2, 0], [1, 3])
     assert "no complete conversion" in reusable_conversion(cfg, model)
     hf2mg(cfg, model)
@@ -473,13 +585,33 @@ def test_qwen2_vl_layout_is_mindspeed_mms(tiny_qwen2_vl, tmp_path):
 
 def test_model_config_from_a_published_qwen2_vl_config_is_the_preset():
     published_7b = {  # the published Qwen2-VL-7B-Instruct config.json
-        "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "hidden_size": 3584,
-        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-        "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "vocab_size": 152064,
-        "tie_word_embeddings": False, "image_token_id": 151655, "vision_start_token_id": 151652,
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": "qwen2_vl",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "image_token_id": 151655,
+        "vision_start_token_id": 151652,
         "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
-        "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
-                          "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}}
+        "vision_config": {
+            "depth": 32,
+            "embed_dim": 1280,
+            "mlp_ratio": 4,
+            "num_heads": 16,
+            "in_chans": 3,
+            "hidden_size": 3584,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+    }
     preset = json.loads((MODEL_DIR / "qwen2_vl_7b.json").read_text())
     assert model_config_from_hf(published_7b) == load_section(ModelConfig, preset)
 
@@ -520,16 +652,40 @@ def test_qwen3_vl_layout_is_mindspeed_mms(tiny_qwen3_vl, tmp_path):
 def test_model_config_from_a_qwen3_vl_config_is_the_preset():
     """The Qwen3-VL-8B-Instruct config.json (transformers' spelling) gives the qwen3_vl_8b preset."""
     config = {
-        "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "image_token_id": 151655,
-        "vision_start_token_id": 151652, "tie_word_embeddings": False,
-        "text_config": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-                        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-                        "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
-                        "rope_parameters": {"rope_type": "default", "rope_theta": 5000000, "mrope_interleaved": True,
-                                            "mrope_section": [24, 20, 20]}},
-        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
-                          "patch_size": 16, "out_hidden_size": 4096, "num_position_embeddings": 2304,
-                          "deepstack_visual_indexes": [8, 16, 24], "hidden_act": "gelu_pytorch_tanh"}}
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "image_token_id": 151655,
+        "vision_start_token_id": 151652,
+        "tie_word_embeddings": False,
+        "text_config": {
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 262144,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5000000,
+                "mrope_interleaved": True,
+                "mrope_section": [24, 20, 20],
+            },
+        },
+        "vision_config": {
+            "depth": 27,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_heads": 16,
+            "patch_size": 16,
+            "out_hidden_size": 4096,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [8, 16, 24],
+            "hidden_act": "gelu_pytorch_tanh",
+        },
+    }
     preset = json.loads((MODEL_DIR / "qwen3_vl_8b.json").read_text())
     assert model_config_from_hf(config) == load_section(ModelConfig, preset)
 
@@ -540,8 +696,9 @@ _MOE = "model.language_model.layers.{}.mlp."
 
 @pytest.fixture(scope="module")
 def tiny_qwen3_vl_moe(tmp_path_factory):
-    built = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen3_vl_moe", seed=4, family="qwen3_vl",
-                                  num_experts=4)
+    built = build_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny") / "qwen3_vl_moe", seed=4, family="qwen3_vl", num_experts=4
+    )
     return randomize(built, tmp_path_factory.mktemp("hf") / "qwen3_vl_moe", seed=17)
 
 
@@ -549,8 +706,12 @@ def tiny_qwen3_vl_moe(tmp_path_factory):
 def test_qwen3_vl_moe_round_trip_is_bit_exact(tiny_qwen3_vl_moe, layout, tmp_path):
     """hf2mg then mg2hf gives back every tensor, the fused experts in the published layout ([E, H, 2F] and
     [E, F, H]), whatever the TP / PP / EP split."""
-    tp, vit, llm, ep = {"tp1": (1, [3], [4], 1), "ep2": (1, [3], [4], 2), "ep4": (1, [3], [4], 4),
-                        "tp2pp2ep2": (2, [3, 0], [2, 2], 2)}[layout]
+    tp, vit, llm, ep = {
+        "tp1": (1, [3], [4], 1),
+        "ep2": (1, [3], [4], 2),
+        "ep4": (1, [3], [4], 4),
+        "tp2pp2ep2": (2, [3, 0], [2, 2], 2),
+    }[layout]
     mm_dir = to_mg(tiny_qwen3_vl_moe, tmp_path / "mm", tp, vit, llm, ep=ep)
     out = to_hf(tiny_qwen3_vl_moe, mm_dir, tmp_path / "hf", tp, vit, llm, ep=ep)
     assert_same_tensors(hf_tensors(tiny_qwen3_vl_moe), hf_tensors(out))
@@ -562,17 +723,20 @@ def test_qwen3_vl_moe_layout_is_mindspeed_mms(tiny_qwen3_vl_moe, tmp_path):
     r * E / EP onwards, numbered from 0, in mp_rank_TT_EEE."""
     hf = hf_tensors(tiny_qwen3_vl_moe)
     mm_dir = to_mg(tiny_qwen3_vl_moe, tmp_path / "mm", 1, [3], [4], ep=2)
-    assert sorted(p.name for p in (mm_dir / "release").iterdir() if p.is_dir()) == ["mp_rank_00_000",
-                                                                                    "mp_rank_00_001"]
+    assert sorted(p.name for p in (mm_dir / "release").iterdir() if p.is_dir()) == ["mp_rank_00_000", "mp_rank_00_001"]
     second = torch.load(mm_dir / "release" / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=True)["model"]
     layer = "text_decoder.decoder.layers.3.mlp."
     assert torch.equal(second[layer + "router.weight"], hf[_MOE.format(3) + "gate.weight"])
-    assert torch.equal(second[layer + "experts.local_experts.0.linear_fc1.weight"],
-                       hf[_MOE.format(3) + "experts.gate_up_proj"][2].T)
-    assert torch.equal(second[layer + "experts.local_experts.1.linear_fc2.weight"],
-                       hf[_MOE.format(3) + "experts.down_proj"][3].T)
-    assert not any("local_experts.2" in name or name.startswith("text_decoder") and name.endswith(
-        "mlp.linear_fc1.weight") for name in second)  # two experts per rank, no dense MLP
+    assert torch.equal(
+        second[layer + "experts.local_experts.0.linear_fc1.weight"], hf[_MOE.format(3) + "experts.gate_up_proj"][2].T
+    )
+    assert torch.equal(
+        second[layer + "experts.local_experts.1.linear_fc2.weight"], hf[_MOE.format(3) + "experts.down_proj"][3].T
+    )
+    assert not any(
+        "local_experts.2" in name or name.startswith("text_decoder") and name.endswith("mlp.linear_fc1.weight")
+        for name in second
+    )  # two experts per rank, no dense MLP
 
 
 def test_qwen3_vl_moe_reads_transformers_in_memory_layout(tiny_qwen3_vl_moe, tmp_path):
@@ -581,8 +745,14 @@ def test_qwen3_vl_moe_reads_transformers_in_memory_layout(tiny_qwen3_vl_moe, tmp
     published = hf_tensors(tiny_qwen3_vl_moe)
     source = tmp_path / "in_memory"
     shutil.copytree(tiny_qwen3_vl_moe, source, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-    save_file({n: t.transpose(1, 2).contiguous() if n.endswith(("gate_up_proj", "down_proj")) else t
-               for n, t in published.items()}, source / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {
+            n: t.transpose(1, 2).contiguous() if n.endswith(("gate_up_proj", "down_proj")) else t
+            for n, t in published.items()
+        },
+        source / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     mm_dir = to_mg(source, tmp_path / "mm", 1, [3], [4], ep=2)
     out = to_hf(source, mm_dir, tmp_path / "hf", 1, [3], [4], ep=2)
     assert_same_tensors(published, hf_tensors(out))
@@ -591,18 +761,42 @@ def test_qwen3_vl_moe_reads_transformers_in_memory_layout(tiny_qwen3_vl_moe, tmp
 def test_model_config_from_a_qwen3_vl_moe_config_is_the_preset():
     """The Qwen3-VL-30B-A3B-Instruct config.json gives the qwen3_vl_30b_a3b preset (128 experts, top 8)."""
     config = {
-        "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe",
-        "image_token_id": 151655, "vision_start_token_id": 151652, "tie_word_embeddings": False,
-        "text_config": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
-                        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
-                        "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "num_experts": 128,
-                        "num_experts_per_tok": 8, "moe_intermediate_size": 768, "decoder_sparse_step": 1,
-                        "mlp_only_layers": [], "norm_topk_prob": True,
-                        "rope_scaling": {"rope_type": "default", "mrope_interleaved": True,
-                                         "mrope_section": [24, 20, 20]}, "rope_theta": 5000000},
-        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
-                          "patch_size": 16, "out_hidden_size": 2048, "num_position_embeddings": 2304,
-                          "deepstack_visual_indexes": [8, 16, 24], "hidden_act": "gelu_pytorch_tanh"}}
+        "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+        "model_type": "qwen3_vl_moe",
+        "image_token_id": 151655,
+        "vision_start_token_id": 151652,
+        "tie_word_embeddings": False,
+        "text_config": {
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 262144,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+            "rope_scaling": {"rope_type": "default", "mrope_interleaved": True, "mrope_section": [24, 20, 20]},
+            "rope_theta": 5000000,
+        },
+        "vision_config": {
+            "depth": 27,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_heads": 16,
+            "patch_size": 16,
+            "out_hidden_size": 2048,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [8, 16, 24],
+            "hidden_act": "gelu_pytorch_tanh",
+        },
+    }
     preset = json.loads((MODEL_DIR / "qwen3_vl_30b_a3b.json").read_text())
     assert model_config_from_hf(config) == load_section(ModelConfig, preset)
     with pytest.raises(ConversionError, match="mixes dense and MoE layers"):

@@ -50,11 +50,14 @@ def leftovers(directory):
 
 
 # ----------------------------------------------------------------------------------------- config errors
-@pytest.mark.parametrize("vit, llm, message", [
-    ([2, 0], [1, 2], "sum to model.text_decoder.num_layers = 4 (they sum to 3)"),
-    ([2], [1, 3], "has 1 entries but llm_pp_layers has 2"),
-    ([1, 1], [2, 2], "the ViT must end by stage 0"),
-])
+@pytest.mark.parametrize(
+    "vit, llm, message",
+    [
+        ([2, 0], [1, 2], "sum to model.text_decoder.num_layers = 4 (they sum to 3)"),
+        ([2], [1, 3], "has 1 entries but llm_pp_layers has 2"),
+        ([1, 1], [2, 2], "the ViT must end by stage 0"),
+    ],
+)
 def test_pipeline_split_errors(tiny, tmp_path, vit, llm, message):
     model = model_for(tiny, [2], [4])
     with pytest.raises(ConfigError, match="cfg.parallel_config") as err:
@@ -100,8 +103,11 @@ def test_hf_shape_mismatch(tiny, tmp_path):
         tensors["model.layers.3.self_attn.k_proj.bias"] = tensors["model.layers.3.self_attn.k_proj.bias"][:60]
 
     hf = edited_copy(tiny, tmp_path / "hf", shrink)
-    with pytest.raises(ConversionError, match=r"model.layers.3.self_attn.k_proj.bias in model.safetensors: shape "
-                                              r"\[60\], model.json gives \[64\]"):
+    with pytest.raises(
+        ConversionError,
+        match=r"model.layers.3.self_attn.k_proj.bias in model.safetensors: shape "
+        r"\[60\], model.json gives \[64\]",
+    ):
         to_mg(hf, tmp_path / "mm", 1, [2], [4])
 
 
@@ -135,7 +141,10 @@ def test_interrupted_hf2mg_leaves_the_previous_conversion(tiny, tmp_path, monkey
         to_mg(tiny, mm_dir, 2, [2, 0], [2, 2])
     assert sorted(p.name for p in mm_dir.iterdir()) == ["latest_checkpointed_iteration.txt", "release"]
     assert sorted(p.name for p in (mm_dir / "release").iterdir()) == [
-        "hf2mg_source.json", "mp_rank_00_000", "mp_rank_00_001"]
+        "hf2mg_source.json",
+        "mp_rank_00_000",
+        "mp_rank_00_001",
+    ]
     assert all(torch.equal(before[k], v) for k, v in rank_state(mm_dir, 0, 1, 2)["model"].items())
     with pytest.raises(OSError, match="disk full"):  # and into a fresh directory: nothing at all
         calls.clear()
@@ -169,15 +178,21 @@ def test_missing_rank_file(tiny, converted, tmp_path):
 
 
 def test_other_parallel_layout(tiny, converted, tmp_path):
-    with pytest.raises(ConversionError, match=r"holds rank directories of TP=2 x PP=2, the parallel config gives "
-                                              r"TP=1 x PP=2"):
+    with pytest.raises(
+        ConversionError,
+        match=r"holds rank directories of TP=2 x PP=2, the parallel config gives "
+        r"TP=1 x PP=2",
+    ):
         convert_back(tiny, converted, tmp_path, tp=1)
 
 
 def test_unexpected_megatron_tensor(tiny, converted, tmp_path):
     root = damaged(converted, tmp_path, lambda s: s.update({"text_decoder.decoder.layers.3.mlp.extra": torch.ones(1)}))
-    with pytest.raises(ConversionError, match=r"mp_rank_01_001/model_optim_rng.pt does not hold(.|\n)*unexpected "
-                                              r"text_decoder.decoder.layers.3.mlp.extra"):
+    with pytest.raises(
+        ConversionError,
+        match=r"mp_rank_01_001/model_optim_rng.pt does not hold(.|\n)*unexpected "
+        r"text_decoder.decoder.layers.3.mlp.extra",
+    ):
         convert_back(tiny, root, tmp_path)
 
 
@@ -190,8 +205,11 @@ def test_missing_megatron_tensor(tiny, converted, tmp_path):
 def test_megatron_shape_mismatch(tiny, converted, tmp_path):
     key = "text_decoder.decoder.layers.1.mlp.linear_fc1.weight"
     root = damaged(converted, tmp_path, lambda s: s.update({key: s[key][:-2]}))
-    with pytest.raises(ConversionError, match=r"mp_rank_01_001/model_optim_rng.pt: text_decoder.decoder.layers.1."
-                                              r"mlp.linear_fc1.weight \(TP rank 1 of 2\) has shape \[254, 128\]"):
+    with pytest.raises(
+        ConversionError,
+        match=r"mp_rank_01_001/model_optim_rng.pt: text_decoder.decoder.layers.1."
+        r"mlp.linear_fc1.weight \(TP rank 1 of 2\) has shape \[254, 128\]",
+    ):
         convert_back(tiny, root, tmp_path)
 
 
@@ -237,26 +255,49 @@ def test_refuses_to_overwrite_the_source_or_a_foreign_directory(tiny, converted,
 # ----------------------------------------------------------------------------------------------- CLI
 def test_cli_flags_round_trip(tiny, tmp_path, capsys):
     layout = ["--cfg.parallel_config.tp_size", "2", "--cfg.parallel_config.llm_pp_layers", "[1,3]"]
-    assert main(["convert", "hf2mg", "--cfg.mm_dir", str(tmp_path / "mm"), "--cfg.hf_config.hf_dir", str(tiny),
-                 *layout]) == 0
+    assert (
+        main(["convert", "hf2mg", "--cfg.mm_dir", str(tmp_path / "mm"), "--cfg.hf_config.hf_dir", str(tiny), *layout])
+        == 0
+    )
     assert sorted(p.name for p in (tmp_path / "mm" / "release").iterdir())[-1] == "mp_rank_01_001"
-    assert main(["convert", "mg2hf", "--cfg.load_dir", str(tmp_path / "mm"), "--cfg.save_hf_dir",
-                 str(tmp_path / "hf"), "--hf_dir", str(tiny), *layout, "--max_shard_size", "1MB"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "mg2hf",
+                "--cfg.load_dir",
+                str(tmp_path / "mm"),
+                "--cfg.save_hf_dir",
+                str(tmp_path / "hf"),
+                "--hf_dir",
+                str(tiny),
+                *layout,
+                "--max_shard_size",
+                "1MB",
+            ]
+        )
+        == 0
+    )
     assert f"wrote {tmp_path / 'hf'}" in capsys.readouterr().out
     out = hf_tensors(tmp_path / "hf")
     assert all(torch.equal(t, out[k]) for k, t in hf_tensors(tiny).items())
-    assert len(set(json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
-                   .values())) > 1
+    assert (
+        len(set(json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
+    )
 
 
 def test_cli_job_round_trip(tiny, tmp_path, monkeypatch, capsys):
     from omegaconf import OmegaConf
 
     monkeypatch.chdir(tmp_path)
-    job = {"af_output_dir": str(tmp_path / "out"), "backend_config": {
-        "actor_config": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-        "megatron_training": {"tokenizer_name_or_path": str(tiny)},
-        "model": model_for(tiny, [2, 0], [1, 3]).__dict__}}
+    job = {
+        "af_output_dir": str(tmp_path / "out"),
+        "backend_config": {
+            "actor_config": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+            "megatron_training": {"tokenizer_name_or_path": str(tiny)},
+            "model": model_for(tiny, [2, 0], [1, 3]).__dict__,
+        },
+    }
     OmegaConf.save(OmegaConf.create(job), tmp_path / "job.yaml")
     assert main(["convert", "hf2mg", "--job", "job.yaml"]) == 0
     assert (tmp_path / "out" / "converted_weight_TP2_PP2" / "release" / "mp_rank_01_001").is_dir()
@@ -268,19 +309,59 @@ def test_cli_job_round_trip(tiny, tmp_path, monkeypatch, capsys):
     assert all(torch.equal(t, out[k]) for k, t in hf_tensors(tiny).items())
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["convert", "hf2mg", "--cfg.mm_dir", "x"], "--cfg.hf_config.hf_dir = None: is required"),
-    (["convert", "hf2mg", "--cfg.mm_dir", "x", "--cfg.hf_config.hf_dir", "TINY", "--cfg.paralel_config.tp_size",
-      "2"], "did you mean 'parallel_config'"),
-    (["convert", "hf2mg", "--cfg.mm_dir", "x", "--cfg.hf_config.hf_dir", "TINY", "--cfg.parallel_config.tp_size",
-      "4"], "TP must divide model.text_decoder.num_query_groups = 2"),
-    (["convert", "mg2hf", "--cfg.load_dir", "nowhere", "--cfg.save_hf_dir", "y", "--hf_dir", "TINY"],
-     "checkpoint directory nowhere does not exist"),
-    (["convert", "hf2mg", "--job", "missing.yaml"], "file not found"),
-    (["convert", "hf2mg", "--cfg.mm_dir", "x", "--epochs", "3"], "--epochs = '3': is not a convert option"),
-    (["convert", "mg2hf", "--cfg.load_dir", "x", "--cfg.save_hf_dir", "y", "--hf_dir", "TINY", "--iteration",
-      "last"], "must be 'release' or a step number"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["convert", "hf2mg", "--cfg.mm_dir", "x"], "--cfg.hf_config.hf_dir = None: is required"),
+        (
+            [
+                "convert",
+                "hf2mg",
+                "--cfg.mm_dir",
+                "x",
+                "--cfg.hf_config.hf_dir",
+                "TINY",
+                "--cfg.paralel_config.tp_size",
+                "2",
+            ],
+            "did you mean 'parallel_config'",
+        ),
+        (
+            [
+                "convert",
+                "hf2mg",
+                "--cfg.mm_dir",
+                "x",
+                "--cfg.hf_config.hf_dir",
+                "TINY",
+                "--cfg.parallel_config.tp_size",
+                "4",
+            ],
+            "TP must divide model.text_decoder.num_query_groups = 2",
+        ),
+        (
+            ["convert", "mg2hf", "--cfg.load_dir", "nowhere", "--cfg.save_hf_dir", "y", "--hf_dir", "TINY"],
+            "checkpoint directory nowhere does not exist",
+        ),
+        (["convert", "hf2mg", "--job", "missing.yaml"], "file not found"),
+        (["convert", "hf2mg", "--cfg.mm_dir", "x", "--epochs", "3"], "--epochs = '3': is not a convert option"),
+        (
+            [
+                "convert",
+                "mg2hf",
+                "--cfg.load_dir",
+                "x",
+                "--cfg.save_hf_dir",
+                "y",
+                "--hf_dir",
+                "TINY",
+                "--iteration",
+                "last",
+            ],
+            "must be 'release' or a step number",
+        ),
+    ],
+)
 def test_cli_errors_exit_1_without_traceback(tiny, tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(tmp_path)
     assert main([str(tiny) if a == "TINY" else a for a in argv]) == 1

@@ -19,8 +19,10 @@ def test_torchvision_and_qwen_processor_import_in_a_fresh_process():
 def test_hook_is_installed_by_the_pth_file():
     pth = Path(cpu_wheels.write_pth())
     assert pth.read_text().startswith("import mm_rl.platform.cpu_wheels")
-    probe = run("import sys, mm_rl.platform.cpu_wheels as c; print('torchvision' in sys.modules or "
-                "any(isinstance(f, c._TorchvisionFinder) for f in sys.meta_path))")
+    probe = run(
+        "import sys, mm_rl.platform.cpu_wheels as c; print('torchvision' in sys.modules or "
+        "any(isinstance(f, c._TorchvisionFinder) for f in sys.meta_path))"
+    )
     assert probe.stdout.strip() == "True"
 
 

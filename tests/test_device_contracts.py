@@ -51,14 +51,20 @@ def micro_batches() -> tuple[list[dict[str, torch.Tensor]], dict[int, tuple[torc
 
     def item(grids: list[tuple[int, int, int]]) -> SimpleNamespace:
         grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
-        return SimpleNamespace(pixel_values=torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=g),
-                               image_grid_thw=grid)
+        return SimpleNamespace(
+            pixel_values=torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=g), image_grid_thw=grid
+        )
 
     items = {0: item([(1, 4, 4)]), 1: item([]), 2: item([(1, 4, 8), (1, 4, 4)])}
-    prompts = {0: text(3) + _image_tokens((1, 4, 4)) + text(2), 1: text(5),
-               2: text(2) + _image_tokens((1, 4, 8)) + text(1) + _image_tokens((1, 4, 4)) + text(2)}
-    samples = [Sample(index, group, prompts[index], text(length), "stop")
-               for group, (index, length) in enumerate([(0, 4), (1, 3), (1, 2), (1, 5), (2, 5), (1, 4)])]
+    prompts = {
+        0: text(3) + _image_tokens((1, 4, 4)) + text(2),
+        1: text(5),
+        2: text(2) + _image_tokens((1, 4, 8)) + text(1) + _image_tokens((1, 4, 4)) + text(2),
+    }
+    samples = [
+        Sample(index, group, prompts[index], text(length), "stop")
+        for group, (index, length) in enumerate([(0, 4), (1, 3), (1, 2), (1, 5), (2, 5), (1, 4)])
+    ]
     for sample in samples:
         sample.old_log_probs = -torch.rand(sample.response_len, generator=g)
         sample.ref_log_probs = sample.old_log_probs - 0.05
@@ -76,8 +82,10 @@ def mm_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny")
     hf_dir = build_tiny_checkpoint(root / "hf", seed=0)
     parallel = ParallelConfig(tp_size=1, llm_pp_layers=[4], vit_pp_layers=[2])
-    hf2mg(Hf2MgCfg(mm_dir=str(root / "mm"), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel),
-          model_config_from_hf(hf_dir))
+    hf2mg(
+        Hf2MgCfg(mm_dir=str(root / "mm"), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel),
+        model_config_from_hf(hf_dir),
+    )
     return root
 
 
@@ -202,8 +210,11 @@ def _log_prob_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str)
         result["labelled"] = _host_copy(labelled)
         result["labelled_on_host"] = _on_host(labelled)
         result["images_on_host"] = _on_host(worker.images)
-        with mock.patch.object(megatron_worker, "to_device",  # the images put together, nothing moved
-                               lambda batch, device, images=None: to_device(batch, torch.device("cpu"), images)):
+        with mock.patch.object(
+            megatron_worker,
+            "to_device",  # the images put together, nothing moved
+            lambda batch, device, images=None: to_device(batch, torch.device("cpu"), images),
+        ):
             result["without_to_device"] = _error(lambda: worker.compute_log_probs(batches))
         with mock.patch.object(megatron_worker, "to_host", lambda value: value):
             kept = worker.compute_log_probs(batches)
@@ -267,8 +278,17 @@ def _train_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str) ->
     from mm_rl.workers.megatron_worker import all_reduce
     from mm_rl.workers.training import LossSpec, OptimizerSpec, TrainingWorker
 
-    spec = OptimizerSpec(lr=1e-3, min_lr=1e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.999, clip_grad=1.0,
-                         lr_decay_style="cosine", warmup_steps=0, total_steps=4)
+    spec = OptimizerSpec(
+        lr=1e-3,
+        min_lr=1e-4,
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        clip_grad=1.0,
+        lr_decay_style="cosine",
+        warmup_steps=0,
+        total_steps=4,
+    )
     loss = LossSpec(RLConfig(kl_loss_coef=0.1, use_kl_loss=True), max_response_len=5)
     (batches, images), mm = micro_batches(), str(Path(mm_root) / "mm")
     plain = _start(TrainingWorker, mm_root, port)

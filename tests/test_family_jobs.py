@@ -33,12 +33,25 @@ ONE_RANK = ["mp_rank_00"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("preset", "family", "variant", "layout", "rank_dirs"), [
-    ("tiny_qwen2_vl", "qwen2vl", {}, (), ONE_RANK), ("tiny_qwen3_vl", "qwen3_vl", {}, (), ONE_RANK),
-    (*MOE, EP2, ["mp_rank_00_000", "mp_rank_00_001"]), (*MOE, TP2, ["mp_rank_00", "mp_rank_01"]),
-], ids=["qwen2_vl", "qwen3_vl", "qwen3_vl_moe_ep2", "qwen3_vl_moe_tp2"])
-def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: Path, preset: str, family: str,
-                                                     variant: dict, layout: tuple[str, ...], rank_dirs: list[str]):
+@pytest.mark.parametrize(
+    ("preset", "family", "variant", "layout", "rank_dirs"),
+    [
+        ("tiny_qwen2_vl", "qwen2vl", {}, (), ONE_RANK),
+        ("tiny_qwen3_vl", "qwen3_vl", {}, (), ONE_RANK),
+        (*MOE, EP2, ["mp_rank_00_000", "mp_rank_00_001"]),
+        (*MOE, TP2, ["mp_rank_00", "mp_rank_01"]),
+    ],
+    ids=["qwen2_vl", "qwen3_vl", "qwen3_vl_moe_ep2", "qwen3_vl_moe_tp2"],
+)
+def test_a_family_job_trains_syncs_and_converts_back(
+    tiny_base: Path,
+    tmp_path: Path,
+    preset: str,
+    family: str,
+    variant: dict,
+    layout: tuple[str, ...],
+    rank_dirs: list[str],
+):
     """EP2: two actor ranks (DP 2), each holding two of the four experts; the sync gathers them, the checkpoint
     has one rank directory per EP rank, and mg2hf puts the experts back together. TP2: every expert split over
     two ranks, which train under sequence parallelism (each routes its half of the tokens). The MoE at EP1 is
@@ -53,25 +66,39 @@ def test_a_family_job_trains_syncs_and_converts_back(tiny_base: Path, tmp_path: 
     node.backend_config.model = json.loads((REPO / "configs" / "models" / f"{preset}.json").read_text())
     OmegaConf.update(node, "af_output_dir", str(tmp_path / "out"))
     OmegaConf.update(node, "backend_config.megatron_training.tokenizer_name_or_path", str(hf_dir))
-    OmegaConf.update(node, "backend_config.data.dataset_param.basic_parameters.dataset_dir",
-                     str(tiny_base / "geo3k_synthetic"))
+    OmegaConf.update(
+        node, "backend_config.data.dataset_param.basic_parameters.dataset_dir", str(tiny_base / "geo3k_synthetic")
+    )
     job = tmp_path / "job.yaml"
     OmegaConf.save(node, job)
     cli = str(Path(sys.executable).parent / "ascendfactory-cli")
-    done = subprocess.run([cli, "train", str(job), "backend_config.megatron_training.train_iters=2",
-                           "backend_config.rl_config.val_freq=0", "backend_config.rl_config.rollout_batch_size=4",
-                           "backend_config.megatron_training.global_batch_size=16",
-                           # the un-warmed model earns no reward, so no advantage: an entropy bonus moves the weights
-                           "backend_config.rl_config.entropy_coeff=0.01", *layout],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            cli,
+            "train",
+            str(job),
+            "backend_config.megatron_training.train_iters=2",
+            "backend_config.rl_config.val_freq=0",
+            "backend_config.rl_config.rollout_batch_size=4",
+            "backend_config.megatron_training.global_batch_size=16",
+            # the un-warmed model earns no reward, so no advantage: an entropy bonus moves the weights
+            "backend_config.rl_config.entropy_coeff=0.01",
+            *layout,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = read_metrics(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     _check_family_job(preset, records, tmp_path / "out", hf_dir, bool(variant), rank_dirs)
 
 
-def _check_family_job(preset: str, records: list[dict], out: Path, hf_dir: Path, moe: bool,
-                      rank_dirs: list[str]) -> None:
+def _check_family_job(
+    preset: str, records: list[dict], out: Path, hf_dir: Path, moe: bool, rank_dirs: list[str]
+) -> None:
     """The engine-actor gap after each sync, a gradient, the MoE routing, the checkpoint's rank directories, and
     an mg2hf output that transformers loads and that the update reached."""
     gaps = [r["rollout/logprob_gap_max"] for r in records if r["step"] > 0]

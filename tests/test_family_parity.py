@@ -36,23 +36,27 @@ from test_model_parity import (
 )
 
 # case name: (model_id, ViT patch size, tiny-builder overrides)
-FAMILIES = {"qwen2vl": ("qwen2vl", 14, {}), "qwen3_vl": ("qwen3_vl", 16, {}),
-            "qwen3_vl_moe": ("qwen3_vl", 16, {"num_experts": 4})}
+FAMILIES = {
+    "qwen2vl": ("qwen2vl", 14, {}),
+    "qwen3_vl": ("qwen3_vl", 16, {}),
+    "qwen3_vl_moe": ("qwen3_vl", 16, {"num_experts": 4}),
+}
 _L1 = "text_decoder.decoder.layers.1.mlp."
 _HL1 = "model.language_model.layers.1.mlp."
 _V = "model.visual."
 _HL2 = "model.language_model.layers.2."
 GRAD_NAMES = {  # model_id: megatron name -> transformers' parameter name, for the TP1 gradient spot checks
     "qwen2vl": HF_GRAD_NAMES,
-    "qwen3_vl": {**{mg: hf for mg, hf in HF_GRAD_NAMES.items() if "merger" not in hf},
-                "image_encoder.projector.encoder.linear_fc2.weight": _V + "merger.linear_fc2.weight",
-                "image_encoder.encoder.pos_embed.weight": _V + "pos_embed.weight",
-                "image_encoder.encoder.blocks.layers.1.deepstack_layer.encoder.linear_fc2.weight":
-                    _V + "deepstack_merger_list.1.linear_fc2.weight",
-                "image_encoder.encoder.blocks.layers.0.deepstack_layer.layernorm.bias":
-                    _V + "deepstack_merger_list.0.norm.bias",
-                "text_decoder.decoder.layers.2.self_attention.q_layernorm.weight":
-                    _HL2 + "self_attn.q_norm.weight"},
+    "qwen3_vl": {
+        **{mg: hf for mg, hf in HF_GRAD_NAMES.items() if "merger" not in hf},
+        "image_encoder.projector.encoder.linear_fc2.weight": _V + "merger.linear_fc2.weight",
+        "image_encoder.encoder.pos_embed.weight": _V + "pos_embed.weight",
+        "image_encoder.encoder.blocks.layers.1.deepstack_layer.encoder.linear_fc2.weight": _V
+        + "deepstack_merger_list.1.linear_fc2.weight",
+        "image_encoder.encoder.blocks.layers.0.deepstack_layer.layernorm.bias": _V
+        + "deepstack_merger_list.0.norm.bias",
+        "text_decoder.decoder.layers.2.self_attention.q_layernorm.weight": _HL2 + "self_attn.q_norm.weight",
+    },
 }
 GRAD_NAMES["qwen3_vl_moe"] = {
     **{mg: hf for mg, hf in GRAD_NAMES["qwen3_vl"].items() if ".mlp." not in mg},
@@ -86,7 +90,7 @@ def build_checkpoint(root: Path, family: str) -> Path:
                 param.copy_(0.2 * noise if name.endswith(".bias") else 1.0 + 0.2 * noise)
             else:
                 fan_in = param.shape[-1] if param.dim() == 3 else param[0].numel()
-                param.copy_(noise * 1.5 / fan_in ** 0.5)
+                param.copy_(noise * 1.5 / fan_in**0.5)
     model.save_pretrained(root / "hf")
     return root / "hf"
 
@@ -117,11 +121,15 @@ def _tp1_worker(rank: int, world: int, port: int, case: dict[str, Any], shared: 
     grads = tp1_grads(model)
     torch.save(captured, Path(shared) / f"outputs_{case['hf']}.pt")
     torch.save(grads, Path(shared) / f"grads_{case['hf']}.pt")
-    save_rank_result(out_dir, rank, {
-        "outputs": output_diffs(captured, reference["outputs"], batches),
-        "grads_vs_hf": {name: (grads[name] - grad).abs().max().item() for name, grad in reference["grads"].items()},
-        "zero_grads": [name for name, grad in grads.items() if not grad.abs().max() > 1e-7],
-    })
+    save_rank_result(
+        out_dir,
+        rank,
+        {
+            "outputs": output_diffs(captured, reference["outputs"], batches),
+            "grads_vs_hf": {name: (grads[name] - grad).abs().max().item() for name, grad in reference["grads"].items()},
+            "zero_grads": [name for name, grad in grads.items() if not grad.abs().max() > 1e-7],
+        },
+    )
     shutdown()
 
 
@@ -145,15 +153,30 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     cases = {}
     for name, (tp, pp, ep, kwargs) in _cases(family).items():
         data = model_json(hf_dir, **kwargs)
-        cases[name] = {"tp": tp, "pp": pp, "cp": 1, "ep": ep, "hf": family, "json": data,
-                       "mm_dir": str(convert(hf_dir, root / f"mm_{name}", data, tp, ep))}
-    return {"family": family, "root": root, "reference": reference, "batches": batches, "cases": cases,
-            "tp1": load_rank_results(out, 1)[0]}
+        cases[name] = {
+            "tp": tp,
+            "pp": pp,
+            "cp": 1,
+            "ep": ep,
+            "hf": family,
+            "json": data,
+            "mm_dir": str(convert(hf_dir, root / f"mm_{name}", data, tp, ep)),
+        }
+    return {
+        "family": family,
+        "root": root,
+        "reference": reference,
+        "batches": batches,
+        "cases": cases,
+        "tp1": load_rank_results(out, 1)[0],
+    }
 
 
 def test_logits_are_far_from_uniform(setup: dict[str, Any]) -> None:
-    spread = [out["logits"].std(-1)[batch["attention_mask"].bool()].mean().item()
-              for out, batch in zip(setup["reference"]["outputs"], setup["batches"], strict=True)]
+    spread = [
+        out["logits"].std(-1)[batch["attention_mask"].bool()].mean().item()
+        for out, batch in zip(setup["reference"]["outputs"], setup["batches"], strict=True)
+    ]
     print(f"\n{setup['family']}: logit std over the vocabulary {spread}")
     assert min(spread) >= MIN_LOGIT_STD
 
@@ -180,8 +203,10 @@ def test_parallel_matches_transformers_and_tp1(setup: dict[str, Any], name: str,
     outputs = [r["outputs"] for r in results if r["outputs"]]
     grads = {key: diff for r in results for key, diff in r["grads"].items()}
     reference_names = torch.load(setup["root"] / f"grads_{case['hf']}.pt", weights_only=True).keys()
-    print(f"\n{setup['family']} {name}: {time.perf_counter() - started:.1f}s; max grad diff vs TP1 "
-          f"{max(grads.values()):.2e}")
+    print(
+        f"\n{setup['family']} {name}: {time.perf_counter() - started:.1f}s; max grad diff vs TP1 "
+        f"{max(grads.values()):.2e}"
+    )
     for output in outputs:
         _report(f"{setup['family']} {name} vs transformers", output)
     assert len(outputs) == case["tp"] * case["ep"] and set(grads) == set(reference_names)

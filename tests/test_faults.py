@@ -147,16 +147,21 @@ def _events(out_dir: Path) -> dict[str, list[int]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(out_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0}).Reload()
-    return {"scalars": [e.step for e in events.Scalars("reward/score")] if events.Tags()["scalars"] else [],
-            "text": [e.step for e in events.Tensors("note/text_summary")] if events.Tags()["tensors"] else []}
+    return {
+        "scalars": [e.step for e in events.Scalars("reward/score")] if events.Tags()["scalars"] else [],
+        "text": [e.step for e in events.Tensors("note/text_summary")] if events.Tags()["tensors"] else [],
+    }
 
 
 def test_a_fresh_start_cuts_metrics_and_tensorboard_to_nothing(tmp_path):
     """Runs killed before their first checkpoint used to leave their steps behind: 5 copies of step 1."""
     _log(tmp_path, [1, 2])
     _log(tmp_path, [1])
-    job = _job(tmp_path, "--backend_config.megatron_training.train_iters=1",
-               "--backend_config.megatron_training.save_interval=100")
+    job = _job(
+        tmp_path,
+        "--backend_config.megatron_training.train_iters=1",
+        "--backend_config.megatron_training.save_interval=100",
+    )
     trainer = _trainer(job, FakeRoles(2, rewards))
     assert trainer.resume() is None
     assert read_metrics(tmp_path / METRICS_FILE) == [] and not list((tmp_path / "tensorboard").iterdir())
@@ -165,8 +170,11 @@ def test_a_fresh_start_cuts_metrics_and_tensorboard_to_nothing(tmp_path):
 
 
 def test_resume_disable_is_a_fresh_start_too(tmp_path):
-    job = _job(tmp_path, "--backend_config.megatron_training.train_iters=2",
-               "--backend_config.megatron_training.save_interval=1")
+    job = _job(
+        tmp_path,
+        "--backend_config.megatron_training.train_iters=2",
+        "--backend_config.megatron_training.save_interval=1",
+    )
     _trainer(job, FakeRoles(2, rewards)).fit()
     again = _trainer(_job(tmp_path, "--backend_config.megatron_training.resume_mode=disable"), FakeRoles(2, rewards))
     assert again.resume() is None and read_metrics(tmp_path / METRICS_FILE) == []
@@ -206,14 +214,19 @@ def _failing_torch_save(code: int, after: int = 0):
         if code == errno.ENOSPC:
             raise OSError(code, "No space left on device")
         raise OSError(code, "whatever the OS says", getattr(f, "name", str(f)))
+
     return save
 
 
-@pytest.mark.parametrize("code, meaning", [(errno.ENOSPC, "no space left on device"),
-                                           (errno.EROFS, "read-only file system"),
-                                           (errno.EACCES, "permission denied")])
-def test_a_disk_error_during_a_save_is_named_and_the_previous_checkpoint_stays(tmp_path, monkeypatch, code,
-                                                                               meaning):
+@pytest.mark.parametrize(
+    "code, meaning",
+    [
+        (errno.ENOSPC, "no space left on device"),
+        (errno.EROFS, "read-only file system"),
+        (errno.EACCES, "permission denied"),
+    ],
+)
+def test_a_disk_error_during_a_save_is_named_and_the_previous_checkpoint_stays(tmp_path, monkeypatch, code, meaning):
     mgr = CheckpointManager(tmp_path, keep_last=0)
     mgr.save(1, states(1), trainer_state(1))
     monkeypatch.setattr(torch, "save", _failing_torch_save(code, after=1))  # the second rank's file fails
@@ -221,8 +234,10 @@ def test_a_disk_error_during_a_save_is_named_and_the_previous_checkpoint_stays(t
         mgr.save(2, states(2), trainer_state(2))
     message = str(failed.value)
     assert message.startswith(f"cannot save checkpoint step 2: {meaning}: {tmp_path}/.iter_0000002.tmp-")
-    assert message.split(": ")[2].endswith("/mp_rank_01/model_optim_rng.pt; the unfinished save was removed, the "
-                                           f"latest checkpoint is step 1 ({tmp_path / 'iter_0000001'})")
+    assert message.split(": ")[2].endswith(
+        "/mp_rank_01/model_optim_rng.pt; the unfinished save was removed, the "
+        f"latest checkpoint is step 1 ({tmp_path / 'iter_0000001'})"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
     assert mgr.latest() == 1
     advice = failure_message(failed.value)
@@ -237,10 +252,15 @@ def test_the_trainer_removes_a_failed_save_at_once(tmp_path):
             if "iter_0000002" in staging.name:
                 raise OSError(errno.ENOSPC, "No space left on device")
 
-    job = _job(tmp_path, "--backend_config.megatron_training.train_iters=2",
-               "--backend_config.megatron_training.save_interval=1")
-    with pytest.raises(CheckpointError, match="cannot save checkpoint step 2: no space left on device: .*"
-                                              "the latest checkpoint is step 1"):
+    job = _job(
+        tmp_path,
+        "--backend_config.megatron_training.train_iters=2",
+        "--backend_config.megatron_training.save_interval=1",
+    )
+    with pytest.raises(
+        CheckpointError,
+        match="cannot save checkpoint step 2: no space left on device: .*the latest checkpoint is step 1",
+    ):
         _trainer(job, FullDisk(2, rewards)).fit()
     assert sorted(p.name for p in save_dir(job).iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
 
@@ -290,7 +310,8 @@ def test_mg2hf_names_the_complete_earlier_iteration(trained, tmp_path):
         _mg2hf(trained, tmp_path, ckpt)
     message = str(failed.value)
     assert message.startswith(f"iteration 5 is incomplete: {why} (") and message.endswith(
-        f"; the newest complete earlier iteration is 3 ({ckpt / 'iter_0000003'}): convert it with --iteration 3")
+        f"; the newest complete earlier iteration is 3 ({ckpt / 'iter_0000003'}): convert it with --iteration 3"
+    )
     assert (_mg2hf(trained, tmp_path, ckpt, iteration=3) / "config.json").is_file()
 
 
@@ -299,8 +320,9 @@ def test_mg2hf_says_when_no_iteration_is_complete(trained, tmp_path):
     shutil.copytree(trained[2], ckpt)
     shutil.rmtree(ckpt / "iter_0000003")
     _truncate(ckpt, 5)
-    with pytest.raises(ConversionError, match=f"iteration 5 is incomplete: .*; no earlier iteration in {ckpt} is "
-                                              "complete"):
+    with pytest.raises(
+        ConversionError, match=f"iteration 5 is incomplete: .*; no earlier iteration in {ckpt} is complete"
+    ):
         _mg2hf(trained, tmp_path, ckpt)
 
 
@@ -309,8 +331,21 @@ def test_convert_cli_reports_it_without_a_traceback(trained, tmp_path, capsys):
     shutil.copytree(trained[2], ckpt)
     _drop_marker(ckpt, 5)
     hf = trained[0]
-    assert cli.main(["convert", "mg2hf", "--cfg.load_dir", str(ckpt), "--cfg.save_hf_dir", str(tmp_path / "out"),
-                     "--hf_dir", str(hf)]) == 1
+    assert (
+        cli.main(
+            [
+                "convert",
+                "mg2hf",
+                "--cfg.load_dir",
+                str(ckpt),
+                "--cfg.save_hf_dir",
+                str(tmp_path / "out"),
+                "--hf_dir",
+                str(hf),
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert err.startswith("error: iteration 5 is incomplete:") and "convert it with --iteration 3" in err
     assert "Traceback" not in err
@@ -319,7 +354,8 @@ def test_convert_cli_reports_it_without_a_traceback(trained, tmp_path, capsys):
 # ---------------------------------------------------------------------------- 6. advice that fits the error
 def test_a_rerun_is_advised_only_where_it_can_help(tmp_path):
     assert failure_message(WorkerError("actor rank 1 failed in train_mini_batch: process died")) == (
-        f"actor rank 1 failed in train_mini_batch: process died\n{RERUN}")
+        f"actor rank 1 failed in train_mini_batch: process died\n{RERUN}"
+    )
     stopped = failure_message(TrainingStopped("3 steps in a row had a NaN/inf loss; lower the lr"))
     assert "unchanged, a rerun repeats this" in stopped and RERUN not in stopped
     refused = CheckpointRefused("auto", "x holds no complete checkpoint", "set it to 'disable'")
@@ -344,6 +380,7 @@ def test_train_keeps_the_traceback_of_a_bug(monkeypatch):
 
 def test_a_checkpoint_that_does_not_fit_the_data_is_a_config_error(tmp_path):
     """The sampler refuses a state from another seed or data set (its order would differ): the user chooses."""
+
     class OtherData(FakePrompts):
         def load_state_dict(self, state):
             raise ValueError("sampler state has num_items=8 but this run has 6; the prompt order would differ")

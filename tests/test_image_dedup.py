@@ -39,8 +39,12 @@ SAMPLES = 3
 ENTROPY_COEF = 0.1
 LAYOUTS = {  # name: (world, pp, cp, {variant: model.json pipeline split})
     "pp1": (1, 1, 1, {"unfrozen": {}, "frozen": {}}),
-    "pp2": (2, 2, 1, {"vit_split": {"vit_pp": [1, 1], "llm_pp": [0, 4]},
-                      "vit_stage": {"vit_pp": [2, 0], "llm_pp": [0, 4]}}),
+    "pp2": (
+        2,
+        2,
+        1,
+        {"vit_split": {"vit_pp": [1, 1], "llm_pp": [0, 4]}, "vit_stage": {"vit_pp": [2, 0], "llm_pp": [0, 4]}},
+    ),
     "cp2": (2, 1, 2, {"unfrozen": {}}),
 }
 
@@ -54,19 +58,24 @@ def driver_inputs() -> tuple[dict[str, torch.Tensor], dict[int, Any], dict[str, 
     items, prompts = {}, {}
     for index, grid in GRIDS.items():
         t, h, w = grid
-        items[index] = SimpleNamespace(pixel_values=torch.randn(t * h * w, PATCH_DIM, generator=g),
-                                       image_grid_thw=torch.tensor([grid]))
+        items[index] = SimpleNamespace(
+            pixel_values=torch.randn(t * h * w, PATCH_DIM, generator=g), image_grid_thw=torch.tensor([grid])
+        )
         prompts[index] = _text(g, 3) + _image(grid) + _text(g, 2 + index)
-    samples = [Sample(index, index, prompts[index], _text(g, 2 + 2 * k + index), "stop")
-               for index in GRIDS for k in range(SAMPLES)]
+    samples = [
+        Sample(index, index, prompts[index], _text(g, 2 + 2 * k + index), "stop")
+        for index in GRIDS
+        for k in range(SAMPLES)
+    ]
     (batch,) = micro_batches([samples], items, PAD)
     per_sample = {key: value for key, value in batch.items() if key != "image_index"}
     per_sample["pixel_values"] = torch.cat([items[s.index].pixel_values for s in samples])
     return batch, step_images(samples, items), per_sample
 
 
-def _loss(captured: list[dict[str, torch.Tensor]], batch: dict[str, torch.Tensor],
-          out: dict[str, torch.Tensor]) -> torch.Tensor:
+def _loss(
+    captured: list[dict[str, torch.Tensor]], batch: dict[str, torch.Tensor], out: dict[str, torch.Tensor]
+) -> torch.Tensor:
     captured.append({key: out[key].detach().clone() for key in ("log_probs", "entropy")})
     mask = batch["response_mask"]
     return -((out["log_probs"] + ENTROPY_COEF * out["entropy"]) * mask).sum() / mask.sum()
@@ -78,8 +87,11 @@ def _pass(model: Any, batch: dict[str, torch.Tensor], images: Any) -> dict[str, 
     from mm_rl.workers.megatron_worker import run_schedule
 
     encoded: list[int] = []
-    hook = (model.image_encoder.register_forward_hook(lambda module, args, out: encoded.append(len(args[1])))
-            if model.layout.has_patch_embed else None)
+    hook = (
+        model.image_encoder.register_forward_hook(lambda module, args, out: encoded.append(len(args[1])))
+        if model.layout.has_patch_embed
+        else None
+    )
     model.zero_grad(set_to_none=True)
     captured: list[dict[str, torch.Tensor]] = []
     run_schedule(model, [batch], functools.partial(_loss, captured), 1.0, forward_only=False, images=images)
@@ -89,19 +101,27 @@ def _pass(model: Any, batch: dict[str, torch.Tensor], images: Any) -> dict[str, 
     return {"outputs": captured[0] if captured else None, "grads": grads, "encoded": sum(encoded)}
 
 
-def _compare(model: Any, batch: dict[str, torch.Tensor], images: Any,
-             per_sample: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _compare(
+    model: Any, batch: dict[str, torch.Tensor], images: Any, per_sample: dict[str, torch.Tensor]
+) -> dict[str, Any]:
     once, copies = _pass(model, batch, images), _pass(model, per_sample, None)
     result: dict[str, Any] = {"encoded": (once["encoded"], copies["encoded"])}
     if once["outputs"] is not None:
         valid = batch["attention_mask"].bool()
-        result["outputs"] = {key: (once["outputs"][key] - copies["outputs"][key])[valid].abs().max().item()
-                             for key in ("log_probs", "entropy")}
+        result["outputs"] = {
+            key: (once["outputs"][key] - copies["outputs"][key])[valid].abs().max().item()
+            for key in ("log_probs", "entropy")
+        }
     assert once["grads"].keys() == copies["grads"].keys()
-    result["grads"] = {name: ((once["grads"][name] - grad).norm() / grad.norm().clamp_min(1e-30)).item()
-                       for name, grad in copies["grads"].items()}
-    result["vit_grads"] = [name for name, grad in copies["grads"].items()
-                           if name.startswith("image_encoder.encoder.") and grad.abs().max() > 0]
+    result["grads"] = {
+        name: ((once["grads"][name] - grad).norm() / grad.norm().clamp_min(1e-30)).item()
+        for name, grad in copies["grads"].items()
+    }
+    result["vit_grads"] = [
+        name
+        for name, grad in copies["grads"].items()
+        if name.startswith("image_encoder.encoder.") and grad.abs().max() > 0
+    ]
     return result
 
 
@@ -135,8 +155,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_each_distinct_image_is_encoded_once_and_the_outputs_and_gradients_stay(name: str, checkpoints: dict[str, str],
-                                                                                tmp_path: Path) -> None:
+def test_each_distinct_image_is_encoded_once_and_the_outputs_and_gradients_stay(
+    name: str, checkpoints: dict[str, str], tmp_path: Path
+) -> None:
     world, pp, cp, variants = LAYOUTS[name]
     spawn(_rank, world, name, checkpoints, str(tmp_path))
     results = load_rank_results(tmp_path, world)
@@ -145,8 +166,10 @@ def test_each_distinct_image_is_encoded_once_and_the_outputs_and_gradients_stay(
         outputs = [r["outputs"] for r in ranks if "outputs" in r]
         grads = {key: value for r in ranks for key, value in r["grads"].items()}
         worst = max(grads, key=grads.__getitem__)
-        print(f"\n{name} {variant}: outputs {outputs}, worst grad {grads[worst]:.2e} ({worst}), "
-              f"images encoded {[r['encoded'] for r in ranks]}")
+        print(
+            f"\n{name} {variant}: outputs {outputs}, worst grad {grads[worst]:.2e} ({worst}), "
+            f"images encoded {[r['encoded'] for r in ranks]}"
+        )
         assert len(outputs) == cp  # every last-stage rank compared its outputs
         assert max(max(o.values()) for o in outputs) <= TOL
         assert grads[worst] <= GRAD_RTOL
@@ -165,7 +188,8 @@ def _cache_rank(rank: int, world: int, port: int, checkpoints: dict[str, str], o
     model = _build_and_load(model_json(), checkpoints["whole"])  # the default: ViT frozen, merger trained
     encoded: list[int] = []  # images (one frame each) that reach the ViT blocks: a cache hit does not
     model.image_encoder.encoder.register_forward_hook(
-        lambda module, args, out: encoded.append(len(args[1].segments.cu_full_seqlens) - 1))
+        lambda module, args, out: encoded.append(len(args[1].segments.cu_full_seqlens) - 1)
+    )
     plain = [_pass(model, half, images) for half in halves]
     result: dict[str, Any] = {"plain_encoded": sum(encoded)}
     model.image_encoder.cache = {}
@@ -174,10 +198,16 @@ def _cache_rank(rank: int, world: int, port: int, checkpoints: dict[str, str], o
     result["cached_encoded"] = sum(encoded)
     _pass(model, halves[0], images)
     result["again_encoded"] = sum(encoded)
-    result["outputs"] = max((a["outputs"][key] - b["outputs"][key]).abs().max().item()
-                            for a, b in zip(plain, cached, strict=True) for key in ("log_probs", "entropy"))
-    result["grads"] = max(((b["grads"][name] - grad).norm() / grad.norm().clamp_min(1e-30)).item()
-                          for a, b in zip(plain, cached, strict=True) for name, grad in a["grads"].items())
+    result["outputs"] = max(
+        (a["outputs"][key] - b["outputs"][key]).abs().max().item()
+        for a, b in zip(plain, cached, strict=True)
+        for key in ("log_probs", "entropy")
+    )
+    result["grads"] = max(
+        ((b["grads"][name] - grad).norm() / grad.norm().clamp_min(1e-30)).item()
+        for a, b in zip(plain, cached, strict=True)
+        for name, grad in a["grads"].items()
+    )
     result["merger_trained"] = any(name.startswith("image_encoder.projector.") for name in plain[0]["grads"])
     save_rank_result(out_dir, rank, result)
     shutdown()

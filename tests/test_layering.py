@@ -38,7 +38,8 @@ def _package(path: Path) -> str:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imported(tree: ast.AST, module: str) -> set[str]:
@@ -109,8 +110,7 @@ def _layer(package: str) -> int:
 
 
 def upward(graph: dict[str, set[str]]) -> list[str]:
-    return [f"{a} -> {b}" for a, targets in sorted(graph.items()) for b in sorted(targets)
-            if _layer(b) < _layer(a)]
+    return [f"{a} -> {b}" for a, targets in sorted(graph.items()) for b in sorted(targets) if _layer(b) < _layer(a)]
 
 
 def test_no_package_imports_one_above_it_or_forms_a_cycle():
@@ -124,10 +124,13 @@ def test_config_imports_no_other_package_but_the_leaves():
     assert import_graph()["config"] <= {"files", "partition", "cache"}
 
 
-@pytest.mark.parametrize(("graph", "expected"), [
-    ({"a": {"b"}, "b": {"a"}}, [["a", "b", "a"], ["b", "a", "b"]]),
-    ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
-])
+@pytest.mark.parametrize(
+    ("graph", "expected"),
+    [
+        ({"a": {"b"}, "b": {"a"}}, [["a", "b", "a"], ["b", "a", "b"]]),
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+    ],
+)
 def test_the_cycle_finder_finds_cycles(graph, expected):
     assert cycles(graph) == expected
 

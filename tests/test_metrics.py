@@ -115,8 +115,12 @@ def _png_size(path):
 def test_plot_writes_a_png_with_train_and_val_curves(tmp_path):
     with MetricsLogger(tmp_path, tensorboard=False) as metrics:
         for step in range(1, 11):
-            values = {"reward/score": step / 10, "reward/accuracy": step / 20, "actor/kl_loss": 1e-3 * step,
-                      "response_length/mean": 100.0 + step}
+            values = {
+                "reward/score": step / 10,
+                "reward/accuracy": step / 20,
+                "actor/kl_loss": 1e-3 * step,
+                "response_length/mean": 100.0 + step,
+            }
             if step % 5 == 0:
                 values["val/reward/score"] = step / 12
             metrics.log(step, values)

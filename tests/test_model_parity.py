@@ -48,15 +48,32 @@ GRIDS = [(1, 4, 4), (1, 4, 12), (1, 6, 4)]  # sample 0: image 0; sample 1: image
 LOGIT_TOL, GRAD_TOL = 1e-4, 1e-5
 ENTROPY_COEF = 0.1
 # gelu, rope theta 1e4, mRoPE sections [2, 6, 8], no GQA (4 KV heads), 2 layers
-VARIANT_HF = {"hidden_act": "gelu", "rope_theta": 1e4, "mrope_section": [2, 6, 8], "num_key_value_heads": 4,
-              "num_hidden_layers": 2}
-VARIANT_JSON = {"activation_func": "gelu", "rope_theta": 1e4, "mrope_section": [2, 6, 8],
-                "group_query_attention": False, "num_query_groups": 4, "num_layers": 2, "pipeline_num_layers": [2]}
+VARIANT_HF = {
+    "hidden_act": "gelu",
+    "rope_theta": 1e4,
+    "mrope_section": [2, 6, 8],
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+}
+VARIANT_JSON = {
+    "activation_func": "gelu",
+    "rope_theta": 1e4,
+    "mrope_section": [2, 6, 8],
+    "group_query_attention": False,
+    "num_query_groups": 4,
+    "num_layers": 2,
+    "pipeline_num_layers": [2],
+}
 
 
 # ------------------------------------------------------------------------------ model.json and weights
-def model_json(*, tied: bool = False, llm_pp: list[int] | None = None, vit_pp: list[int] | None = None,
-               text: dict[str, Any] | None = None) -> dict[str, Any]:
+def model_json(
+    *,
+    tied: bool = False,
+    llm_pp: list[int] | None = None,
+    vit_pp: list[int] | None = None,
+    text: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """configs/models/tiny.json with a pipeline split, tied embeddings or other text-decoder fields."""
     data = json.loads(TINY_JSON.read_text())
     decoder = data["text_decoder"]
@@ -100,10 +117,13 @@ def convert(hf_dir: Path, mm_dir: Path, data: dict[str, Any], tp: int, ep: int =
     from mm_rl.convert.hf2mg import hf2mg
 
     model = load_model_config(data)
-    parallel = ParallelConfig(tp_size=tp, ep_size=ep, llm_pp_layers=list(model.text_decoder.pipeline_num_layers),
-                              vit_pp_layers=list(model.image_encoder.vision_encoder.pipeline_num_layers))
-    return hf2mg(Hf2MgCfg(mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel),
-                 model)
+    parallel = ParallelConfig(
+        tp_size=tp,
+        ep_size=ep,
+        llm_pp_layers=list(model.text_decoder.pipeline_num_layers),
+        vit_pp_layers=list(model.image_encoder.vision_encoder.pipeline_num_layers),
+    )
+    return hf2mg(Hf2MgCfg(mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel), model)
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -138,8 +158,11 @@ def make_micro_batches(patch_dim: int = PATCH_DIM) -> list[dict[str, torch.Tenso
     text_only = [_text(g, 20), _text(g, 13)]
     left_padded = [_image(GRIDS[2]) + _text(g, 3), _text(g, 9) + _image(GRIDS[0]) + _text(g, 4)]
     batches = []
-    for rows, grids, left in ((with_images, GRIDS, False), (text_only, [], False),
-                              (left_padded, [GRIDS[2], GRIDS[0]], True)):
+    for rows, grids, left in (
+        (with_images, GRIDS, False),
+        (text_only, [], False),
+        (left_padded, [GRIDS[2], GRIDS[0]], True),
+    ):
         ids, mask = _padded(rows, left)
         batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.roll(ids, -1, dims=1)}
         if grids:
@@ -172,8 +195,9 @@ def _hf_grad(params: dict[str, torch.nn.Parameter], name: str) -> torch.Tensor:
     return (grad[int(expert)] if expert else grad).clone()
 
 
-def hf_reference(hf_dir: Path, batches: list[dict[str, torch.Tensor]],
-                 grad_names: dict[str, str] = HF_GRAD_NAMES) -> dict[str, Any]:
+def hf_reference(
+    hf_dir: Path, batches: list[dict[str, torch.Tensor]], grad_names: dict[str, str] = HF_GRAD_NAMES
+) -> dict[str, Any]:
     """transformers' logits per micro-batch, the label log-probs / entropy computed from them, and the
     gradients of the test loss (summed over micro-batches / their number, as megatron's schedule does)."""
     from transformers import AutoModelForImageTextToText
@@ -182,8 +206,12 @@ def hf_reference(hf_dir: Path, batches: list[dict[str, torch.Tensor]],
     outputs = []
     for batch in batches:
         extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       mm_token_type_ids=(batch["input_ids"] == IMAGE).int(), **extra).logits
+        logits = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            mm_token_type_ids=(batch["input_ids"] == IMAGE).int(),
+            **extra,
+        ).logits
         log_softmax = torch.log_softmax(logits, dim=-1)
         output = {
             "logits": logits,
@@ -211,7 +239,7 @@ def tp1_name(name: str, layout: Any, tied_copy: bool, first_expert: int = 0) -> 
     if match is None:
         return name
     offset = layout.llm_layers.start if match.group(1).startswith("text") else layout.vit_layers.start
-    rest = _EXPERT.sub(lambda m: f"local_experts.{int(m.group(1)) + first_expert}.", name[match.end():])
+    rest = _EXPERT.sub(lambda m: f"local_experts.{int(m.group(1)) + first_expert}.", name[match.end() :])
     return f"{match.group(1)}.{int(match.group(2)) + offset}.{rest}"
 
 
@@ -225,11 +253,14 @@ def _build_and_load(data: dict[str, Any], mm_dir: str | None, actor: Any = None,
     model_cfg = load_model_config(data)
     model = family_of(model_cfg).build_model(model_cfg, actor=actor, remove_padding=remove_padding)
     if mm_dir is not None:
-        path = rank_file(Path(mm_dir) / "release", parallel_state.get_tensor_model_parallel_rank(),
-                         parallel_state.get_pipeline_model_parallel_rank(),
-                         parallel_state.get_pipeline_model_parallel_world_size(),
-                         parallel_state.get_expert_model_parallel_rank(),
-                         parallel_state.get_expert_model_parallel_world_size())
+        path = rank_file(
+            Path(mm_dir) / "release",
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_rank(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        )
         model.load_state_dict(torch.load(path, weights_only=True)["model"])
     return model
 
@@ -240,8 +271,9 @@ def _loss(output: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     return -((output["log_probs"] + ENTROPY_COEF * output["entropy"]) * weights).sum()
 
 
-def run_schedule(model: Any, batches: list[dict[str, torch.Tensor]], loss_mask: str = "attention_mask",
-                 select: bool = False) -> list[dict[str, torch.Tensor]]:
+def run_schedule(
+    model: Any, batches: list[dict[str, torch.Tensor]], loss_mask: str = "attention_mask", select: bool = False
+) -> list[dict[str, torch.Tensor]]:
     """Forward + backward over the micro-batches with megatron's schedule, the loss over the batch's ``loss_mask``
     positions; the last stage's outputs (with ``select``, only the ``loss_mask`` positions' log-probs and entropy,
     the model's ``output_mask``; else every position's, and the logits)."""
@@ -251,10 +283,15 @@ def run_schedule(model: Any, batches: list[dict[str, torch.Tensor]], loss_mask: 
 
     def forward_step(data: Iterator[dict[str, torch.Tensor]], chunk: Any) -> tuple[Any, Any]:
         batch = next(data)
-        output = chunk(batch["input_ids"], attention_mask=batch["attention_mask"],
-                       pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
-                       labels=batch["labels"], output_mask=batch[loss_mask] if select else None,
-                       return_logits=not select)
+        output = chunk(
+            batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            pixel_values=batch.get("pixel_values"),
+            image_grid_thw=batch.get("image_grid_thw"),
+            labels=batch["labels"],
+            output_mask=batch[loss_mask] if select else None,
+            return_logits=not select,
+        )
 
         def loss_func(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             captured.append({key: value.detach().clone() for key, value in out.items()})
@@ -264,14 +301,22 @@ def run_schedule(model: Any, batches: list[dict[str, torch.Tensor]], loss_mask: 
         return output, loss_func
 
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=[model], num_microbatches=len(batches),
-        seq_length=max(b["input_ids"].shape[1] for b in batches), micro_batch_size=2, forward_only=False,
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=max(b["input_ids"].shape[1] for b in batches),
+        micro_batch_size=2,
+        forward_only=False,
     )
     return captured
 
 
-def output_diffs(captured: list[dict[str, torch.Tensor]], reference: list[dict[str, torch.Tensor]],
-                 batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+def output_diffs(
+    captured: list[dict[str, torch.Tensor]],
+    reference: list[dict[str, torch.Tensor]],
+    batches: list[dict[str, torch.Tensor]],
+) -> dict[str, float]:
     """Max |ours - transformers'| over the real tokens of every micro-batch (logits gathered over TP)."""
     from megatron.core import parallel_state
 
@@ -295,14 +340,20 @@ def tp1_grads(model: Any) -> dict[str, torch.Tensor]:
     tied_copy = model.share_embeddings_and_output_weights and layout.first_llm != layout.pp_size - 1
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     if tied_copy:  # the first stage's embedding and the last stage's copy each hold part of the gradient
-        name = ("text_decoder.embedding.word_embeddings.weight" if layout.has_embedding
-                else "text_decoder.output_layer.weight")
+        name = (
+            "text_decoder.embedding.word_embeddings.weight"
+            if layout.has_embedding
+            else "text_decoder.output_layer.weight"
+        )
         torch.distributed.all_reduce(grads[name], group=parallel_state.get_embedding_group())
     params = dict(model.named_parameters())
     for name, grad in grads.items():  # what finalize_model_grads sums over TP: the qk norms (each rank saw its
         # heads) and, under sequence parallelism, what each rank computed on its share of the tokens (norms, router)
-        if ("q_layernorm" in name or "k_layernorm" in name
-                or (model.config.sequence_parallel and getattr(params[name], "sequence_parallel", False))):
+        if (
+            "q_layernorm" in name
+            or "k_layernorm" in name
+            or (model.config.sequence_parallel and getattr(params[name], "sequence_parallel", False))
+        ):
             torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
     dp = parallel_state.get_data_parallel_world_size()
     experts = {name for name, p in model.named_parameters() if not getattr(p, "allreduce", True)}
@@ -314,10 +365,14 @@ def tp1_grads(model: Any) -> dict[str, torch.Tensor]:
             torch.distributed.all_reduce(grad, group=parallel_state.get_context_parallel_group())
             grad /= cp
     group = parallel_state.get_expert_tensor_parallel_group()
-    return {tp1_name(name, layout, tied_copy, _first_expert(model.model_cfg) if name in experts else 0):
-            merge_tp_shards(name, gather_list(grad, group if name in experts else
-                                              parallel_state.get_tensor_model_parallel_group()), model.model_cfg)
-            for name, grad in grads.items()}
+    return {
+        tp1_name(name, layout, tied_copy, _first_expert(model.model_cfg) if name in experts else 0): merge_tp_shards(
+            name,
+            gather_list(grad, group if name in experts else parallel_state.get_tensor_model_parallel_group()),
+            model.model_cfg,
+        )
+        for name, grad in grads.items()
+    }
 
 
 def _first_expert(model_cfg: Any) -> int:
@@ -330,8 +385,9 @@ def _first_expert(model_cfg: Any) -> int:
     return local_experts(model_cfg, parallel_state.get_expert_model_parallel_rank(), ep)[0][1]
 
 
-def _init(rank: int, world: int, port: int, data: dict[str, Any], tp: int = 1, pp: int = 1, cp: int = 1,
-          ep: int = 1) -> None:
+def _init(
+    rank: int, world: int, port: int, data: dict[str, Any], tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
+) -> None:
     import warnings
 
     from mm_rl.platform.device import setup_process
@@ -363,15 +419,17 @@ def _parallel_worker(rank: int, world: int, port: int, case: dict[str, Any], sha
     for name, grad in packed_grads.items():
         result["grads"][name] = (grad - reference_grads[name]).abs().max().item()
     if case.get("padded_rerun"):
-        result["packed_vs_padded"] = packed_vs_padded(case["json"], case["mm_dir"], inputs["batches"], captured,
-                                                      packed_grads)
+        result["packed_vs_padded"] = packed_vs_padded(
+            case["json"], case["mm_dir"], inputs["batches"], captured, packed_grads
+        )
     if case.get("selected_rerun"):
         result["selected_vs_full"] = selected_vs_full(case["json"], case["mm_dir"], inputs["batches"])
     if case.get("frozen_rerun"):  # default freeze switches: the frozen ViT stages still pass the pipeline
         captured = run_schedule(_build_and_load(case["json"], case["mm_dir"]), inputs["batches"])
         if captured:
-            result["outputs_frozen"] = output_diffs(captured, inputs["reference"][case["hf"]]["outputs"],
-                                                    inputs["batches"])
+            result["outputs_frozen"] = output_diffs(
+                captured, inputs["reference"][case["hf"]]["outputs"], inputs["batches"]
+            )
     result["seconds"] = time.perf_counter() - started
     save_rank_result(out_dir, rank, result)
     shutdown()
@@ -391,27 +449,35 @@ def _tp1_worker(rank: int, world: int, port: int, cases: dict[str, Any], shared:
         torch.save(captured, Path(shared) / f"outputs_{key}.pt")
         grads = tp1_grads(model)
         torch.save(grads, Path(shared) / f"grads_{key}.pt")
-        result[f"{key}_grads_vs_hf"] = {name: (grads[name] - hf_grad).abs().max().item()
-                                       for name, hf_grad in inputs["reference"][key]["grads"].items()}
+        result[f"{key}_grads_vs_hf"] = {
+            name: (grads[name] - hf_grad).abs().max().item()
+            for name, hf_grad in inputs["reference"][key]["grads"].items()
+        }
         # every compared gradient is non-trivial (a zero gradient would match anything)
         result[f"{key}_zero_grads"] = [name for name, grad in grads.items() if not grad.abs().max() > 1e-7]
         if key == "untied":
-            result["packed_vs_padded"] = packed_vs_padded(cases[key]["json"], cases[key]["mm_dir"], batches,
-                                                          captured, grads)
+            result["packed_vs_padded"] = packed_vs_padded(
+                cases[key]["json"], cases[key]["mm_dir"], batches, captured, grads
+            )
             for packed in (True, False):
                 result[f"selected_vs_full_{'packed' if packed else 'padded'}"] = selected_vs_full(
-                    cases[key]["json"], cases[key]["mm_dir"], batches, remove_padding=packed)
+                    cases[key]["json"], cases[key]["mm_dir"], batches, remove_padding=packed
+                )
     model = _build_and_load(cases["variant"]["json"], cases["variant"]["mm_dir"])
-    result["variant"] = output_diffs(run_schedule(model, batches), inputs["reference"]["variant"]["outputs"],
-                                     batches)
+    result["variant"] = output_diffs(run_schedule(model, batches), inputs["reference"]["variant"]["outputs"], batches)
     result["freeze"] = _freeze_checks(cases["untied"], batches)
     result["switches"] = _switch_runs(batches)
     save_rank_result(out_dir, rank, result)
     shutdown()
 
 
-def packed_vs_padded(data: dict[str, Any], mm_dir: str, batches: list[dict[str, torch.Tensor]],
-                     packed: list[dict[str, torch.Tensor]], packed_grads: dict[str, torch.Tensor]) -> dict[str, float]:
+def packed_vs_padded(
+    data: dict[str, Any],
+    mm_dir: str,
+    batches: list[dict[str, torch.Tensor]],
+    packed: list[dict[str, torch.Tensor]],
+    packed_grads: dict[str, torch.Tensor],
+) -> dict[str, float]:
     """The same micro-batches through the padded path (``remove_padding`` off): the largest |difference| of the
     log-probs and entropy on real tokens, and of every gradient relative to its norm (TP1 names)."""
     from mm_rl.config.schema import ActorConfig
@@ -424,8 +490,9 @@ def packed_vs_padded(data: dict[str, Any], mm_dir: str, batches: list[dict[str, 
         for key in diffs:
             diffs[key] = max(diffs[key], (ours[key][valid] - theirs[key][valid]).abs().max().item())
     grads = tp1_grads(model)
-    diffs["grad_rel"] = max(((packed_grads[name] - grad).norm() / grad.norm().clamp_min(1e-30)).item()
-                            for name, grad in grads.items())
+    diffs["grad_rel"] = max(
+        ((packed_grads[name] - grad).norm() / grad.norm().clamp_min(1e-30)).item() for name, grad in grads.items()
+    )
     return diffs
 
 
@@ -440,8 +507,9 @@ def with_wanted_tail(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, t
     return out
 
 
-def selected_vs_full(data: dict[str, Any], mm_dir: str, batches: list[dict[str, torch.Tensor]],
-                     remove_padding: bool = True) -> dict[str, float]:
+def selected_vs_full(
+    data: dict[str, Any], mm_dir: str, batches: list[dict[str, torch.Tensor]], remove_padding: bool = True
+) -> dict[str, float]:
     """The micro-batches' log-probs and entropy at their ``wanted`` positions only (the model's ``output_mask``) vs
     every position's, both with a loss over the wanted positions: the largest |difference| there, the largest
     |value| elsewhere (must be 0), and every gradient's difference relative to its norm (TP1 names)."""
@@ -450,8 +518,7 @@ def selected_vs_full(data: dict[str, Any], mm_dir: str, batches: list[dict[str, 
     batches = with_wanted_tail(batches)
     runs, grads = [], []
     for select in (False, True):
-        model = _build_and_load(data, mm_dir, ActorConfig(unfreeze_vision_encoder=True),
-                                remove_padding=remove_padding)
+        model = _build_and_load(data, mm_dir, ActorConfig(unfreeze_vision_encoder=True), remove_padding=remove_padding)
         runs.append(run_schedule(model, batches, loss_mask="wanted", select=select))
         grads.append(tp1_grads(model))
     diffs = {"log_probs": 0.0, "entropy": 0.0, "unwanted": 0.0}
@@ -460,8 +527,9 @@ def selected_vs_full(data: dict[str, Any], mm_dir: str, batches: list[dict[str, 
         for key in ("log_probs", "entropy"):
             diffs[key] = max(diffs[key], (full[key][wanted] - selected[key][wanted]).abs().max().item())
             diffs["unwanted"] = max(diffs["unwanted"], selected[key][~wanted].abs().max().item())
-    diffs["grad_rel"] = max(((grads[1][name] - grad).norm() / grad.norm().clamp_min(1e-30)).item()
-                            for name, grad in grads[0].items())
+    diffs["grad_rel"] = max(
+        ((grads[1][name] - grad).norm() / grad.norm().clamp_min(1e-30)).item() for name, grad in grads[0].items()
+    )
     return diffs
 
 
@@ -479,9 +547,11 @@ def _freeze_checks(case: dict[str, Any], batches: list[dict[str, torch.Tensor]])
         checks[f"{label}: vit frozen, no grads"] = all(not p.requires_grad and p.grad is None for p in vit)
         merger_trains = label == "default"
         checks[f"{label}: merger trains={merger_trains}"] = all(
-            p.requires_grad == merger_trains and (p.grad is not None) == merger_trains for p in merger)
-        checks[f"{label}: llm has grads"] = all(p.grad is not None for n, p in params.items()
-                                                if n.startswith("text_decoder."))
+            p.requires_grad == merger_trains and (p.grad is not None) == merger_trains for p in merger
+        )
+        checks[f"{label}: llm has grads"] = all(
+            p.grad is not None for n, p in params.items() if n.startswith("text_decoder.")
+        )
         if label == "projector_frozen":
             batch = batches[0]
             embeds = model.image_embeddings(batch["pixel_values"], batch["image_grid_thw"])
@@ -492,11 +562,11 @@ def _freeze_checks(case: dict[str, Any], batches: list[dict[str, torch.Tensor]])
 def _switch_runs(batches: list[dict[str, torch.Tensor]]) -> dict[str, bool]:
     """model.json switches beyond the HF-checked ones build and run forward + backward (random weights)."""
     runs = {}
-    for label, text in (("LayerNorm+relu", {"normalization": "LayerNorm", "activation_func": "relu"}),
-                        ("FusedLayerNorm+quick_gelu", {"normalization": "FusedLayerNorm",
-                                                       "activation_func": "quick_gelu"}),
-                        ("silu, 1 layer, mrope [8,4,4]", {"num_layers": 1, "pipeline_num_layers": [1],
-                                                          "mrope_section": [8, 4, 4]})):
+    for label, text in (
+        ("LayerNorm+relu", {"normalization": "LayerNorm", "activation_func": "relu"}),
+        ("FusedLayerNorm+quick_gelu", {"normalization": "FusedLayerNorm", "activation_func": "quick_gelu"}),
+        ("silu, 1 layer, mrope [8,4,4]", {"num_layers": 1, "pipeline_num_layers": [1], "mrope_section": [8, 4, 4]}),
+    ):
         model = _build_and_load(model_json(text=text), None)
         outputs = run_schedule(model, batches[:1])
         grads = [p.grad for p in model.parameters() if p.requires_grad]
@@ -523,8 +593,12 @@ def _hybrid_decoder_runs(batches: list[dict[str, torch.Tensor]]) -> bool:
     normed = [any(True for _ in layer.self_attention.q_layernorm.parameters()) for layer in layers]
     outputs = run_schedule(model, batches[:1])
     grads = [p.grad for p in model.parameters() if p.requires_grad]
-    return (asked == list(range(len(layers))) and normed == [i % 2 == 1 for i in range(len(layers))]
-            and bool(outputs) and all(g is not None and torch.isfinite(g).all() for g in grads))
+    return (
+        asked == list(range(len(layers)))
+        and normed == [i % 2 == 1 for i in range(len(layers))]
+        and bool(outputs)
+        and all(g is not None and torch.isfinite(g).all() for g in grads)
+    )
 
 
 # ------------------------------------------------------------------------------------------- fixtures
@@ -548,19 +622,30 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Checkpoints, conversions, inputs, transformers' outputs, then the TP1 run (reference gradients)."""
     started = time.perf_counter()
     root = tmp_path_factory.mktemp("parity")
-    hf = {"untied": build_hf_checkpoint(root / "untied", tied=False),
-          "tied": build_hf_checkpoint(root / "tied", tied=True),
-          "variant": build_hf_checkpoint(root / "variant", tied=False, **VARIANT_HF)}
+    hf = {
+        "untied": build_hf_checkpoint(root / "untied", tied=False),
+        "tied": build_hf_checkpoint(root / "tied", tied=True),
+        "variant": build_hf_checkpoint(root / "variant", tied=False, **VARIANT_HF),
+    }
     jsons = {"untied": model_json(), "tied": model_json(tied=True), "variant": model_json(text=VARIANT_JSON)}
-    tp1 = {key: {"json": jsons[key], "mm_dir": str(convert(hf[key], root / f"mm_tp1_{key}", jsons[key], 1))}
-           for key in hf}
+    tp1 = {
+        key: {"json": jsons[key], "mm_dir": str(convert(hf[key], root / f"mm_tp1_{key}", jsons[key], 1))} for key in hf
+    }
     parallel = {}
     for name, (tp, pp, cp, tied, kwargs) in CASES.items():
         key = "tied" if tied else "untied"
         data = model_json(tied=tied, **kwargs)
-        parallel[name] = {"tp": tp, "pp": pp, "cp": cp, "hf": key, "json": data, "frozen_rerun": name in FROZEN_RERUN,
-                          "padded_rerun": name in PADDED_RERUN, "selected_rerun": name in SELECTED_RERUN,
-                          "mm_dir": str(convert(hf[key], root / f"mm_{name}", data, tp))}
+        parallel[name] = {
+            "tp": tp,
+            "pp": pp,
+            "cp": cp,
+            "hf": key,
+            "json": data,
+            "frozen_rerun": name in FROZEN_RERUN,
+            "padded_rerun": name in PADDED_RERUN,
+            "selected_rerun": name in SELECTED_RERUN,
+            "mm_dir": str(convert(hf[key], root / f"mm_{name}", data, tp)),
+        }
     batches = make_micro_batches()
     reference = {key: hf_reference(path, batches) for key, path in hf.items()}
     torch.save({"batches": batches, "reference": reference}, root / "inputs.pt")
@@ -649,8 +734,9 @@ def test_log_probs_and_entropy_match_autograd_reference(vocab_size: int | None, 
     logits = (3 * torch.randn(2, 5, 40, generator=g, dtype=torch.float64)).requires_grad_()
     labels = torch.randint(0, vocab_size or 40, (2, 5), generator=g)
     weights = torch.randn(2, 2, 5, generator=g, dtype=torch.float64)
-    log_probs, entropy = log_probs_and_entropy(logits, labels, vocab_size=vocab_size, temperature=temperature,
-                                               group=None)
+    log_probs, entropy = log_probs_and_entropy(
+        logits, labels, vocab_size=vocab_size, temperature=temperature, group=None
+    )
     ((log_probs * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
     ours = logits.grad.clone()
 

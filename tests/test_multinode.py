@@ -47,9 +47,15 @@ def cluster():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAY_TMPDIR", temp_dir)
         patch.delenv("RAY_ADDRESS", raising=False)
-        nodes = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": NODE_CPUS[0], "include_dashboard": False, "dashboard_agent_listen_port": free_port(),
-            "object_store_memory": OBJECT_STORE})
+        nodes = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": NODE_CPUS[0],
+                "include_dashboard": False,
+                "dashboard_agent_listen_port": free_port(),
+                "object_store_memory": OBJECT_STORE,
+            },
+        )
         try:
             for cpus in NODE_CPUS[1:]:
                 nodes.add_node(num_cpus=cpus, object_store_memory=OBJECT_STORE)

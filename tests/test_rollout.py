@@ -299,8 +299,12 @@ def test_vllm_tp2_engine_matches_hf_and_takes_sharded_weight_pushes(model_dir, c
     gate/up included): a stop head stops, a perturbed layer changes generation, the originals restore it exactly."""
     from mm_rl.rollout.vllm_engine import VllmEngine
 
-    engine = VllmEngine(model_dir, dataclasses.replace(config, infer_tensor_parallel_size=2), min_pixels=MIN_PIXELS,
-                        max_pixels=MAX_PIXELS)
+    engine = VllmEngine(
+        model_dir,
+        dataclasses.replace(config, infer_tensor_parallel_size=2),
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+    )
     try:
         assert not engine.in_process
         out = engine.generate(requests_[:2], SamplingConfig(max_tokens=MAX_TOKENS, temperature=0.7, n=2))
@@ -325,8 +329,9 @@ def test_engine_settings_come_from_the_generate_config(model_dir, config):
     from mm_rl.rollout.vllm_engine import engine_kwargs
 
     def kwargs(**changes):
-        return engine_kwargs(model_dir, dataclasses.replace(config, **changes), min_pixels=MIN_PIXELS,
-                             max_pixels=MAX_PIXELS)
+        return engine_kwargs(
+            model_dir, dataclasses.replace(config, **changes), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS
+        )
 
     assert kwargs()["dtype"] == "float32"  # auto on CPU
     assert kwargs(dtype="bfloat16")["dtype"] == "bfloat16"

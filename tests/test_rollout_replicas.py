@@ -36,10 +36,14 @@ def _requests(lengths: list[int]) -> list[RolloutRequest]:
 def _outputs(requests: list[RolloutRequest], wall_s: float) -> RolloutOutputs:
     """What an engine answers: one sample per request echoing its uid, counted in the metrics."""
     timing = BatchTiming(wall_s, len(requests))
-    outputs = [RolloutOutput(r.prompt_ids, [RolloutSample([int(r.uid)], torch.zeros(1), "stop")], timing, r.uid)
-               for r in requests]
-    return RolloutOutputs(outputs, RolloutMetrics(prompts=len(requests), samples=len(requests),
-                                                  generated_tokens=len(requests), wall_s=wall_s))
+    outputs = [
+        RolloutOutput(r.prompt_ids, [RolloutSample([int(r.uid)], torch.zeros(1), "stop")], timing, r.uid)
+        for r in requests
+    ]
+    return RolloutOutputs(
+        outputs,
+        RolloutMetrics(prompts=len(requests), samples=len(requests), generated_tokens=len(requests), wall_s=wall_s),
+    )
 
 
 def test_prompts_are_split_whole_and_balanced_by_expected_tokens():
@@ -68,8 +72,9 @@ def test_replica_seeds_differ_and_replica_zero_keeps_the_batch_seed():
 def test_outputs_come_back_in_request_order_with_their_replica_and_summed_counts():
     requests = _requests([5, 9, 7, 3, 8])
     shares = [[1, 3], [], [0, 2, 4]]
-    merged = merge_outputs(shares, [_outputs([requests[i] for i in shares[0]], 2.0), None,
-                                    _outputs([requests[i] for i in shares[2]], 1.0)])
+    merged = merge_outputs(
+        shares, [_outputs([requests[i] for i in shares[0]], 2.0), None, _outputs([requests[i] for i in shares[2]], 1.0)]
+    )
     assert [o.uid for o in merged] == list(range(5))
     assert [o.samples[0].response_ids for o in merged] == [[i] for i in range(5)]
     assert [o.replica for o in merged] == [2, 0, 2, 0, 2]
@@ -80,16 +85,29 @@ def test_outputs_come_back_in_request_order_with_their_replica_and_summed_counts
         merge_outputs(shares, [_outputs([requests[1]], 1.0), None, _outputs([requests[0]] * 3, 1.0)])
 
 
-@pytest.mark.parametrize("overrides, replicas, rollout_devices, world", [
-    (("env.DEVICE=npu", "env.NPROC_PER_NODE=8"), 8, 0, 8),  # colocated default: one beside every device
-    (("env.DEVICE=npu", "env.NPROC_PER_NODE=8", f"{GEN}.replicas=2"), 2, 0, 8),
-    (("env.DEVICE=cuda", "env.NPROC_PER_NODE=8", f"{GEN}.infer_tensor_parallel_size=2"), 4, 0, 8),  # TP2 pairs
-    (("env.DEVICE=cuda", "env.NPROC_PER_NODE=8", f"{GEN}.colocate=false", f"{GEN}.infer_tensor_parallel_size=2",
-      f"{GEN}.replicas=2"), 2, 4, 4),  # separate: replicas x engine TP devices of their own
-    (("env.DEVICE=cuda", "env.NPROC_PER_NODE=8", f"{GEN}.colocate=false"), 1, 1, 7),
-    (("env.NPROC_PER_NODE=2",), 1, 0, 2),  # CPU default: one (more would only split the same cores)
-    (("env.NPROC_PER_NODE=2", f"{GEN}.replicas=2"), 2, 0, 2),
-])
+@pytest.mark.parametrize(
+    "overrides, replicas, rollout_devices, world",
+    [
+        (("env.DEVICE=npu", "env.NPROC_PER_NODE=8"), 8, 0, 8),  # colocated default: one beside every device
+        (("env.DEVICE=npu", "env.NPROC_PER_NODE=8", f"{GEN}.replicas=2"), 2, 0, 8),
+        (("env.DEVICE=cuda", "env.NPROC_PER_NODE=8", f"{GEN}.infer_tensor_parallel_size=2"), 4, 0, 8),  # TP2 pairs
+        (
+            (
+                "env.DEVICE=cuda",
+                "env.NPROC_PER_NODE=8",
+                f"{GEN}.colocate=false",
+                f"{GEN}.infer_tensor_parallel_size=2",
+                f"{GEN}.replicas=2",
+            ),
+            2,
+            4,
+            4,
+        ),  # separate: replicas x engine TP devices of their own
+        (("env.DEVICE=cuda", "env.NPROC_PER_NODE=8", f"{GEN}.colocate=false"), 1, 1, 7),
+        (("env.NPROC_PER_NODE=2",), 1, 0, 2),  # CPU default: one (more would only split the same cores)
+        (("env.NPROC_PER_NODE=2", f"{GEN}.replicas=2"), 2, 0, 2),
+    ],
+)
 def test_replicas_resolve_to_devices(overrides, replicas, rollout_devices, world):
     topo = topology(load_job(None, [f"--{o}" for o in overrides]))
     assert (topo.rollout_replicas, topo.rollout_devices, topo.world_size) == (replicas, rollout_devices, world)
@@ -100,15 +118,22 @@ def test_cpu_replicas_split_the_engine_cores():
     assert topo.engine_threads(cores=8) == 4 and topo.engine_threads(cores=2) == 1
 
 
-@pytest.mark.parametrize("overrides, key", [
-    ((f"{GEN}.replicas=-1",), f"{GEN}.replicas"),
-    (("env.DEVICE=npu", "env.NPROC_PER_NODE=4", f"{GEN}.replicas=5"), f"{GEN}.replicas"),
-    (("env.DEVICE=npu", "env.NPROC_PER_NODE=4", f"{GEN}.infer_tensor_parallel_size=2", f"{GEN}.replicas=3"),
-     f"{GEN}.replicas"),  # 3 replicas x 2 devices > 4
-    (("env.DEVICE=cuda", "env.NPROC_PER_NODE=8", f"{GEN}.infer_tensor_parallel_size=3"),
-     f"{GEN}.infer_tensor_parallel_size"),  # a node's 8 devices do not split into colocated TP3 engines
-    (("env.DEVICE=npu", "env.NPROC_PER_NODE=4", f"{GEN}.colocate=false", f"{GEN}.replicas=4"), f"{GEN}.colocate"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ((f"{GEN}.replicas=-1",), f"{GEN}.replicas"),
+        (("env.DEVICE=npu", "env.NPROC_PER_NODE=4", f"{GEN}.replicas=5"), f"{GEN}.replicas"),
+        (
+            ("env.DEVICE=npu", "env.NPROC_PER_NODE=4", f"{GEN}.infer_tensor_parallel_size=2", f"{GEN}.replicas=3"),
+            f"{GEN}.replicas",
+        ),  # 3 replicas x 2 devices > 4
+        (
+            ("env.DEVICE=cuda", "env.NPROC_PER_NODE=8", f"{GEN}.infer_tensor_parallel_size=3"),
+            f"{GEN}.infer_tensor_parallel_size",
+        ),  # a node's 8 devices do not split into colocated TP3 engines
+        (("env.DEVICE=npu", "env.NPROC_PER_NODE=4", f"{GEN}.colocate=false", f"{GEN}.replicas=4"), f"{GEN}.colocate"),
+    ],
+)
 def test_replicas_that_do_not_fit_are_rejected(overrides, key):
     problems = validate(load_job(None, [f"--{o}" for o in overrides]), check_paths=False)
     assert key in {p.key for p in problems}, problems
@@ -122,11 +147,14 @@ def test_colocated_tp2_replicas_see_their_actor_ranks_devices():
 
     placements = [("node-a", "3"), ("node-a", "1"), ("node-a", "0"), ("node-a", "2")]
     slots = [EngineSlot(0, 0.4, range(0, 2)), EngineSlot(2, 0.4, range(2, 4))]
-    assert engine_visible_devices(placements, slots, "cuda") == [{"CUDA_VISIBLE_DEVICES": "3,1"},
-                                                                 {"CUDA_VISIBLE_DEVICES": "0,2"}]
+    assert engine_visible_devices(placements, slots, "cuda") == [
+        {"CUDA_VISIBLE_DEVICES": "3,1"},
+        {"CUDA_VISIBLE_DEVICES": "0,2"},
+    ]
     assert engine_visible_devices(placements[:2], slots[:1], "npu") == [{"ASCEND_RT_VISIBLE_DEVICES": "3,1"}]
-    assert engine_visible_devices(placements, [EngineSlot(0, 0.4, range(0, 1)), EngineSlot(4, 2.0, range(0))],
-                                  "cuda") == [{}, {}]
+    assert engine_visible_devices(
+        placements, [EngineSlot(0, 0.4, range(0, 1)), EngineSlot(4, 2.0, range(0))], "cuda"
+    ) == [{}, {}]
     with pytest.raises(RuntimeError, match="ranks 0..1 on different nodes"):
         engine_visible_devices([("node-a", "0"), ("node-b", "0")], slots[:1], "cuda")
 
@@ -134,8 +162,16 @@ def test_colocated_tp2_replicas_see_their_actor_ranks_devices():
 def test_separate_replicas_get_a_bundle_each():
     from mm_rl.trainer.runtime import EngineSlot, plan_placement, plan_resources
 
-    job = load_job(None, ["--env.DEVICE=cuda", "--env.NPROC_PER_NODE=8", f"--{GEN}.colocate=false",
-                          f"--{GEN}.infer_tensor_parallel_size=2", f"--{GEN}.replicas=3"])
+    job = load_job(
+        None,
+        [
+            "--env.DEVICE=cuda",
+            "--env.NPROC_PER_NODE=8",
+            f"--{GEN}.colocate=false",
+            f"--{GEN}.infer_tensor_parallel_size=2",
+            f"--{GEN}.replicas=3",
+        ],
+    )
     resources = plan_resources(job)
     assert (resources.world_size, resources.rollout_replicas) == (2, 3)
     assert resources.rollout_bundle() == {"CPU": 1.0, "GPU": 2.0}
@@ -150,9 +186,18 @@ def test_the_placement_plan_puts_colocated_replicas_beside_their_ranks():
     bundle is shared (None); one replica of TP 2 shares only its two ranks' bundles, which alone offload."""
     from mm_rl.trainer.runtime import EngineSlot, Resources, plan_placement
 
-    resources = Resources(device="cuda", world_size=4, bundle_cpus=1.0, actor_share=1.0, ref_share=1.0,
-                          device_share_actor=0.6, device_share_ref=0.4, device_share_rollout=0.4, threads=1,
-                          rollout_replicas=2)
+    resources = Resources(
+        device="cuda",
+        world_size=4,
+        bundle_cpus=1.0,
+        actor_share=1.0,
+        ref_share=1.0,
+        device_share_actor=0.6,
+        device_share_ref=0.4,
+        device_share_rollout=0.4,
+        threads=1,
+        rollout_replicas=2,
+    )
     nodes = ["a", "b", "a", "b"]
     plan = plan_placement(resources, nodes, inner=2, engine_tp=2)
     assert plan.rank_bundles == (0, 2, 1, 3)
@@ -196,4 +241,3 @@ def test_a_dead_replica_is_named_in_the_error():
             engines.generate(requests, SPEC, 7).result()
     finally:
         ray.shutdown()
-

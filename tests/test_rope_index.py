@@ -24,9 +24,7 @@ def _hf_rope_index(
     fake = SimpleNamespace(config=SimpleNamespace(vision_config=vision))
     fake.get_vision_position_ids = functools.partial(Qwen2_5_VLModel.get_vision_position_ids, fake)
     token_types = (input_ids == IMAGE).int()
-    return Qwen2_5_VLModel.get_rope_index(
-        fake, input_ids, token_types, image_grid_thw=grids, attention_mask=mask
-    )
+    return Qwen2_5_VLModel.get_rope_index(fake, input_ids, token_types, image_grid_thw=grids, attention_mask=mask)
 
 
 def _image(grid: tuple[int, int, int]) -> list[int]:
@@ -51,14 +49,30 @@ def _text(n: int, first: int = 5) -> list[int]:
 
 
 LAYOUTS: dict[str, tuple[list[list[int]], list[tuple[int, int, int]], bool]] = {
-    "one_image_right_pad": ([_text(3) + _image((1, 4, 4)) + _text(5), _text(4) + _image((1, 2, 6)) + _text(1)],
-                            [(1, 4, 4), (1, 2, 6)], False),
-    "two_images_left_pad": ([_text(2) + _image((1, 4, 6)) + _text(3) + _image((1, 6, 2)) + _text(4), _text(5)],
-                            [(1, 4, 6), (1, 6, 2)], True),
-    "image_first_and_last": ([_image((1, 2, 2))[1:] + _text(3) + _image((1, 8, 4))[:-1]], [(1, 2, 2), (1, 8, 4)],
-                             False),
-    "mixed_batch": ([_text(7), _text(1) + _image((1, 4, 4)) + _text(2) + _image((1, 2, 4)) + _text(3),
-                     _image((1, 6, 6)) + _text(2)], [(1, 4, 4), (1, 2, 4), (1, 6, 6)], False),
+    "one_image_right_pad": (
+        [_text(3) + _image((1, 4, 4)) + _text(5), _text(4) + _image((1, 2, 6)) + _text(1)],
+        [(1, 4, 4), (1, 2, 6)],
+        False,
+    ),
+    "two_images_left_pad": (
+        [_text(2) + _image((1, 4, 6)) + _text(3) + _image((1, 6, 2)) + _text(4), _text(5)],
+        [(1, 4, 6), (1, 6, 2)],
+        True,
+    ),
+    "image_first_and_last": (
+        [_image((1, 2, 2))[1:] + _text(3) + _image((1, 8, 4))[:-1]],
+        [(1, 2, 2), (1, 8, 4)],
+        False,
+    ),
+    "mixed_batch": (
+        [
+            _text(7),
+            _text(1) + _image((1, 4, 4)) + _text(2) + _image((1, 2, 4)) + _text(3),
+            _image((1, 6, 6)) + _text(2),
+        ],
+        [(1, 4, 4), (1, 2, 4), (1, 6, 6)],
+        False,
+    ),
 }
 
 

@@ -64,16 +64,36 @@ def ray_head():
     """A Ray head with the dashboard (job submission API); yields its http address."""
     temp_dir = tempfile.mkdtemp(prefix="rayhead_", dir="/tmp")  # short: Ray's socket paths live under it
     dashboard = free_port()
-    ports = {"--port": free_port(), "--dashboard-port": dashboard, "--dashboard-agent-listen-port": free_port(),
-             "--dashboard-agent-grpc-port": free_port(), "--runtime-env-agent-port": free_port(),
-             "--metrics-export-port": free_port(), "--ray-client-server-port": free_port(),
-             "--min-worker-port": 0, "--max-worker-port": 0}
+    ports = {
+        "--port": free_port(),
+        "--dashboard-port": dashboard,
+        "--dashboard-agent-listen-port": free_port(),
+        "--dashboard-agent-grpc-port": free_port(),
+        "--runtime-env-agent-port": free_port(),
+        "--metrics-export-port": free_port(),
+        "--ray-client-server-port": free_port(),
+        "--min-worker-port": 0,
+        "--max-worker-port": 0,
+    }
     log = open(Path(temp_dir) / "ray_start.log", "w")  # closed in teardown
-    head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=4",
-                             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--temp-dir={temp_dir}",
-                             "--disable-usage-stats", *(f"{k}={v}" for k, v in ports.items())],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=cli_env() | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})  # no 30 s drain
+    head = subprocess.Popen(
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--num-cpus=4",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+            *(f"{k}={v}" for k, v in ports.items()),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=cli_env() | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
+    )  # no 30 s drain
     address = f"http://127.0.0.1:{dashboard}"
     try:
         deadline = time.monotonic() + 120
@@ -114,8 +134,14 @@ def stop_group(process: subprocess.Popen) -> None:
 
 
 def submit(job: Path, address: str, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, "submit", str(job), "--address", address, *extra], capture_output=True,
-                          text=True, timeout=timeout, cwd=job.parent, env=cli_env())
+    return subprocess.run(
+        [CLI, "submit", str(job), "--address", address, *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=job.parent,
+        env=cli_env(),
+    )
 
 
 def job_ids(address: str) -> set[str]:

@@ -71,17 +71,26 @@ def test_a_job_trains_converts_back_and_repeats_itself_after_sigkill(assets, tmp
     repeats the uninterrupted run's metrics exactly (the replicas' seeds and split included), and its console holds
     only the job's own lines (the engine's and Ray's go to the worker log)."""
     job_yaml, root = assets
-    steps = ("backend_config.megatron_training.train_iters=4", "backend_config.megatron_training.save_interval=2",
-             "backend_config.megatron_training.max_keep_ckpts=1", "backend_config.rl_config.val_freq=2",
-             "backend_config.generate_config.replicas=2")
+    steps = (
+        "backend_config.megatron_training.train_iters=4",
+        "backend_config.megatron_training.save_interval=2",
+        "backend_config.megatron_training.max_keep_ckpts=1",
+        "backend_config.rl_config.val_freq=2",
+        "backend_config.generate_config.replicas=2",
+    )
     result, lines = _run_job(job_for(job_yaml, root, tmp_path / "straight", *steps))
     straight = _check_uninterrupted(result, lines, tmp_path / "straight", root)
 
     out = tmp_path / "killed"
     proc = train_cli(job_yaml, root, out, *steps, start_new_session=True)
     try:
-        _wait_for(lambda: len(read_metrics(out / "metrics.jsonl")) >= 3
-                  and (out / "ckpt" / "iter_0000002" / "complete").is_file(), proc, 600)
+        _wait_for(
+            lambda: (
+                len(read_metrics(out / "metrics.jsonl")) >= 3 and (out / "ckpt" / "iter_0000002" / "complete").is_file()
+            ),
+            proc,
+            600,
+        )
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started
         proc.wait(timeout=60)
     finally:
@@ -108,9 +117,22 @@ def _check_uninterrupted(result, lines: list[str], out: Path, root: Path) -> lis
     assert sum(line.startswith("step ") for line in lines) == 4
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    for key in ("reward/score", "reward/accuracy", "reward/format", "response_length/mean", "actor/pg_loss",
-                "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/lr", "timing/rollout", "timing/update",
-                "timing/sync", "timing/step", "throughput/tok_per_s"):
+    for key in (
+        "reward/score",
+        "reward/accuracy",
+        "reward/format",
+        "response_length/mean",
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/lr",
+        "timing/rollout",
+        "timing/update",
+        "timing/sync",
+        "timing/step",
+        "throughput/tok_per_s",
+    ):
         assert all(r.get(key) is not None and math.isfinite(r[key]) for r in records), key
     for record in records:
         assert record["rollout/replicas"] == 2 and record["rollout/replica_prompts_min"] >= 1  # split over both
@@ -142,21 +164,42 @@ def _check_console(console: str, out: Path) -> None:
     assert ENGINE_LINE not in console
 
 
-@pytest.mark.parametrize("layout, rank_dirs", [
-    (("backend_config.actor_config.tensor_model_parallel_size=2",), 2),
-    (("backend_config.actor_config.pipeline_model_parallel_size=2",
-      "backend_config.model.text_decoder.pipeline_num_layers=[2,2]",
-      "backend_config.model.image_encoder.vision_encoder.pipeline_num_layers=[2,0]"), 2),
-    (("backend_config.training.context-parallel-size=2",
-      "backend_config.training.context-parallel-algo=ulysses_cp_algo"), 1),  # CP ranks hold the same weights
-], ids=["tp2", "pp2", "cp2"])
+@pytest.mark.parametrize(
+    "layout, rank_dirs",
+    [
+        (("backend_config.actor_config.tensor_model_parallel_size=2",), 2),
+        (
+            (
+                "backend_config.actor_config.pipeline_model_parallel_size=2",
+                "backend_config.model.text_decoder.pipeline_num_layers=[2,2]",
+                "backend_config.model.image_encoder.vision_encoder.pipeline_num_layers=[2,0]",
+            ),
+            2,
+        ),
+        (
+            (
+                "backend_config.training.context-parallel-size=2",
+                "backend_config.training.context-parallel-algo=ulysses_cp_algo",
+            ),
+            1,
+        ),  # CP ranks hold the same weights
+    ],
+    ids=["tp2", "pp2", "cp2"],
+)
 def test_model_parallel_actor_trains(assets, tmp_path, layout, rank_dirs):
     """Two ranks (TP2, PP2 or CP2) through full steps, with dynamic sampling drawing extra batches."""
     job_yaml, root = assets
     out = tmp_path / "run"
-    job = job_for(job_yaml, root, out, "env.NPROC_PER_NODE=2", "backend_config.megatron_training.train_iters=2",
-                  "backend_config.rl_config.dynamic_sampling.enable=true",
-                  "backend_config.rl_config.dynamic_sampling.max_num_gen_batches=2", *layout)
+    job = job_for(
+        job_yaml,
+        root,
+        out,
+        "env.NPROC_PER_NODE=2",
+        "backend_config.megatron_training.train_iters=2",
+        "backend_config.rl_config.dynamic_sampling.enable=true",
+        "backend_config.rl_config.dynamic_sampling.max_num_gen_batches=2",
+        *layout,
+    )
     result, _ = _run_job(job)
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
@@ -167,9 +210,12 @@ def test_model_parallel_actor_trains(assets, tmp_path, layout, rank_dirs):
     assert (result.hf_dir / "config.json").is_file()
 
 
-LEARNING = ("backend_config.rl_config.rollout_batch_size=8", "backend_config.megatron_training.global_batch_size=32",
-            "backend_config.generate_config.sampling_config.max_tokens=64",
-            "backend_config.rl_config.val_before_train=true")
+LEARNING = (
+    "backend_config.rl_config.rollout_batch_size=8",
+    "backend_config.megatron_training.global_batch_size=32",
+    "backend_config.generate_config.sampling_config.max_tokens=64",
+    "backend_config.rl_config.val_before_train=true",
+)
 
 
 def test_the_embedded_default_learns(assets, tmp_path):
@@ -193,8 +239,12 @@ def test_one_step_off_policy_learns_overlaps_the_rollout_and_resumes_exactly(ass
     import shutil
 
     job_yaml, root = assets
-    steps = (*LEARNING, "backend_config.rl_config.one_step_off_policy=true",
-             "backend_config.megatron_training.save_interval=38", "backend_config.megatron_training.max_keep_ckpts=2")
+    steps = (
+        *LEARNING,
+        "backend_config.rl_config.one_step_off_policy=true",
+        "backend_config.megatron_training.save_interval=38",
+        "backend_config.megatron_training.max_keep_ckpts=2",
+    )
     _run_job(job_for(job_yaml, root, tmp_path / "straight", *steps))
     records = read_metrics(tmp_path / "straight" / "metrics.jsonl")
     assert_learns(records, "tiny, one step off policy")
@@ -208,8 +258,11 @@ def test_one_step_off_policy_learns_overlaps_the_rollout_and_resumes_exactly(ass
 
     out = tmp_path / "resumed"
     shutil.copytree(tmp_path / "straight" / "ckpt" / "iter_0000038", out / "ckpt" / "iter_0000038")
-    _run_job(job_for(job_yaml, root, out, *steps,
-                     f"backend_config.megatron_training.resume_mode={out / 'ckpt' / 'iter_0000038'}"))
+    _run_job(
+        job_for(
+            job_yaml, root, out, *steps, f"backend_config.megatron_training.resume_mode={out / 'ckpt' / 'iter_0000038'}"
+        )
+    )
     resumed = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
     assert [r["step"] for r in resumed] == [39, 40]
     for a, b in zip(straight[38:], resumed, strict=True):

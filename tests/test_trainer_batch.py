@@ -33,8 +33,11 @@ def _item(image_tokens: int) -> SimpleNamespace:
 
 def _samples() -> tuple[list[Sample], dict[int, SimpleNamespace]]:
     items = {0: _item(2), 1: _item(0)}
-    samples = [Sample(0, 0, [5, 6, 7], [8, 9], "stop"), Sample(1, 1, [5, 6], [10, 11, 12, 13], "length"),
-               Sample(0, 0, [5, 6, 7], [14], "stop")]
+    samples = [
+        Sample(0, 0, [5, 6, 7], [8, 9], "stop"),
+        Sample(1, 1, [5, 6], [10, 11, 12, 13], "length"),
+        Sample(0, 0, [5, 6, 7], [14], "stop"),
+    ]
     for s in samples:
         s.old_log_probs = torch.arange(s.response_len, dtype=torch.float32) - 10 * s.response_len
         s.advantages = torch.full((s.response_len,), float(s.response_len))
@@ -115,9 +118,9 @@ def test_balanced_shards_even_out_tokens_and_keep_groups_whole():
     shards = balanced_shards(samples, 3)
     assert sorted(id(s) for shard in shards for s in shard) == sorted(map(id, samples))
     loads = [sum(map(tokens, shard)) for shard in shards]
-    contiguous = [sum(map(tokens, samples[i * 12:(i + 1) * 12])) for i in range(3)]
+    contiguous = [sum(map(tokens, samples[i * 12 : (i + 1) * 12])) for i in range(3)]
     assert max(loads) - min(loads) <= max(contiguous) - min(contiguous)
-    assert max(loads) - min(loads) <= max(sum(map(tokens, samples[i:i + 4])) for i in range(0, 36, 4))
+    assert max(loads) - min(loads) <= max(sum(map(tokens, samples[i : i + 4])) for i in range(0, 36, 4))
     assert all(len({s.group for s in shard}) * 4 == len(shard) for shard in shards)  # whole groups
     assert all(shard == sorted(shard, key=samples.index) for shard in shards)  # the step's order
     few = balanced_shards(samples[:4], 2)  # one group, two replicas: the group is split, no replica idle
@@ -135,9 +138,15 @@ def test_sampling_seeds_differ_per_step_and_batch_and_repeat():
 def test_submit_makes_directly_set_relative_paths_absolute(tmp_path):
     from mm_rl.job.submit import absolute_paths
 
-    node = OmegaConf.create({"af_output_dir": "./out", "backend_config": {
-        "megatron_training": {"tokenizer_name_or_path": "${af_output_dir}/hf", "save": "/abs/ckpt"},
-        "data": {"dataset_param": {"basic_parameters": {"dataset_dir": "data"}}}}})
+    node = OmegaConf.create(
+        {
+            "af_output_dir": "./out",
+            "backend_config": {
+                "megatron_training": {"tokenizer_name_or_path": "${af_output_dir}/hf", "save": "/abs/ckpt"},
+                "data": {"dataset_param": {"basic_parameters": {"dataset_dir": "data"}}},
+            },
+        }
+    )
     absolute_paths(node, tmp_path)
     assert node.af_output_dir == str(tmp_path / "out")
     assert node.backend_config.megatron_training.tokenizer_name_or_path == str(tmp_path / "out" / "hf")
@@ -145,8 +154,10 @@ def test_submit_makes_directly_set_relative_paths_absolute(tmp_path):
     assert node.backend_config.data.dataset_param.basic_parameters.dataset_dir == str(tmp_path / "data")
 
 
-@pytest.mark.parametrize("device, colocate, actor, engine", [("cuda", False, 6, {"CPU": 1.0, "GPU": 2.0}),
-                                                             ("npu", True, 8, None), ("cpu", False, 8, None)])
+@pytest.mark.parametrize(
+    "device, colocate, actor, engine",
+    [("cuda", False, 6, {"CPU": 1.0, "GPU": 2.0}), ("npu", True, 8, None), ("cpu", False, 8, None)],
+)
 def test_a_separate_engine_gets_whole_devices_of_its_own(device, colocate, actor, engine):
     """On accelerators ``colocate: false`` takes the engine's devices out of the actor's world into a bundle of
     its own; colocated, or on CPU, every device stays with the actor."""
@@ -154,8 +165,15 @@ def test_a_separate_engine_gets_whole_devices_of_its_own(device, colocate, actor
     from mm_rl.trainer.runtime import plan_resources
 
     gen = "--backend_config.generate_config"
-    job = load_job(None, [f"--env.DEVICE={device}", "--env.NPROC_PER_NODE=8", f"{gen}.colocate={colocate}",
-                          f"{gen}.infer_tensor_parallel_size={2 if engine else 1}"])
+    job = load_job(
+        None,
+        [
+            f"--env.DEVICE={device}",
+            "--env.NPROC_PER_NODE=8",
+            f"{gen}.colocate={colocate}",
+            f"{gen}.infer_tensor_parallel_size={2 if engine else 1}",
+        ],
+    )
     resources = plan_resources(job)
     assert resources.world_size == actor
     assert (resources.rollout_bundle() if resources.rollout_devices else None) == engine
@@ -163,8 +181,9 @@ def test_a_separate_engine_gets_whole_devices_of_its_own(device, colocate, actor
 
 def _prompt(grids: list[tuple[int, int, int]], generator: torch.Generator) -> SimpleNamespace:
     grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
-    return SimpleNamespace(pixel_values=torch.randn(int(grid.prod(-1).sum()), 8, generator=generator),
-                           image_grid_thw=grid)
+    return SimpleNamespace(
+        pixel_values=torch.randn(int(grid.prod(-1).sum()), 8, generator=generator), image_grid_thw=grid
+    )
 
 
 def test_a_rank_puts_together_each_prompts_images_once_and_which_fills_each_slot():

@@ -46,9 +46,14 @@ class FakePrompts:
 
     def requests(self, indices, split="train"):
         if split == "train":
-            self.cached.update({i: SimpleNamespace(pixel_values=torch.zeros(0, 8),
-                                                   image_grid_thw=torch.zeros(0, 3, dtype=torch.long))
-                                for i in indices})
+            self.cached.update(
+                {
+                    i: SimpleNamespace(
+                        pixel_values=torch.zeros(0, 8), image_grid_thw=torch.zeros(0, 3, dtype=torch.long)
+                    )
+                    for i in indices
+                }
+            )
         return [RolloutRequest(list(PROMPT), uid=i) for i in indices]
 
     def retain(self, indices):
@@ -102,8 +107,10 @@ class FakeRoles:
         self.calls.append(("generate", seed, len(requests)))
         outputs = []
         for request in requests:
-            samples = [RolloutSample([int(100 * self.rewards(seed, request.uid, k)), 2], torch.zeros(2), "stop")
-                       for k in range(sampling.n)]
+            samples = [
+                RolloutSample([int(100 * self.rewards(seed, request.uid, k)), 2], torch.zeros(2), "stop")
+                for k in range(sampling.n)
+            ]
             outputs.append(RolloutOutput(request.prompt_ids, samples, BatchTiming(0.1, 2 * sampling.n), request.uid))
         return SimpleNamespace(result=lambda: RolloutOutputs(outputs))
 
@@ -125,8 +132,10 @@ class FakeRoles:
         old log-prob pass gives -0.5)."""
         skipped = float(self.updates in self.skip)
         self.updates += 1
-        own = [None if "old_log_probs" in shard[0] else [torch.full(b["input_ids"].shape, -0.25) for b in shard]
-               for shard in shards]
+        own = [
+            None if "old_log_probs" in shard[0] else [torch.full(b["input_ids"].shape, -0.25) for b in shard]
+            for shard in shards
+        ]
         return {"loss": 0.1, "pg_loss": 0.1, "kl_loss": 0.01, "grad_norm": 1.0, "lr": 1e-3, "skipped": skipped}, own
 
     def schedule_lr_at(self, updates):
@@ -144,22 +153,36 @@ class FakeRoles:
 
 
 def _job(tmp_path, *overrides):
-    return load_job(None, [f"--af_output_dir={tmp_path}", "--backend_config.rl_config.rollout_batch_size=2",
-                           "--backend_config.rl_config.n_samples_per_prompt=2",
-                           "--backend_config.megatron_training.global_batch_size=4",
-                           "--backend_config.actor_config.micro_batch_size=2", *overrides])
+    return load_job(
+        None,
+        [
+            f"--af_output_dir={tmp_path}",
+            "--backend_config.rl_config.rollout_batch_size=2",
+            "--backend_config.rl_config.n_samples_per_prompt=2",
+            "--backend_config.megatron_training.global_batch_size=4",
+            "--backend_config.actor_config.micro_batch_size=2",
+            *overrides,
+        ],
+    )
 
 
 def _trainer(job, roles, lines=None):
-    return GRPOTrainer(job, roles, FakePrompts(job.backend_config.rl_config.rollout_batch_size),
-                       report=(lines.append if lines is not None else lambda line: None))
+    return GRPOTrainer(
+        job,
+        roles,
+        FakePrompts(job.backend_config.rl_config.rollout_batch_size),
+        report=(lines.append if lines is not None else lambda line: None),
+    )
 
 
 def test_dynamic_sampling_draws_batches_until_enough_groups_vary(tmp_path):
     """Batch 0: one of two groups varies; batch 1: the other prompt pair both vary -> two batches, seeded per
     batch, and only varying groups are trained on."""
-    job = _job(tmp_path, "--backend_config.rl_config.dynamic_sampling.enable=true",
-               "--backend_config.rl_config.dynamic_sampling.max_num_gen_batches=4")
+    job = _job(
+        tmp_path,
+        "--backend_config.rl_config.dynamic_sampling.enable=true",
+        "--backend_config.rl_config.dynamic_sampling.max_num_gen_batches=4",
+    )
     seed = int(job.backend_config.training.seed)
     first = sampling_seed(seed, 1, 0)
     roles = FakeRoles(2, lambda s, uid, k: 0.5 if (s == first and uid == 0) else float(k))
@@ -181,8 +204,9 @@ class BoundedRoles(FakeRoles):
     def start_generate(self, requests, sampling, seed):
         outputs = super().start_generate(requests, sampling, seed).result()
         if sum(call[0] == "generate" for call in self.calls) % 2 == 0:
-            outputs[1] = RolloutOutput(outputs[1].prompt_ids, [], outputs[1].timing, outputs[1].uid,
-                                       skipped="prompt too long")
+            outputs[1] = RolloutOutput(
+                outputs[1].prompt_ids, [], outputs[1].timing, outputs[1].uid, skipped="prompt too long"
+            )
         return SimpleNamespace(result=lambda: outputs)
 
 
@@ -190,8 +214,11 @@ def test_the_lr_schedule_stays_on_plan_when_groups_are_dropped(tmp_path):
     """Every second step trains on one of its two groups (the bounds dropped the other): one optimizer step
     runs there instead of two, yet each step leaves the LR schedule at its planned count and the last step at the
     schedule's end (the total the optimizer was given), where the LR is min_lr (test_trainer_worker.py)."""
-    job = _job(tmp_path, "--backend_config.megatron_training.global_batch_size=2",
-               "--backend_config.megatron_training.train_iters=4")
+    job = _job(
+        tmp_path,
+        "--backend_config.megatron_training.global_batch_size=2",
+        "--backend_config.megatron_training.train_iters=4",
+    )
     rl = job.backend_config.rl_config
     roles = BoundedRoles(2, lambda s, uid, k: float(k))
     trainer = _trainer(job, roles)
@@ -215,9 +242,12 @@ def test_validation_syncs_generates_greedy_and_reports_val_metrics(tmp_path):
 
 def test_non_finite_steps_are_counted_reset_and_stop_the_run(tmp_path):
     """max_consecutive_nonfinite 2: skip, good (resets), skip, skip -> stop with advice."""
-    job = _job(tmp_path, "--backend_config.rl_config.max_consecutive_nonfinite=2",
-               "--backend_config.megatron_training.train_iters=10",
-               "--backend_config.megatron_training.save_interval=100")
+    job = _job(
+        tmp_path,
+        "--backend_config.rl_config.max_consecutive_nonfinite=2",
+        "--backend_config.megatron_training.train_iters=10",
+        "--backend_config.megatron_training.save_interval=100",
+    )
     lines: list[str] = []
     trainer = _trainer(job, FakeRoles(2, lambda s, uid, k: float(k), skip={0, 2, 3}), lines)
     with pytest.raises(TrainingStopped, match="max_consecutive_nonfinite = 2.*resume"):
@@ -228,8 +258,11 @@ def test_non_finite_steps_are_counted_reset_and_stop_the_run(tmp_path):
 
 
 def test_resume_restores_the_bookkeeping_and_cuts_the_metrics(tmp_path):
-    job = _job(tmp_path, "--backend_config.megatron_training.train_iters=3",
-               "--backend_config.megatron_training.save_interval=2")
+    job = _job(
+        tmp_path,
+        "--backend_config.megatron_training.train_iters=3",
+        "--backend_config.megatron_training.save_interval=2",
+    )
     rewards = lambda s, uid, k: float(k)  # noqa: E731
     first = _trainer(job, FakeRoles(2, rewards, skip={2}))
     first.fit()  # checkpoints at steps 2 and 3; step 3 had a skipped update
@@ -241,15 +274,24 @@ def test_resume_restores_the_bookkeeping_and_cuts_the_metrics(tmp_path):
     roles = FakeRoles(2, rewards)
     again = _trainer(job, roles)
     assert again.resume() == 3
-    assert roles.calls == [("load", Path(job.backend_config.megatron_training.save), 3, )]
+    assert roles.calls == [
+        (
+            "load",
+            Path(job.backend_config.megatron_training.save),
+            3,
+        )
+    ]
     assert (again.prompts.state_dict(), again.kl_ctrl.state_dict(), again.nonfinite_in_a_row) == state
     assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1, 2, 3]
     assert [r["step"] for r in read_metrics(tmp_path / GENERATIONS_FILE)] == [1, 1, 2, 2, 3, 3]  # 2 prompts a step
     assert again.fit() == []  # already at train_iters
 
     # the checkpoint's layout is check's rule, asked again when the run resumes (the directory may have changed)
-    other = _job(tmp_path, "--backend_config.megatron_training.train_iters=3",
-                 "--backend_config.actor_config.tensor_model_parallel_size=2")
+    other = _job(
+        tmp_path,
+        "--backend_config.megatron_training.train_iters=3",
+        "--backend_config.actor_config.tensor_model_parallel_size=2",
+    )
     with pytest.raises(ConfigError, match="saved with TP 1 x PP 1 x EP 1") as refused:
         resume(_trainer(other, FakeRoles(2, rewards)), other)
     assert refused.value.violations[0].key == "backend_config.actor_config.tensor_model_parallel_size"
@@ -262,17 +304,30 @@ def _generations(roles):
 def test_one_step_off_policy_generates_the_next_batch_before_the_update(tmp_path):
     """Step k waits for its batch, syncs its old policy into the engine, starts step k + 1's batch, then trains:
     every batch after the first is one weight version behind; the last step starts none."""
-    job = _job(tmp_path, "--backend_config.rl_config.one_step_off_policy=true",
-               "--backend_config.megatron_training.train_iters=3",
-               "--backend_config.megatron_training.save_interval=100")
+    job = _job(
+        tmp_path,
+        "--backend_config.rl_config.one_step_off_policy=true",
+        "--backend_config.megatron_training.train_iters=3",
+        "--backend_config.megatron_training.save_interval=100",
+    )
     roles = FakeRoles(2, lambda s, uid, k: float(k))
     trainer = _trainer(job, roles)
     history = trainer.fit()
     seed = trainer.seed
     assert _generations(roles) == [sampling_seed(seed, step, 0) for step in (1, 2, 3)]
     phases = [c[0] for c in roles.calls if c[0] in ("before_rollout", "generate", "log_probs")]
-    assert phases == ["before_rollout", "generate", "before_rollout", "generate", "log_probs",
-                      "before_rollout", "generate", "log_probs", "before_rollout", "log_probs"]  # reference only
+    assert phases == [
+        "before_rollout",
+        "generate",
+        "before_rollout",
+        "generate",
+        "log_probs",
+        "before_rollout",
+        "generate",
+        "log_probs",
+        "before_rollout",
+        "log_probs",
+    ]  # reference only
     assert [m["rollout/staleness_max"] for m in history] == [0.0, 1.0, 1.0]
     assert trainer.pending is None
 
@@ -280,8 +335,11 @@ def test_one_step_off_policy_generates_the_next_batch_before_the_update(tmp_path
 def test_one_step_off_policy_resumes_with_the_batch_generated_ahead(tmp_path):
     """A checkpoint keeps the batch generated ahead (from weights older than the checkpoint's): the resumed run
     trains on it without generating it again, and repeats the uninterrupted run's metrics."""
-    args = ("--backend_config.rl_config.one_step_off_policy=true", "--backend_config.megatron_training.train_iters=3",
-            "--backend_config.megatron_training.save_interval=2")
+    args = (
+        "--backend_config.rl_config.one_step_off_policy=true",
+        "--backend_config.megatron_training.train_iters=3",
+        "--backend_config.megatron_training.save_interval=2",
+    )
     rewards = lambda s, uid, k: float(k + s % 3)  # noqa: E731
     straight = _trainer(_job(tmp_path / "a", *args), FakeRoles(2, rewards))
     expected = straight.fit()
@@ -335,8 +393,11 @@ def test_only_mini_batches_after_an_update_take_old_log_probs_from_a_pass(tmp_pa
     first trains without old log-probs and its update's forward gives them (-0.25), which the second epoch
     sends back as old. With the KL in the reward (needed before any update) every sample goes through the pass."""
     roles = RecordingRoles(2, lambda s, uid, k: float(k))
-    job = _job(tmp_path / "two", "--backend_config.megatron_training.global_batch_size=2",
-               "--backend_config.rl_config.ppo_epochs=2")
+    job = _job(
+        tmp_path / "two",
+        "--backend_config.megatron_training.global_batch_size=2",
+        "--backend_config.rl_config.ppo_epochs=2",
+    )
     metrics = _trainer(job, roles).train_step(1)
     passes = [c for c in roles.calls if c[0] == "log_probs"]
     assert [c[1] for c in passes] == ["actor", "reference"] and roles.scored["actor"] == 2
@@ -354,10 +415,13 @@ def test_a_token_budget_cuts_the_micro_batches_of_every_pass(tmp_path):
     padded tokens, whatever micro_batch_size (2) says; the step reports their count and padding share."""
     roles = RecordingRoles(2, lambda s, uid, k: float(k))
     longest = len(PROMPT) + 2  # the scripted responses are 2 tokens long
-    job = _job(tmp_path, f"--backend_config.actor_config.max_tokens_per_micro_batch={longest}",
-               f"--backend_config.actor_config.log_prob_max_tokens_per_micro_batch={4 * longest}",
-               f"--backend_config.data.dataset_param.preprocess_parameters.max_prompt_length={len(PROMPT)}",
-               "--backend_config.generate_config.sampling_config.max_tokens=2")
+    job = _job(
+        tmp_path,
+        f"--backend_config.actor_config.max_tokens_per_micro_batch={longest}",
+        f"--backend_config.actor_config.log_prob_max_tokens_per_micro_batch={4 * longest}",
+        f"--backend_config.data.dataset_param.preprocess_parameters.max_prompt_length={len(PROMPT)}",
+        "--backend_config.generate_config.sampling_config.max_tokens=2",
+    )
     metrics = _trainer(job, roles).train_step(1)
     assert [tuple(b["input_ids"].shape) for b in roles.trained] == [(1, longest)] * 4  # one sample each
     assert roles.scored == {"reference": 4} and roles.passes == [[4]]  # all four in one log-prob micro-batch
@@ -379,16 +443,26 @@ def test_generations_log_samples_prompts_per_step_and_every_validation_prompt(tm
     length, finish, advantage); every validation prompt at the validation step; the same to TensorBoard text."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    job = _job(tmp_path, "--backend_config.megatron_training.train_iters=2", "--backend_config.rl_config.val_freq=2",
-               "--logger.generations_per_step=1")
+    job = _job(
+        tmp_path,
+        "--backend_config.megatron_training.train_iters=2",
+        "--backend_config.rl_config.val_freq=2",
+        "--logger.generations_per_step=1",
+    )
     _trainer(job, FakeRoles(2, lambda s, uid, k: 0.25 * (k + 1))).fit()
     records = read_metrics(tmp_path / GENERATIONS_FILE)
     assert [(r["step"], r["split"], r["row"]) for r in records] == [
-        (1, "train", 10), (2, "train", 12), (2, "val", 1010), (2, "val", 1011)]
+        (1, "train", 10),
+        (2, "train", 12),
+        (2, "val", 1010),
+        (2, "val", 1011),
+    ]
     first = records[0]
     assert first["prompt"] == "train question 0" and first["ground_truth"] == "1"
     assert [(g["reward"], g["accuracy"], g["length"], g["finish"]) for g in first["responses"]] == [
-        (0.25, 0.25, 2, "stop"), (0.5, 0.5, 2, "stop")]
+        (0.25, 0.25, 2, "stop"),
+        (0.5, 0.5, 2, "stop"),
+    ]
     assert first["responses"][0]["advantage"] < 0 < first["responses"][1]["advantage"]
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0}).Reload()
     assert {"generations/train/text_summary", "generations/val/text_summary"} <= set(events.Tags()["tensors"])
@@ -420,8 +494,14 @@ class ImagePrompts(FakePrompts):
         if split == "train":
             g = torch.Generator().manual_seed(len(self.cached))
             grid = torch.tensor([TINY_GRID])
-            self.cached.update({i: SimpleNamespace(pixel_values=torch.randn(int(grid.prod()), PATCH_DIM, generator=g),
-                                                   image_grid_thw=grid) for i in indices})
+            self.cached.update(
+                {
+                    i: SimpleNamespace(
+                        pixel_values=torch.randn(int(grid.prod()), PATCH_DIM, generator=g), image_grid_thw=grid
+                    )
+                    for i in indices
+                }
+            )
         return [RolloutRequest(list(range(1, PROMPT_LEN + 1)), uid=i) for i in indices]
 
 
@@ -468,10 +548,13 @@ def test_the_driver_ships_each_image_once_per_step(tmp_path):
     """At n 8 on the tiny job's shapes the bytes the driver hands the roles per step (the reference log-prob pass,
     the update, the image hand-off) are at least 8x fewer than with a copy of the prompt's pixel values per
     sample in every pass (the way before: computed from the same micro-batches); the images go once per step."""
-    job = _job(tmp_path, "--backend_config.rl_config.n_samples_per_prompt=8",
-               "--backend_config.megatron_training.global_batch_size=16",
-               "--backend_config.actor_config.micro_batch_size=8",
-               f"--backend_config.generate_config.sampling_config.max_tokens={RESPONSE_LEN}")
+    job = _job(
+        tmp_path,
+        "--backend_config.rl_config.n_samples_per_prompt=8",
+        "--backend_config.megatron_training.global_batch_size=16",
+        "--backend_config.actor_config.micro_batch_size=8",
+        f"--backend_config.generate_config.sampling_config.max_tokens={RESPONSE_LEN}",
+    )
     roles = MeteredRoles(8, lambda s, uid, k: float(k % 2))
     trainer = GRPOTrainer(job, roles, ImagePrompts(2), report=lambda line: None)
     trainer.train_step(1)
@@ -479,8 +562,13 @@ def test_the_driver_ships_each_image_once_per_step(tmp_path):
     assert len(roles.batches) == 2 * 2  # reference, update (on-policy: no old pass): one micro-batch per group
     assert all(len(set(b["image_index"].tolist())) == 1 for b in roles.batches)  # a group per micro-batch
     pixels = {index: pixel_values.nbytes for index, (pixel_values, _) in roles.images.items()}
-    before = sum(sum(t.nbytes for key, t in b.items() if key != "image_index")
-                 + sum(pixels[i] for i in b["image_index"].tolist()) for b in roles.batches)
-    print(f"\ndriver bytes per step: {before / 1e6:.2f} MB -> {roles.shipped / 1e6:.2f} MB "
-          f"({before / roles.shipped:.1f}x fewer)")
+    before = sum(
+        sum(t.nbytes for key, t in b.items() if key != "image_index")
+        + sum(pixels[i] for i in b["image_index"].tolist())
+        for b in roles.batches
+    )
+    print(
+        f"\ndriver bytes per step: {before / 1e6:.2f} MB -> {roles.shipped / 1e6:.2f} MB "
+        f"({before / roles.shipped:.1f}x fewer)"
+    )
     assert before >= 8 * roles.shipped

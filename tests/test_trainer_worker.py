@@ -15,8 +15,17 @@ from mm_rl.workers.training import LossSpec, OptimizerSpec
 
 pytestmark = pytest.mark.stack  # Ray, vLLM engines or Megatron ranks: in `make test`, not `make test-quick`
 
-SPEC = OptimizerSpec(lr=1e-3, min_lr=1e-4, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, clip_grad=1.0,
-                     lr_decay_style="cosine", warmup_steps=2, total_steps=6)
+SPEC = OptimizerSpec(
+    lr=1e-3,
+    min_lr=1e-4,
+    weight_decay=0.0,
+    adam_beta1=0.9,
+    adam_beta2=0.999,
+    clip_grad=1.0,
+    lr_decay_style="cosine",
+    warmup_steps=2,
+    total_steps=6,
+)
 LOSS = LossSpec(RLConfig(kl_loss_coef=0.0, use_kl_loss=False), max_response_len=4)
 
 
@@ -29,8 +38,7 @@ def mm_dir(tmp_path_factory):
     hf_dir = build_tiny_checkpoint(root / "hf", seed=0)
     model = model_config_from_hf(hf_dir)
     parallel = ParallelConfig(tp_size=1, llm_pp_layers=[4], vit_pp_layers=[2])
-    hf2mg(Hf2MgCfg(mm_dir=str(root / "mm"), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel),
-          model)
+    hf2mg(Hf2MgCfg(mm_dir=str(root / "mm"), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel), model)
     return root / "mm", model
 
 
@@ -43,14 +51,15 @@ def ray_session():
     ray.shutdown()
 
 
-def _group(ray_session, mm_dir, spec: OptimizerSpec, bf16: bool = False, cp: int = 1, cpus: float = 1.0,
-           dp: int = 1):
+def _group(ray_session, mm_dir, spec: OptimizerSpec, bf16: bool = False, cp: int = 1, cpus: float = 1.0, dp: int = 1):
     from mm_rl.workers.group import WorkerGroup
     from mm_rl.workers.megatron_worker import WorkerSpec
+
     path, model = mm_dir
     flags = TrainingFlags(context_parallel_size=cp, context_parallel_algo="ulysses_cp_algo" if cp > 1 else None)
-    group = WorkerGroup(WorkerSpec(model, bf16=bf16, cp=cp, dp=dp, flags=flags), cpus_per_worker=cpus,
-                        worker_cls=ProbeWorker)
+    group = WorkerGroup(
+        WorkerSpec(model, bf16=bf16, cp=cp, dp=dp, flags=flags), cpus_per_worker=cpus, worker_cls=ProbeWorker
+    )
     group.build(str(path))
     group.run(ProbeWorker.setup_training, spec)
     return group
@@ -178,8 +187,7 @@ def test_offload_empties_the_device_and_onload_gives_the_same_next_step(ray_sess
     that of a rank that never offloaded."""
     from mm_rl.workers.offload import KINDS
 
-    spec = OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0, "use_distributed_optimizer": distributed,
-                            "bf16": bf16})
+    spec = OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0, "use_distributed_optimizer": distributed, "bf16": bf16})
     plain, moved = _group(ray_session, mm_dir, spec, bf16), _group(ray_session, mm_dir, spec, bf16)
     try:
         for group in (plain, moved):
@@ -217,11 +225,18 @@ def test_colocated_schedule_frees_actor_and_reference_during_the_rollout(ray_ses
     actor = _group(ray_session, mm_dir, SPEC)
     reference = WorkerGroup(WorkerSpec(model), cpus_per_worker=0.5, worker_cls=ProbeWorker)
     reference.build(str(path))
-    generate = GenerateConfig(backend="hf", max_model_len=64, max_num_seqs=2, colocate=True, sync_bucket_mb=1,
-                              sampling_config=SamplingConfig(max_tokens=4, n=1),
-                              val_sampling_config=ValSamplingConfig())
-    engine = rollout_worker_actor(num_cpus=0.5).remote(str(path.parent / "hf"), generate, min_pixels=56 * 56,
-                                                       max_pixels=224 * 224)
+    generate = GenerateConfig(
+        backend="hf",
+        max_model_len=64,
+        max_num_seqs=2,
+        colocate=True,
+        sync_bucket_mb=1,
+        sampling_config=SamplingConfig(max_tokens=4, n=1),
+        val_sampling_config=ValSamplingConfig(),
+    )
+    engine = rollout_worker_actor(num_cpus=0.5).remote(
+        str(path.parent / "hf"), generate, min_pixels=56 * 56, max_pixels=224 * 224
+    )
     try:
         actor.run(ProbeWorker.train_mini_batch, _batch(actor, 0), LOSS, 8.0)  # Adam state and gradients exist
         before = actor.run(ProbeWorker.resident_bytes)[0], reference.run(ProbeWorker.resident_bytes)[0]
@@ -239,13 +254,21 @@ def test_colocated_schedule_frees_actor_and_reference_during_the_rollout(ray_ses
         schedule.before_training()
         assert (actor.run(ProbeWorker.resident_bytes)[0], reference.run(ProbeWorker.resident_bytes)[0]) == before
         assert actor.run(ProbeWorker.parameter_sums)[0] == weights
-        assert done == ["actor.offload(grads, optimizer)", "reference.offload(params)", "engine.wake_up(weights)",
-                        "sync", "actor.offload(params)", "engine.wake_up(kv_cache)", "engine.sleep",
-                        "actor.onload(params, grads, optimizer)", "reference.onload(params)"]
+        assert done == [
+            "actor.offload(grads, optimizer)",
+            "reference.offload(params)",
+            "engine.wake_up(weights)",
+            "sync",
+            "actor.offload(params)",
+            "engine.wake_up(kv_cache)",
+            "engine.sleep",
+            "actor.onload(params, grads, optimizer)",
+            "reference.onload(params)",
+        ]
         sample = out.samples[0]
         ids = torch.tensor([request.prompt_ids + sample.response_ids])
         actor_lp = actor.compute_log_probs([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}])[0]
-        gap = (actor_lp[0, -len(sample.response_ids):] - sample.logprobs).abs().max()
+        gap = (actor_lp[0, -len(sample.response_ids) :] - sample.logprobs).abs().max()
         assert sample.response_ids and gap < 1e-3  # the engine generated from the trained, synced weights
     finally:
         actor.shutdown()
@@ -263,8 +286,10 @@ def test_context_parallel_ranks_train_like_one_and_resume_their_optimizer_shards
     try:
         batch = _batch(single, 0)
         assert torch.allclose(_batch(split, 0)[0]["old_log_probs"], batch[0]["old_log_probs"], atol=1e-5)
-        metrics = [next(r.metrics for r in group.run(ProbeWorker.train_mini_batch, batch, LOSS, 8.0) if r and r.metrics)
-                   for group in (single, split)]
+        metrics = [
+            next(r.metrics for r in group.run(ProbeWorker.train_mini_batch, batch, LOSS, 8.0) if r and r.metrics)
+            for group in (single, split)
+        ]
         assert metrics[1]["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-5)  # gradients, unscaled
         assert metrics[1]["pg_loss"] == pytest.approx(metrics[0]["pg_loss"], rel=1e-5, abs=1e-7)
         # Adam divides by sqrt(v) + 1e-8, so elements whose gradient is near 1e-8 pass the gradients' 1e-6 noise
@@ -300,7 +325,7 @@ def _kl_batch(group) -> dict[str, torch.Tensor]:
 
 def _per_row(batch: dict[str, torch.Tensor]) -> list[list[dict[str, torch.Tensor]]]:
     """One shard per DP replica, each the micro-batch of one of the two rows."""
-    return [[{key: value[i:i + 1] for key, value in batch.items()}] for i in range(2)]
+    return [[{key: value[i : i + 1] for key, value in batch.items()}] for i in range(2)]
 
 
 def test_metrics_of_two_data_parallel_replicas_are_those_of_the_whole_mini_batch(ray_session, mm_dir):
@@ -351,9 +376,16 @@ def test_two_token_budgets_give_the_same_update(ray_session, mm_dir):
     from mm_rl.trainer.batch import Sample, by_tokens, micro_batches, step_images
 
     g = torch.Generator().manual_seed(3)
-    samples = [Sample(i, i // 2, torch.randint(0, 1000, (int(n),), generator=g).tolist(),
-                      torch.randint(0, 1000, (int(r),), generator=g).tolist(), "stop")
-               for i, (n, r) in enumerate(zip([6, 6, 14, 14, 9, 9], [2, 11, 5, 1, 8, 3], strict=True))]
+    samples = [
+        Sample(
+            i,
+            i // 2,
+            torch.randint(0, 1000, (int(n),), generator=g).tolist(),
+            torch.randint(0, 1000, (int(r),), generator=g).tolist(),
+            "stop",
+        )
+        for i, (n, r) in enumerate(zip([6, 6, 14, 14, 9, 9], [2, 11, 5, 1, 8, 3], strict=True))
+    ]
     for k, sample in enumerate(samples):
         sample.advantages = torch.full((sample.response_len,), 1.0 if k % 2 else -0.5)
         sample.ref_log_probs = torch.full((sample.response_len,), -7.0)

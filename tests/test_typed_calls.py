@@ -24,16 +24,25 @@ def _module_name(path: Path) -> str | None:
 
 def _imports(tree: ast.AST) -> dict[str, tuple[str, str]]:
     """Every ``from module import name [as alias]`` of a file, at any depth: alias -> (module, name)."""
-    return {alias.asname or alias.name: (node.module, alias.name) for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and node.module and not node.level for alias in node.names}
+    return {
+        alias.asname or alias.name: (node.module, alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level
+        for alias in node.names
+    }
 
 
 def calls(tree: ast.AST) -> list[tuple[int, ast.expr]]:
     """(line, first argument) of every cross-process call in a module (``subprocess.run`` is not one)."""
     found = []
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in CALLS
-                and node.args and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "subprocess")):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in CALLS
+            and node.args
+            and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "subprocess")
+        ):
             found.append((node.lineno, node.args[0]))
     return found
 
@@ -68,13 +77,18 @@ def test_every_cross_process_call_names_an_existing_method():
     assert [problem for path in checked for problem in problems(path, trees[path])] == []
 
 
-@pytest.mark.parametrize(("source", "expected"), [
-    ("group.run('build', d)\n", "method named by the string 'build'"),
-    ("from mm_rl.workers.megatron_worker import MegatronWorker\ngroup.run(MegatronWorker.biuld, d)\n",
-     "MegatronWorker.biuld does not exist"),
-    ("from mm_rl.workers.megatron_worker import MegatronWorker\ngroup.run(MegatronWorker.build, d)\n", None),
-    ("import subprocess\nsubprocess.run('ls')\n", None),
-])
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("group.run('build', d)\n", "method named by the string 'build'"),
+        (
+            "from mm_rl.workers.megatron_worker import MegatronWorker\ngroup.run(MegatronWorker.biuld, d)\n",
+            "MegatronWorker.biuld does not exist",
+        ),
+        ("from mm_rl.workers.megatron_worker import MegatronWorker\ngroup.run(MegatronWorker.build, d)\n", None),
+        ("import subprocess\nsubprocess.run('ls')\n", None),
+    ],
+)
 def test_the_scan_catches_strings_and_missing_methods(source, expected):
     found = problems(ROOT / "tests" / "probe.py", ast.parse(source))
     assert [expected in p for p in found] == ([True] if expected else [])

@@ -57,7 +57,7 @@ def _splits(model: Any) -> dict[str, tuple[list[int], list[int]]]:
 
 
 def _strip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX)}
+    return {k[len(PREFIX) :]: v for k, v in state.items() if k.startswith(PREFIX)}
 
 
 # ---------------------------------------------------------------------------- HF reference (main process)
@@ -66,8 +66,7 @@ def _images(sizes: list[tuple[int, int]], seed: int) -> list[Any]:
 
     gen = torch.Generator().manual_seed(seed)
     return [
-        Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy())
-        for w, h in sizes
+        Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy()) for w, h in sizes
     ]
 
 
@@ -92,8 +91,9 @@ def _convert(hf_dir: Path, root: Path, model: Any) -> dict[str, str]:
     for tp in (1, 2):
         for split, (vit, llm) in _splits(model).items():
             parallel = ParallelConfig(tp_size=tp, llm_pp_layers=llm, vit_pp_layers=vit)
-            cfg = Hf2MgCfg(mm_dir=str(root / f"tp{tp}_{split}"), hf_config=HfConfig(hf_dir=str(hf_dir)),
-                           parallel_config=parallel)
+            cfg = Hf2MgCfg(
+                mm_dir=str(root / f"tp{tp}_{split}"), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel
+            )
             out[f"tp{tp}/{split}"] = str(hf2mg(cfg, model))
     return out
 
@@ -139,8 +139,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
         probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(index)) / out.numel() ** 0.5
         (out * probe).sum().backward()
         grads = _hf_grads_as_ours({n: p.grad.detach().clone() for n, p in visual.named_parameters()}, model)
-        cases[case] = {"pixel_values": pixel_values, "grid_thw": grid_thw, "out": out.detach(), "probe": probe,
-                       "grads": grads}
+        cases[case] = {
+            "pixel_values": pixel_values,
+            "grid_thw": grid_thw,
+            "out": out.detach(),
+            "probe": probe,
+            "grads": grads,
+        }
     assert cases["two"]["grid_thw"].tolist() == [[1, 12, 16], [1, 10, 8]]  # 2x2 and 3x2 windows, partial ones
 
     path = root / "reference.pt"
@@ -159,7 +164,10 @@ def _init(rank: int, world: int, port: int) -> None:
 
     setup_process(num_threads=1)
     torch.distributed.init_process_group(
-        dist_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist_backend(),
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=timedelta(seconds=120),
     )
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
@@ -168,10 +176,13 @@ def _init(rank: int, world: int, port: int) -> None:
 
 def _configs(**encoder_changes: Any) -> tuple[Any, Any]:
     image = _model_config().image_encoder
-    projector_changes = {k[len("projector_"):]: encoder_changes.pop(k) for k in list(encoder_changes)
-                         if k.startswith("projector_")}
-    return (dataclasses.replace(image.vision_encoder, **encoder_changes),
-            dataclasses.replace(image.vision_projector, **projector_changes))
+    projector_changes = {
+        k[len("projector_") :]: encoder_changes.pop(k) for k in list(encoder_changes) if k.startswith("projector_")
+    }
+    return (
+        dataclasses.replace(image.vision_encoder, **encoder_changes),
+        dataclasses.replace(image.vision_projector, **projector_changes),
+    )
 
 
 def _build(
@@ -183,8 +194,14 @@ def _build(
     encoder, projector = _configs(**changes)
     start, stop = layers or (0, encoder.num_layers)
     return QwenVisionModel(
-        encoder, projector, projector.hidden_size, num_layers=stop - start, layer_offset=start,
-        pre_process=start == 0, post_process=stop == encoder.num_layers, freeze_encoder=freeze_encoder,
+        encoder,
+        projector,
+        projector.hidden_size,
+        num_layers=stop - start,
+        layer_offset=start,
+        pre_process=start == 0,
+        post_process=stop == encoder.num_layers,
+        freeze_encoder=freeze_encoder,
         freeze_projector=freeze_projector,
     )
 
@@ -201,8 +218,9 @@ def _load(model: torch.nn.Module, mm_dir: str, pp_rank: int = 0, pp: int = 1) ->
     """This TP rank's tensors of pipeline stage ``pp_rank`` (of ``pp``), exactly the model's (strict)."""
     from megatron.core import parallel_state
 
-    model.load_state_dict(_rank_state(mm_dir, parallel_state.get_tensor_model_parallel_rank(), pp_rank, pp),
-                          strict=True)
+    model.load_state_dict(
+        _rank_state(mm_dir, parallel_state.get_tensor_model_parallel_rank(), pp_rank, pp), strict=True
+    )
 
 
 def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -245,7 +263,8 @@ def _parity(ref: dict[str, Any], result: dict[str, Any], mm_dir: str) -> None:
         got = _full_grads(model)
         checks[f"{name}/frozen: only projector grads"] = sorted(got) == sorted(PROJECTOR_GRADS)
         checks[f"{name}/frozen: encoder requires_grad off"] = not any(
-            p.requires_grad for p in model.encoder.parameters())
+            p.requires_grad for p in model.encoder.parameters()
+        )
         for key in PROJECTOR_GRADS:
             diffs[f"{name}/grad_hf:{key}"] = _max_diff(got[key], case["grads"][key])
             grads[f"{name}/frozen/{key}"] = got[key]
@@ -270,7 +289,8 @@ def _pipeline_split(ref: dict[str, Any], result: dict[str, Any], mm_dir: str) ->
     _load(stage1, mm_dir, pp_rank=1, pp=2)
     hidden = stage0(case["pixel_values"], case["grid_thw"])
     result["checks"][f"{tag}: hidden [N, 1, vit_hidden], no grad when frozen"] = (
-        tuple(hidden.shape) == (case["pixel_values"].size(0), 1, 64) and not hidden.requires_grad)
+        tuple(hidden.shape) == (case["pixel_values"].size(0), 1, 64) and not hidden.requires_grad
+    )
     stage1.set_input_tensor([hidden])
     out = stage1(None, case["grid_thw"])
     result["diffs"][f"{tag}/out"] = _max_diff(out.detach(), case["out"])
@@ -284,10 +304,17 @@ def _switches(ref: dict[str, Any], result: dict[str, Any]) -> None:
     """LayerNorm / GELU / quick-GELU / ReLU / plain-MLP variants build, run forward and backward (no parity)."""
     case = ref["cases"]["two"]
     variants = {
-        "layernorm_gelu": {"normalization": "LayerNorm", "activation_func": "gelu",
-                           "projector_normalization": "LayerNorm", "projector_activation_func": "gelu"},
-        "fusedlayernorm_quick_gelu": {"normalization": "FusedLayerNorm", "activation_func": "quick_gelu",
-                                      "projector_activation_func": "relu"},
+        "layernorm_gelu": {
+            "normalization": "LayerNorm",
+            "activation_func": "gelu",
+            "projector_normalization": "LayerNorm",
+            "projector_activation_func": "gelu",
+        },
+        "fusedlayernorm_quick_gelu": {
+            "normalization": "FusedLayerNorm",
+            "activation_func": "quick_gelu",
+            "projector_activation_func": "relu",
+        },
         "relu_no_swiglu": {"activation_func": "relu", "swiglu": False, "projector_activation_func": "silu"},
     }
     for name, changes in variants.items():
@@ -296,9 +323,11 @@ def _switches(ref: dict[str, Any], result: dict[str, Any]) -> None:
         grads = [p.grad for p in model.parameters()]
         norm_bias = "encoder.blocks.layers.0.input_layernorm.bias" in model.state_dict()
         result["checks"][f"switch {name}: runs"] = (
-            out.shape == case["out"].shape and bool(torch.isfinite(out).all())
+            out.shape == case["out"].shape
+            and bool(torch.isfinite(out).all())
             and all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
-            and norm_bias == ("LayerNorm" in changes.get("normalization", "RMSNorm")))
+            and norm_bias == ("LayerNorm" in changes.get("normalization", "RMSNorm"))
+        )
 
 
 def _worker(rank: int, world: int, port: int, ref_path: str, out_dir: str) -> None:
@@ -376,4 +405,3 @@ def test_tp2_matches_hf_and_tp1(tp1: dict[str, Any], tp2: list[dict[str, Any]]) 
         worst = max(vs_tp1, key=vs_tp1.get)
         print(f"rank {rank}: max grad diff TP2 vs TP1 {vs_tp1[worst]:.2e} ({worst})")
         assert all(v <= TOL_GRAD_TP for v in vs_tp1.values()), vs_tp1
-

@@ -45,8 +45,16 @@ NOISE = 1.0
 FINAL_NORM_SCALE = 20.0
 LAYOUTS = {  # name: (tp, pp, dp, tied, model.json pipeline overrides)
     "tp1": (1, 1, 1, False, {}),
-    "tp2_pp2": (2, 2, 1, True, {"text_decoder": {"pipeline_num_layers": [1, 3]},
-                                "image_encoder": {"vision_encoder": {"pipeline_num_layers": [2, 0]}}}),
+    "tp2_pp2": (
+        2,
+        2,
+        1,
+        True,
+        {
+            "text_decoder": {"pipeline_num_layers": [1, 3]},
+            "image_encoder": {"vision_encoder": {"pipeline_num_layers": [2, 0]}},
+        },
+    ),
     "dp2": (1, 1, 2, False, {}),  # the second replica holds the same weights: it sends nothing
 }
 GAPS: dict[str, dict[str, float]] = {}
@@ -56,6 +64,7 @@ GAPS: dict[str, dict[str, float]] = {}
 @pytest.fixture(scope="module")
 def ray_session():
     import ray
+
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
@@ -68,9 +77,10 @@ def checkpoints(tmp_path_factory):
     from mm_rl.demo import tiny
 
     root = tmp_path_factory.mktemp("tiny")
-    return {tied: peaky(tiny.build_tiny_checkpoint(root / ("tied" if tied else "untied"), seed=0,
-                                                   tie_word_embeddings=tied))
-            for tied in (False, True)}
+    return {
+        tied: peaky(tiny.build_tiny_checkpoint(root / ("tied" if tied else "untied"), seed=0, tie_word_embeddings=tied))
+        for tied in (False, True)
+    }
 
 
 def peaky(hf_dir: Path) -> Path:
@@ -91,8 +101,9 @@ def prompts(tmp_path_factory, checkpoints):
     from mm_rl.demo.synthetic import write_synthetic_geo3k
 
     data = write_synthetic_geo3k(tmp_path_factory.mktemp("data") / "geo3k", seed=0, train_size=4, test_size=4)
-    dataset = PromptDataset(data, "test", PromptProcessor(checkpoints[False], MIN_PIXELS, MAX_PIXELS),
-                            max_prompt_length=400)
+    dataset = PromptDataset(
+        data, "test", PromptProcessor(checkpoints[False], MIN_PIXELS, MAX_PIXELS), max_prompt_length=400
+    )
     return [dataset[i] for i in range(2)]  # PromptItems: the actor's ids and processed pixels
 
 
@@ -101,9 +112,14 @@ def requests_of(items: list[Any]) -> list[RolloutRequest]:
 
 
 def generate_config(colocate: bool = False) -> GenerateConfig:
-    return GenerateConfig(max_model_len=512, max_num_seqs=4, colocate=colocate, sync_bucket_mb=1,
-                          sampling_config=SamplingConfig(max_tokens=12, temperature=1.0, n=2),
-                          val_sampling_config=ValSamplingConfig(max_tokens=12))
+    return GenerateConfig(
+        max_model_len=512,
+        max_num_seqs=4,
+        colocate=colocate,
+        sync_bucket_mb=1,
+        sampling_config=SamplingConfig(max_tokens=12, temperature=1.0, n=2),
+        val_sampling_config=ValSamplingConfig(max_tokens=12),
+    )
 
 
 @dataclass
@@ -130,11 +146,15 @@ def layout(request, ray_session, checkpoints, tmp_path_factory):
     started = time.perf_counter()
     tp, pp, dp, tied, overrides = LAYOUTS[request.param]
     hf_dir = checkpoints[tied]
-    engine = ray.remote(num_cpus=1)(ProbeRollout).remote(str(hf_dir), generate_config(), min_pixels=MIN_PIXELS,
-                                                         max_pixels=MAX_PIXELS, backend="vllm", dtype="float32")
+    engine = ray.remote(num_cpus=1)(ProbeRollout).remote(
+        str(hf_dir), generate_config(), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, backend="vllm", dtype="float32"
+    )
     model = model_config_from_hf(hf_dir, overrides)
-    parallel = ParallelConfig(tp_size=tp, llm_pp_layers=list(model.text_decoder.pipeline_num_layers),
-                              vit_pp_layers=list(model.image_encoder.vision_encoder.pipeline_num_layers))
+    parallel = ParallelConfig(
+        tp_size=tp,
+        llm_pp_layers=list(model.text_decoder.pipeline_num_layers),
+        vit_pp_layers=list(model.image_encoder.vision_encoder.pipeline_num_layers),
+    )
     mm_dir = tmp_path_factory.mktemp(f"mm_{request.param}")
     hf2mg(Hf2MgCfg(mm_dir=str(mm_dir), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel), model)
     group = WorkerGroup(WorkerSpec(model, tp=tp, pp=pp, dp=dp), cpus_per_worker=0.5, worker_cls=ProbeWorker)
@@ -178,13 +198,21 @@ def actor_gap(layout: Layout, prompts: list[Any], responses: list[tuple[list[int
         prompt = prompts[index // per_prompt]
         length = len(prompt.input_ids)
         full = torch.cat([prompt.input_ids, torch.tensor(ids, dtype=torch.long)])[None]
-        batches.append({"input_ids": full, "attention_mask": torch.ones_like(full),
-                        "labels": torch.roll(full, -1, dims=1), "pixel_values": prompt.pixel_values,
-                        "image_grid_thw": prompt.image_grid_thw})
+        batches.append(
+            {
+                "input_ids": full,
+                "attention_mask": torch.ones_like(full),
+                "labels": torch.roll(full, -1, dims=1),
+                "pixel_values": prompt.pixel_values,
+                "image_grid_thw": prompt.image_grid_thw,
+            }
+        )
         spans.append(slice(length - 1, length - 1 + len(ids)))
     actor = layout.group.compute_log_probs(batches)
-    return max((lp[0, span] - engine_lp).abs().max().item()
-               for lp, span, (_, engine_lp) in zip(actor, spans, responses, strict=True))
+    return max(
+        (lp[0, span] - engine_lp).abs().max().item()
+        for lp, span, (_, engine_lp) in zip(actor, spans, responses, strict=True)
+    )
 
 
 def sync(layout: Layout, transport: str = "object_store") -> Any:
@@ -192,8 +220,9 @@ def sync(layout: Layout, transport: str = "object_store") -> Any:
 
     if transport == "collective" and layout.route is None:
         layout.route = join_device_sync(layout.group, [layout.engine])
-    return sync_weights(layout.group, [layout.engine], BUCKET_BYTES,
-                        route=layout.route if transport == "collective" else None)
+    return sync_weights(
+        layout.group, [layout.engine], BUCKET_BYTES, route=layout.route if transport == "collective" else None
+    )
 
 
 # ------------------------------------------------------------------------------------------------------- tests
@@ -268,18 +297,33 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts, monkeypatch
         calls = ray.get(layout.engine.calls.remote())[engine_log:]
         updates = calls.count("update_weights")
         assert updates >= 2 and calls == ["wake_up", "begin_weight_update"] + ["update_weights"] * updates + [
-            "end_weight_update", "wake_up", "generate", "sleep"]
+            "end_weight_update",
+            "wake_up",
+            "generate",
+            "sleep",
+        ]
         switches = {"params": True, "grads": True, "optimizer": False}
         before_sync = {"params": False, "grads": True, "optimizer": False}
         after_sync = {"params": True, "grads": False, "optimizer": False}
         logs = layout.group.run(ProbeWorker.events)
         for events, start, coords in zip(logs, worker_logs, layout.group.coords, strict=True):
             pushed = events[start + 1][1]
-            assert events[start:] == [("offload", before_sync), ("push_weights", pushed), ("offload", after_sync),
-                                      ("onload", switches)]
+            assert events[start:] == [
+                ("offload", before_sync),
+                ("push_weights", pushed),
+                ("offload", after_sync),
+                ("onload", switches),
+            ]
             assert (pushed > 0) == coords.is_sender()
-        assert done == ["actor.offload(grads)", "engine.wake_up(weights)", "sync", "actor.offload(params)",
-                        "engine.wake_up(kv_cache)", "engine.sleep", "actor.onload(params, grads)"]
+        assert done == [
+            "actor.offload(grads)",
+            "engine.wake_up(weights)",
+            "sync",
+            "actor.offload(params)",
+            "engine.wake_up(kv_cache)",
+            "engine.sleep",
+            "actor.onload(params, grads)",
+        ]
     finally:
         ray.get(layout.engine.wake_up.remote())
 
@@ -288,7 +332,6 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts, monkeypatch
     plain.before_rollout()
     plain.before_training()
     assert done == ["sync"]
-
 
 
 @pytest.mark.parametrize("transport", ["object_store", "collective", "mixed"])
@@ -307,16 +350,25 @@ def test_every_engine_replica_receives_the_weights(layout, prompts, transport):
 
     if layout.name != "tp1":
         pytest.skip("replicas differ only on the engine side: one actor layout shows it")
-    other = rollout_worker_actor(num_cpus=1).remote(str(layout.hf_dir), generate_config(), min_pixels=MIN_PIXELS,
-                                                    max_pixels=MAX_PIXELS, backend="vllm", dtype="float32")
+    other = rollout_worker_actor(num_cpus=1).remote(
+        str(layout.hf_dir),
+        generate_config(),
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        backend="vllm",
+        dtype="float32",
+    )
     replicas = [layout, dataclasses.replace(layout, engine=other)]
     engines = [r.engine for r in replicas]
     try:
         ray.get(other.ready.remote())
-        key = {"object_store": None, "collective": lambda: join_device_sync(layout.group, engines),
-               "mixed": lambda: join_route(layout.group, engines,
-                                           plan_route("mixed", {0: "device-0"}, [["device-0"], ["device-1"]]))
-               }[transport]
+        key = {
+            "object_store": None,
+            "collective": lambda: join_device_sync(layout.group, engines),
+            "mixed": lambda: join_route(
+                layout.group, engines, plan_route("mixed", {0: "device-0"}, [["device-0"], ["device-1"]])
+            ),
+        }[transport]
         key = key() if key else None
         if transport == "mixed":
             assert key.stages[0].ranks == ((None,), (1,)) and key.stages[0].world == 2
@@ -354,8 +406,9 @@ def test_a_tp2_engine_receives_on_every_worker_over_the_collective(layout, promp
     if layout.name != "tp2_pp2":
         pytest.skip("one actor layout with two stages (two sync groups) shows it")
     config = dataclasses.replace(generate_config(), infer_tensor_parallel_size=2)
-    engine = rollout_worker_actor(num_cpus=1).remote(str(layout.hf_dir), config, min_pixels=MIN_PIXELS,
-                                                     max_pixels=MAX_PIXELS, backend="vllm", dtype="float32")
+    engine = rollout_worker_actor(num_cpus=1).remote(
+        str(layout.hf_dir), config, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, backend="vllm", dtype="float32"
+    )
     tp2 = dataclasses.replace(layout, engine=engine)
     try:
         assert ray.get(engine.device_identities.remote()) == [None, None]  # two loading processes (CPU)
@@ -389,8 +442,9 @@ def test_colocated_schedule_offloads_only_the_ranks_beside_an_engine(layout):
     if layout.name != "dp2":
         pytest.skip("needs two ranks on two bundles")
     actor = ActorConfig(offload_train_param=True)
-    schedule = RolloutSchedule(layout.group, [layout.engine], generate_config(colocate=True), actor,
-                               shared_bundles={layout.group.bundles[0]})
+    schedule = RolloutSchedule(
+        layout.group, [layout.engine], generate_config(colocate=True), actor, shared_bundles={layout.group.bundles[0]}
+    )
     try:
         schedule.before_rollout()
         params = [r["params"] for r in layout.group.run(ProbeWorker.resident_bytes)]
@@ -403,8 +457,12 @@ def test_colocated_schedule_offloads_only_the_ranks_beside_an_engine(layout):
 
 # ----------------------------------------------------------------------------------------- single process
 def test_shared_bucket_travels_as_raw_buffers_and_unpickles_as_tensors():
-    tensors = [("a", torch.randn(3, 4)), ("b", torch.randn(4, 6).to(torch.bfloat16)[:, ::2]),
-               ("c", torch.tensor(3.0)), ("d", torch.arange(6, dtype=torch.int64).view(2, 3))]
+    tensors = [
+        ("a", torch.randn(3, 4)),
+        ("b", torch.randn(4, 6).to(torch.bfloat16)[:, ::2]),
+        ("c", torch.tensor(3.0)),
+        ("d", torch.arange(6, dtype=torch.int64).view(2, 3)),
+    ]
     buffers: list[pickle.PickleBuffer] = []
     payload = pickle.dumps(SharedBucket(tensors), protocol=5, buffer_callback=buffers.append)
     assert len(buffers) == len(tensors) and len(payload) < 1000  # the bytes went out of band
@@ -417,8 +475,13 @@ def test_shared_bucket_travels_as_raw_buffers_and_unpickles_as_tensors():
 
 
 def test_a_packed_bucket_unpacks_to_the_same_tensors_at_aligned_offsets():
-    tensors = [("a", torch.randn(3, 5)), ("b", torch.randn(4, 6).to(torch.bfloat16)[:, ::2]),
-               ("c", torch.tensor(3.0)), ("d", torch.arange(7, dtype=torch.int64)), ("e", torch.randn(0, 4))]
+    tensors = [
+        ("a", torch.randn(3, 5)),
+        ("b", torch.randn(4, 6).to(torch.bfloat16)[:, ::2]),
+        ("c", torch.tensor(3.0)),
+        ("d", torch.arange(7, dtype=torch.int64)),
+        ("e", torch.randn(0, 4)),
+    ]
     layout, flat = pack_bucket(tensors, torch.device("cpu"))
     assert all(start % 64 == 0 for *_, start in layout) and flat.numel() >= sum(t.nbytes for _, t in tensors)
     out = unpack_bucket(layout, flat)
@@ -431,11 +494,17 @@ def test_vocab_padding_is_cut_before_the_merge():
     from mm_rl.convert.mapping import Bound, entry_for
     from mm_rl.convert.model_config import model_config_from_hf
 
-    model = model_config_from_hf({"model_type": "qwen2_5_vl",
-                                  "vision_config": {"depth": 1, "hidden_size": 8, "intermediate_size": 8,
-                                                    "num_heads": 2},
-                                  "hidden_size": 4, "num_hidden_layers": 1, "intermediate_size": 8,
-                                  "num_attention_heads": 2, "vocab_size": 10})
+    model = model_config_from_hf(
+        {
+            "model_type": "qwen2_5_vl",
+            "vision_config": {"depth": 1, "hidden_size": 8, "intermediate_size": 8, "num_heads": 2},
+            "hidden_size": 4,
+            "num_hidden_layers": 1,
+            "intermediate_size": 8,
+            "num_attention_heads": 2,
+            "vocab_size": 10,
+        }
+    )
     name = "text_decoder.embedding.word_embeddings.weight"
     bound = Bound(entry_for(model, name), name, ("model.embed_tokens.weight",))
     full = torch.arange(10 * 4, dtype=torch.float32).view(10, 4)

@@ -18,8 +18,11 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "mm_rl_cli.main"]
 CONFIG_CLI = str(Path(sys.executable).parent / "ascendfactory-cli")
 
-ASSET_KEYS = ("af_output_dir", "backend_config.megatron_training.tokenizer_name_or_path",
-              "backend_config.data.dataset_param.basic_parameters.dataset_dir")
+ASSET_KEYS = (
+    "af_output_dir",
+    "backend_config.megatron_training.tokenizer_name_or_path",
+    "backend_config.data.dataset_param.basic_parameters.dataset_dir",
+)
 # A short run: 4 prompts x 8 samples, GBS 16 (two optimizer steps per GRPO step), 24-token answers.
 SHORT = (
     "backend_config.rl_config.rollout_batch_size=4",
@@ -34,9 +37,25 @@ def configure(preset: str, job: Path, *overrides: str) -> Path:
     moves them): the tiny model and its warm-up come from the cache, built there the first time on a machine.
     That first build (~3 min a model) is the machine's, not the calling test file's (``budget.cache_build``)."""
     with budget.cache_build():
-        subprocess.run([CONFIG_CLI, "config", "--af_model_name", preset, "--exp_name", f"{preset}_test",
-                        "--output_file_path", str(job), f"af_output_dir={job.parent}", *overrides], cwd=REPO,
-                       check=True, capture_output=True, text=True, timeout=1200)
+        subprocess.run(
+            [
+                CONFIG_CLI,
+                "config",
+                "--af_model_name",
+                preset,
+                "--exp_name",
+                f"{preset}_test",
+                "--output_file_path",
+                str(job),
+                f"af_output_dir={job.parent}",
+                *overrides,
+            ],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
     return job
 
 
@@ -45,8 +64,9 @@ def write_job(base: Path, folder: Path) -> Path:
     from omegaconf import OmegaConf
 
     node = OmegaConf.load(base / "job.yaml")
-    for key, value in zip(ASSET_KEYS, (str(folder / "out"), str(base / "tiny_hf"), str(base / "geo3k_synthetic")),
-                          strict=True):
+    for key, value in zip(
+        ASSET_KEYS, (str(folder / "out"), str(base / "tiny_hf"), str(base / "geo3k_synthetic")), strict=True
+    ):
         OmegaConf.update(node, key, value)
     path = folder / "job.yaml"
     OmegaConf.save(node, path)
@@ -67,19 +87,35 @@ def train_cli(job_yaml: Path, assets: Path, out: Path, *extra: str, **popen: Any
     """``ascendfactory-cli train`` in a child process (its own Ray instance)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
-    return subprocess.Popen([*CLI, "train", str(job_yaml), *overrides(assets, out, *extra)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    return subprocess.Popen(
+        [*CLI, "train", str(job_yaml), *overrides(assets, out, *extra)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **popen,
+    )
 
 
 # Every line the console of ``train`` may show: the stage, Ray, role, step, validation, checkpoint and summary
 # lines, notices and the user warnings of the job itself.
-OUR_LINE = re.compile(r"\[[123]/3\] |      done in |ray: |actor: |reference: |rollout: |notice: |warning: "
-                      r"|waiting for Ray |step +\d+/\d+ \||validation |checkpoint: |resumed from |done in "
-                      r"|  [A-Za-z ]+: ")
+OUR_LINE = re.compile(
+    r"\[[123]/3\] |      done in |ray: |actor: |reference: |rollout: |notice: |warning: "
+    r"|waiting for Ray |step +\d+/\d+ \||validation |checkpoint: |resumed from |done in "
+    r"|  [A-Za-z ]+: "
+)
 ENGINE_LINE = "rollout engine (vllm) started in pid"
 
-DETERMINISTIC_PREFIXES = ("reward/", "actor/", "advantages/", "response_length/", "batch/", "val/reward",
-                          "rollout/logprob_gap")
+DETERMINISTIC_PREFIXES = (
+    "reward/",
+    "actor/",
+    "advantages/",
+    "response_length/",
+    "batch/",
+    "val/reward",
+    "rollout/logprob_gap",
+)
 
 
 def deterministic(record: dict[str, Any]) -> dict[str, Any]:
@@ -94,8 +130,10 @@ def assert_learns(records: list[dict[str, Any]], label: str) -> None:
     rewards = [r["reward/score"] for r in records if r["step"] > 0]
     val = [r["val/reward/accuracy"] for r in records if "val/reward/accuracy" in r]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    print(f"\n{label}: reward of the first 5 steps {first:.3f}, of the last 5 {last:.3f}; greedy val accuracy at "
-          f"steps 0, 10, .., 40: {[round(v, 3) for v in val]}")
+    print(
+        f"\n{label}: reward of the first 5 steps {first:.3f}, of the last 5 {last:.3f}; greedy val accuracy at "
+        f"steps 0, 10, .., 40: {[round(v, 3) for v in val]}"
+    )
     # The warm-up's weights, and so where RL starts, depend on the CPU's rounding. Measured (tiny, on policy): AMD
     # EPYC (AVX2) reward 0.47 -> 0.92, greedy val 0.14 .. 1.0; Intel Xeon (AVX-512) 0.55 -> 0.92, 0.33 .. 1.0.
     assert len(rewards) == 40 and first <= 0.6 and last >= first + 0.25

@@ -122,16 +122,24 @@ def sequence_scores(rewards: torch.Tensor, response_mask: torch.Tensor | None = 
     return torch.where(response_mask != 0, rewards, torch.zeros_like(rewards)).sum(dim=-1)
 
 
-def _finish(seq_adv64: torch.Tensor, stats: GroupStats, dtype: torch.dtype,
-            response_mask: torch.Tensor | None) -> torch.Tensor:
+def _finish(
+    seq_adv64: torch.Tensor, stats: GroupStats, dtype: torch.dtype, response_mask: torch.Tensor | None
+) -> torch.Tensor:
     """Zero uniform groups exactly, cast, and broadcast over the response when a mask is given."""
     seq_adv64 = torch.where(stats.uniform[stats.inverse], torch.zeros_like(seq_adv64), seq_adv64)
     seq_adv = seq_adv64.to(dtype)
     return seq_adv if response_mask is None else broadcast_to_tokens(seq_adv, response_mask)
 
 
-def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, *, response_mask: torch.Tensor | None = None,
-                    epsilon: float = 1e-6, norm_by_std: bool = True, unbiased_std: bool = True) -> torch.Tensor:
+def grpo_advantages(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    response_mask: torch.Tensor | None = None,
+    epsilon: float = 1e-6,
+    norm_by_std: bool = True,
+    unbiased_std: bool = True,
+) -> torch.Tensor:
     """GRPO outcome advantage ``(r_i - mean_g) / (std_g + epsilon)``; Dr.GRPO ``r_i - mean_g`` without std.
 
     ``scores`` is ``[batch]`` or token rewards ``[batch, len]`` (summed over ``response_mask``). ``std_g`` is
@@ -156,8 +164,9 @@ def _population_std(stats: GroupStats) -> torch.Tensor:
     return stats.std * ((n - 1).clamp(min=0) / n).sqrt()
 
 
-def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, *,
-                    response_mask: torch.Tensor | None = None) -> torch.Tensor:
+def rloo_advantages(
+    scores: torch.Tensor, group_ids: torch.Tensor, *, response_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """REINFORCE leave-one-out: ``A_i = r_i - (sum_g - r_i) / (n - 1) = n / (n - 1) * (r_i - mean_g)``.
 
     The baseline of each sample is the mean of the OTHER samples of its group, so it is independent of the
@@ -184,9 +193,15 @@ def _returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> t
     return out
 
 
-def reinforce_pp_advantages(rewards: torch.Tensor, response_mask: torch.Tensor,
-                            group_ids: torch.Tensor | None = None, *, gamma: float = 1.0,
-                            epsilon: float = 1e-6, shift_mean: bool = True) -> torch.Tensor:
+def reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor | None = None,
+    *,
+    gamma: float = 1.0,
+    epsilon: float = 1e-6,
+    shift_mean: bool = True,
+) -> torch.Tensor:
     """REINFORCE++ token advantages, with the per-group mean baseline when ``group_ids`` is given.
 
     Steps (float64 throughout):
@@ -232,9 +247,17 @@ def reinforce_pp_advantages(rewards: torch.Tensor, response_mask: torch.Tensor,
     return torch.where(mask, adv, torch.zeros_like(adv)).to(dtype)
 
 
-def compute_advantages(estimator: str, scores: torch.Tensor, response_mask: torch.Tensor,
-                       group_ids: torch.Tensor, *, epsilon: float = 1e-6, norm_by_std: bool = True,
-                       gamma: float = 1.0, unbiased_std: bool = True) -> torch.Tensor:
+def compute_advantages(
+    estimator: str,
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    epsilon: float = 1e-6,
+    norm_by_std: bool = True,
+    gamma: float = 1.0,
+    unbiased_std: bool = True,
+) -> torch.Tensor:
     """Token-level ``[batch, len]`` advantages by name (:data:`ESTIMATORS`, verl's names and meanings).
 
     ``scores`` is ``[batch]`` (outcome scores) or ``[batch, len]`` token rewards (e.g. after KL in reward).
@@ -243,8 +266,14 @@ def compute_advantages(estimator: str, scores: torch.Tensor, response_mask: torc
     ``group_ids`` (no baseline); ``reinforce_plus_plus_baseline`` subtracts each group's mean.
     """
     if estimator == "grpo":
-        return grpo_advantages(scores, group_ids, response_mask=response_mask, epsilon=epsilon,
-                               norm_by_std=norm_by_std, unbiased_std=unbiased_std)
+        return grpo_advantages(
+            scores,
+            group_ids,
+            response_mask=response_mask,
+            epsilon=epsilon,
+            norm_by_std=norm_by_std,
+            unbiased_std=unbiased_std,
+        )
     if estimator == "rloo":
         return rloo_advantages(scores, group_ids, response_mask=response_mask)
     if estimator == "reinforce_plus_plus":
@@ -254,7 +283,8 @@ def compute_advantages(estimator: str, scores: torch.Tensor, response_mask: torc
     raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ESTIMATORS}")
 
 
-def advantage_stats(advantages: torch.Tensor, response_mask: torch.Tensor,
-                    prefix: str = "advantages") -> dict[str, torch.Tensor]:
+def advantage_stats(
+    advantages: torch.Tensor, response_mask: torch.Tensor, prefix: str = "advantages"
+) -> dict[str, torch.Tensor]:
     """``{prefix}/mean``, ``/std`` (population), ``/max``, ``/min`` over the valid tokens (detached)."""
     return masked_stats(advantages, response_mask, prefix)

@@ -31,12 +31,17 @@ import torch
 
 __all__ = ["LOSS_AGG_MODES", "aggregate_loss"]
 
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                   "seq-mean-token-sum-norm")
+LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, horizon: int | None = None, *,
-                   denominator: float | torch.Tensor | None = None) -> torch.Tensor:
+def aggregate_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    horizon: int | None = None,
+    *,
+    denominator: float | torch.Tensor | None = None,
+) -> torch.Tensor:
     """Reduce ``loss_mat`` ``[batch, len]`` over ``mask`` to a scalar by ``mode`` (formulas in the module doc).
 
     ``horizon`` is required by ``seq-mean-token-sum-norm`` (the maximum response length; not the padded width

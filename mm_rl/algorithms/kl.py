@@ -60,9 +60,14 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> t
     raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
 
 
-def apply_kl_in_reward(token_level_scores: torch.Tensor, logprob: torch.Tensor, ref_logprob: torch.Tensor,
-                       response_mask: torch.Tensor, kl_coef: float, kind: str = "k1",
-                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def apply_kl_in_reward(
+    token_level_scores: torch.Tensor,
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    kind: str = "k1",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``rewards_t = scores_t - kl_coef * KL_t`` on valid tokens (0 on masked ones), no gradient.
 
     Returns ``(token_level_rewards, metrics)`` with ``kl`` -- the batch mean over sequences of each sequence's

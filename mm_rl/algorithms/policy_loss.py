@@ -79,8 +79,9 @@ def _work(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, t, torch.zeros_like(t))
 
 
-def _check_params(loss_type: str, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
-                  tau_pos: float, tau_neg: float) -> None:
+def _check_params(
+    loss_type: str, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float, tau_pos: float, tau_neg: float
+) -> None:
     """Each loss's own bounds: a ratio band needs ``1 - eps_low > 0`` (CISPO's weight may have no lower bound)."""
     if loss_type not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {loss_type!r}; expected one of {POLICY_LOSSES}")
@@ -88,8 +89,9 @@ def _check_params(loss_type: str, clip_ratio_low: float, clip_ratio_high: float,
         raise ValueError(f"clip_ratio_c must be > 1 (dual clip), got {clip_ratio_c}")
     low_ok = clip_ratio_low >= 0.0 and (clip_ratio_low < 1.0 or loss_type == "cispo")
     if loss_type != "sapo" and not (low_ok and clip_ratio_high >= 0.0):
-        raise ValueError(f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {clip_ratio_low}, "
-                         f"{clip_ratio_high}")
+        raise ValueError(
+            f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {clip_ratio_low}, {clip_ratio_high}"
+        )
     if loss_type == "sapo" and not (tau_pos > 0 and tau_neg > 0):
         raise ValueError(f"SAPO needs tau_pos > 0 and tau_neg > 0, got {tau_pos}, {tau_neg}")
 
@@ -101,13 +103,16 @@ def _ratio(log_ratio: torch.Tensor) -> torch.Tensor:
 def _clip_fractions(clipped: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> Metrics:
     """``pg_clipfrac`` and its ``_high`` / ``_low`` parts over the valid tokens."""
     clipped = clipped & mask
-    return {"pg_clipfrac": masked_mean(clipped.float(), mask),
-            "pg_clipfrac_high": masked_mean((clipped & high).float(), mask),
-            "pg_clipfrac_low": masked_mean((clipped & ~high).float(), mask)}
+    return {
+        "pg_clipfrac": masked_mean(clipped.float(), mask),
+        "pg_clipfrac_high": masked_mean((clipped & high).float(), mask),
+        "pg_clipfrac_low": masked_mean((clipped & ~high).float(), mask),
+    }
 
 
-def _ppo_clip(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, low: float, high: float,
-              c: float) -> tuple[torch.Tensor, Metrics]:
+def _ppo_clip(
+    log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, low: float, high: float, c: float
+) -> tuple[torch.Tensor, Metrics]:
     """PPO clip + dual clip loss matrix (module doc) and its clip fractions."""
     ratio = _ratio(log_ratio)
     loss_unclipped = -adv * ratio
@@ -123,8 +128,9 @@ def _ppo_clip(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, lo
     return loss_mat, metrics
 
 
-def _gspo(lp: torch.Tensor, log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, low: float,
-          high: float) -> tuple[torch.Tensor, Metrics]:
+def _gspo(
+    lp: torch.Tensor, log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, low: float, high: float
+) -> tuple[torch.Tensor, Metrics]:
     """GSPO-token loss matrix: the sequence ratio on every token, its gradient through each token's log-prob."""
     lengths = mask.sum(dim=-1).clamp(min=1).to(log_ratio.dtype)
     seq_log_ratio = (log_ratio.sum(dim=-1) / lengths).detach()
@@ -136,8 +142,9 @@ def _gspo(lp: torch.Tensor, log_ratio: torch.Tensor, adv: torch.Tensor, mask: to
     return torch.maximum(loss_unclipped, loss_clipped), metrics
 
 
-def _cispo(lp: torch.Tensor, log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, low: float,
-           high: float) -> tuple[torch.Tensor, Metrics]:
+def _cispo(
+    lp: torch.Tensor, log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, low: float, high: float
+) -> tuple[torch.Tensor, Metrics]:
     """CISPO loss matrix: ``-sg(clip(r)) * A * logprob`` on every valid token."""
     ratio = _ratio(log_ratio).detach()
     weight = ratio.clamp(min=1.0 - low, max=1.0 + high)
@@ -147,8 +154,7 @@ def _cispo(lp: torch.Tensor, log_ratio: torch.Tensor, adv: torch.Tensor, mask: t
     return -weight * adv * lp, metrics
 
 
-def _sapo(log_ratio: torch.Tensor, adv: torch.Tensor, tau_pos: float,
-          tau_neg: float) -> tuple[torch.Tensor, Metrics]:
+def _sapo(log_ratio: torch.Tensor, adv: torch.Tensor, tau_pos: float, tau_neg: float) -> tuple[torch.Tensor, Metrics]:
     """SAPO loss matrix: ``-A * (4 / tau) * sigmoid(tau * (r - 1))``, ``tau`` by the sign of ``A``."""
     ratio = _ratio(log_ratio)
     tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
@@ -156,12 +162,23 @@ def _sapo(log_ratio: torch.Tensor, adv: torch.Tensor, tau_pos: float,
     return -adv * gate, {}
 
 
-def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
-                response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-                clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean", *, horizon: int | None = None,
-                denominator: float | torch.Tensor | None = None, loss_type: str = "ppo_clip",
-                tau_pos: float = 1.0, tau_neg: float = 1.05, is_weights: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, Metrics]:
+def policy_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    *,
+    horizon: int | None = None,
+    denominator: float | torch.Tensor | None = None,
+    loss_type: str = "ppo_clip",
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
     """The ``loss_type`` policy loss (module doc), times ``is_weights`` when given, aggregated by ``loss_agg_mode``.
 
     ``logprob`` carries the gradient; ``old_logprob``, ``advantages`` and ``is_weights`` are treated as
@@ -187,13 +204,18 @@ def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: to
     loss = aggregate_loss(loss_mat, mask, loss_agg_mode, horizon, denominator=denominator)
     with torch.no_grad():
         bounded = log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
-        metrics = {"pg_loss": loss.detach(), **metrics, "ppo_kl": masked_mean(-bounded, mask),
-                   "approx_kl": masked_mean(-log_ratio, mask)}
+        metrics = {
+            "pg_loss": loss.detach(),
+            **metrics,
+            "ppo_kl": masked_mean(-bounded, mask),
+            "approx_kl": masked_mean(-log_ratio, mask),
+        }
     return loss, metrics
 
 
-def _correction(old_logprob: torch.Tensor, engine_logprob: torch.Tensor | None, response_mask: torch.Tensor,
-                cfg: RLConfig) -> tuple[torch.Tensor | None, Metrics]:
+def _correction(
+    old_logprob: torch.Tensor, engine_logprob: torch.Tensor | None, response_mask: torch.Tensor, cfg: RLConfig
+) -> tuple[torch.Tensor | None, Metrics]:
     """The rollout-correction weights in force (None when off) and their metrics."""
     level = resolve_rollout_is(cfg)
     if level == "off":
@@ -201,14 +223,24 @@ def _correction(old_logprob: torch.Tensor, engine_logprob: torch.Tensor | None, 
     if engine_logprob is None:
         raise ValueError(f"rollout_correction (level {level!r}) needs the engine's log-probs (engine_logprob)")
     rc = cfg.rollout_correction
-    return rollout_is_weights(old_logprob, engine_logprob, response_mask, level, rc.rollout_is_mode,
-                              rc.rollout_is_threshold)
+    return rollout_is_weights(
+        old_logprob, engine_logprob, response_mask, level, rc.rollout_is_mode, rc.rollout_is_threshold
+    )
 
 
-def actor_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, ref_logprob: torch.Tensor | None,
-               advantages: torch.Tensor, response_mask: torch.Tensor, entropy: torch.Tensor | None,
-               cfg: RLConfig, max_response_len: int, *, denominator: float | torch.Tensor | None = None,
-               engine_logprob: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
+def actor_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    ref_logprob: torch.Tensor | None,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    entropy: torch.Tensor | None,
+    cfg: RLConfig,
+    max_response_len: int,
+    *,
+    denominator: float | torch.Tensor | None = None,
+    engine_logprob: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
     """The actor's loss: ``pg_loss + kl_loss_coef * kl_loss - entropy_coeff * entropy_loss``.
 
     Every term is aggregated with ``cfg.loss_agg_mode`` (``max_response_len`` is the horizon of
@@ -236,10 +268,22 @@ def actor_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, ref_logprob: to
     if cfg.entropy_coeff != 0 and entropy is None:
         raise ValueError("entropy_coeff != 0 needs the per-token entropy")
     is_weights, correction_metrics = _correction(old_logprob, engine_logprob, response_mask, cfg)
-    loss, metrics = policy_loss(logprob, old_logprob, advantages, response_mask, cfg.clip_ratio_low,
-                                cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode,
-                                horizon=max_response_len, denominator=denominator, loss_type=cfg.policy_loss,
-                                tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg, is_weights=is_weights)
+    loss, metrics = policy_loss(
+        logprob,
+        old_logprob,
+        advantages,
+        response_mask,
+        cfg.clip_ratio_low,
+        cfg.clip_ratio_high,
+        cfg.clip_ratio_c,
+        cfg.loss_agg_mode,
+        horizon=max_response_len,
+        denominator=denominator,
+        loss_type=cfg.policy_loss,
+        tau_pos=cfg.tau_pos,
+        tau_neg=cfg.tau_neg,
+        is_weights=is_weights,
+    )
     metrics.update(correction_metrics)
 
     if ref_logprob is not None:

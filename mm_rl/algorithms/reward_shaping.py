@@ -17,8 +17,10 @@ from mm_rl.algorithms.advantages import group_stats
 __all__ = ["filter_zero_variance_groups", "overlong_penalty"]
 
 
-def filter_zero_variance_groups(scores: torch.Tensor, group_ids: torch.Tensor,
-                                ) -> tuple[torch.Tensor, dict[str, int]]:
+def filter_zero_variance_groups(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, int]]:
     """Keep mask ``[batch]`` (bool) that drops every group whose scores are all equal.
 
     A group of one sample is all-equal (it has no variance) and is dropped too. Scores are compared exactly
@@ -41,8 +43,9 @@ def filter_zero_variance_groups(scores: torch.Tensor, group_ids: torch.Tensor,
     return keep, metrics
 
 
-def overlong_penalty(response_lengths: torch.Tensor, max_tokens: int, buffer_len: int,
-                     penalty_factor: float) -> torch.Tensor:
+def overlong_penalty(
+    response_lengths: torch.Tensor, max_tokens: int, buffer_len: int, penalty_factor: float
+) -> torch.Tensor:
     """Per-sequence penalty (<= 0, float32 ``[batch]``) to ADD to the scores.
 
     ``0`` for ``length <= max_tokens - buffer_len``, then linear down to ``-penalty_factor`` at

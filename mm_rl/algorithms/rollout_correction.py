@@ -70,17 +70,24 @@ def resolve_rollout_is(rl: RLConfig) -> str:
     return "token" if rl.one_step_off_policy and not rc.bypass_mode else "off"
 
 
-def rollout_is_weights(old_logprob: torch.Tensor, engine_logprob: torch.Tensor, response_mask: torch.Tensor,
-                       level: str = "token", mode: str = "truncate", threshold: float = 2.0,
-                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def rollout_is_weights(
+    old_logprob: torch.Tensor,
+    engine_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str = "token",
+    mode: str = "truncate",
+    threshold: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(w, metrics)``: the ``[batch, len]`` correction weights (module doc) and their metrics.
 
     ``w`` is detached, at least float32, and exactly 0 where ``response_mask`` is 0 (or the token is masked).
     Masked positions of the inputs (even NaN / inf) have no effect.
     """
     if level not in ROLLOUT_IS_LEVELS or mode not in ROLLOUT_IS_MODES:
-        raise ValueError(f"rollout correction level {level!r} / mode {mode!r}: expected one of "
-                         f"{ROLLOUT_IS_LEVELS} / {ROLLOUT_IS_MODES}")
+        raise ValueError(
+            f"rollout correction level {level!r} / mode {mode!r}: expected one of "
+            f"{ROLLOUT_IS_LEVELS} / {ROLLOUT_IS_MODES}"
+        )
     if threshold <= 1.0:
         raise ValueError(f"rollout_is_threshold must be > 1, got {threshold}")
     mask = response_mask != 0
@@ -103,17 +110,20 @@ def _masked_log_ratio(old: torch.Tensor, engine: torch.Tensor, mask: torch.Tenso
     return torch.where(mask, diff, torch.zeros_like(diff))
 
 
-def _weight_metrics(rho: torch.Tensor, high: torch.Tensor, mask: torch.Tensor, level: str,
-                    mode: str) -> dict[str, torch.Tensor]:
+def _weight_metrics(
+    rho: torch.Tensor, high: torch.Tensor, mask: torch.Tensor, level: str, mode: str
+) -> dict[str, torch.Tensor]:
     """Mean / max of the raw weights and the share above the threshold (per token, or per sequence)."""
     if level == "token":
         fraction_high = masked_mean(high.float(), mask)
     else:
         non_empty = mask.any(dim=-1)
         fraction_high = masked_mean(high.any(dim=-1).float(), non_empty)
-    out = {"rollout_corr/rollout_is_mean": masked_mean(rho, mask),
-           "rollout_corr/rollout_is_max": masked_max(rho, mask),
-           "rollout_corr/rollout_is_ratio_fraction_high": fraction_high}
+    out = {
+        "rollout_corr/rollout_is_mean": masked_mean(rho, mask),
+        "rollout_corr/rollout_is_max": masked_max(rho, mask),
+        "rollout_corr/rollout_is_ratio_fraction_high": fraction_high,
+    }
     if mode == "mask":
         out["rollout_corr/rollout_rs_masked_fraction"] = masked_mean(high.float(), mask)
     return out

@@ -61,8 +61,16 @@ def parse_overrides(args: Sequence[str]) -> list[str]:
         elif item.startswith("--") and items and not items[0].startswith("--"):
             out.append(f"{body}={items.pop(0)}")
         else:
-            raise ConfigError([Violation(item, None, "an override needs a value",
-                                         f"write --{body}=VALUE (a dotted key path, e.g. --env.NNODES=2)")])
+            raise ConfigError(
+                [
+                    Violation(
+                        item,
+                        None,
+                        "an override needs a value",
+                        f"write --{body}=VALUE (a dotted key path, e.g. --env.NNODES=2)",
+                    )
+                ]
+            )
     return out
 
 
@@ -80,22 +88,44 @@ def read_layers(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError([Violation("job yaml", str(path), f"file not found{relative_note(path)}",
-                                         "pass an existing yaml, or write one with `ascendfactory-cli config`")])
+            raise ConfigError(
+                [
+                    Violation(
+                        "job yaml",
+                        str(path),
+                        f"file not found{relative_note(path)}",
+                        "pass an existing yaml, or write one with `ascendfactory-cli config`",
+                    )
+                ]
+            )
         try:
             loaded = OmegaConf.load(path)
         except Exception as err:  # yaml syntax errors come in several exception types
-            raise ConfigError([Violation("job yaml", str(path), f"not valid yaml ({err})",
-                                         "fix the yaml syntax at the position named")]) from None
+            raise ConfigError(
+                [
+                    Violation(
+                        "job yaml", str(path), f"not valid yaml ({err})", "fix the yaml syntax at the position named"
+                    )
+                ]
+            ) from None
         if not isinstance(loaded, DictConfig):
-            raise ConfigError([Violation("job yaml", str(path), "the top level must be a mapping",
-                                         "start from `ascendfactory-cli config`")])
+            raise ConfigError(
+                [
+                    Violation(
+                        "job yaml",
+                        str(path),
+                        "the top level must be a mapping",
+                        "start from `ascendfactory-cli config`",
+                    )
+                ]
+            )
         layers.append(loaded)
     try:
         layers.append(OmegaConf.from_dotlist(list(parse_overrides(overrides))))
     except OmegaConfBaseException as err:
-        raise ConfigError([Violation("overrides", list(overrides), str(err).splitlines()[0],
-                                     "write --a.b.c=VALUE")]) from None
+        raise ConfigError(
+            [Violation("overrides", list(overrides), str(err).splitlines()[0], "write --a.b.c=VALUE")]
+        ) from None
     return layers
 
 
@@ -210,8 +240,9 @@ def unknown_keys(node: DictConfig, cls: type = JobConfig, prefix: str = "") -> l
         field = fields.get(str(key))
         if field is None:
             guess = "" if path in RETIRED else suggest(path, list(fields))
-            fix = RETIRED.get(path) or (f"did you mean '{guess}'?" if guess
-                                        else f"valid keys here: {', '.join(fields)}")
+            fix = RETIRED.get(path) or (
+                f"did you mean '{guess}'?" if guess else f"valid keys here: {', '.join(fields)}"
+            )
             problems.append(Violation(path, _raw(node, key), "unknown key", fix, meant=guess or None))
             continue
         sub = node._get_node(key)
@@ -253,8 +284,12 @@ def source_of(key: str) -> str:
 
 def _changed_follower(job: JobConfig, key: str) -> Violation:
     source = source_of(key)
-    return Violation(key, _get(job, key), f"repeats {source} = {_get(job, source)!r}, which is where this value is set",
-                     f"set {source} instead, and remove {key} from the yaml / overrides so that it follows")
+    return Violation(
+        key,
+        _get(job, key),
+        f"repeats {source} = {_get(job, source)!r}, which is where this value is set",
+        f"set {source} instead, and remove {key} from the yaml / overrides so that it follows",
+    )
 
 
 def _get(obj: Any, path: str) -> Any:
@@ -302,7 +337,7 @@ def _references(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, str]]
             name = ref.lstrip(".")
             up = len(ref) - len(name)
             parts = prefix.split(".")[:-1]
-            yield path, ".".join([*(parts[:len(parts) - up + 1] if up else []), name])
+            yield path, ".".join([*(parts[: len(parts) - up + 1] if up else []), name])
 
 
 def _dependents(node: DictConfig, keys: set[str]) -> set[str]:
@@ -333,8 +368,14 @@ def _build(cls: type, node: Any, prefix: str, problems: list[Violation]) -> Any:
         try:
             value = node[key]
         except OmegaConfBaseException as err:
-            problems.append(Violation(path, _raw(node, key), f"does not resolve ({str(err).splitlines()[0]})",
-                                      "point the ${...} at an existing key or write the value"))
+            problems.append(
+                Violation(
+                    path,
+                    _raw(node, key),
+                    f"does not resolve ({str(err).splitlines()[0]})",
+                    "point the ${...} at an existing key or write the value",
+                )
+            )
             continue
         if dataclasses.is_dataclass(tp):
             if isinstance(value, DictConfig):
@@ -360,8 +401,9 @@ def coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     if origin in (typing.Union, types.UnionType):
         if value is None:
             return type(None) in args, None
-        return next(((True, v) for ok, v in (coerce(value, a) for a in args if a is not type(None)) if ok),
-                    (False, value))
+        return next(
+            ((True, v) for ok, v in (coerce(value, a) for a in args if a is not type(None)) if ok), (False, value)
+        )
     if origin is Literal:
         return value in args, value
     if origin is list:

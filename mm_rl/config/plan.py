@@ -81,8 +81,14 @@ def model_parameters(model: ModelConfig) -> int:
     """Parameters of the whole model (what a rollout engine holds, split over its TP ranks)."""
     counts, text, vit = layer_counts(model), model.text_decoder, model.image_encoder.vision_encoder
     head = counts.output_layer if text.untie_embeddings_and_output_weights else 0
-    return (vit.num_layers * counts.vit_layer + counts.patch_embed + counts.projector
-            + text.num_layers * (counts.llm_layer + counts.llm_experts) + counts.embedding + head)
+    return (
+        vit.num_layers * counts.vit_layer
+        + counts.patch_embed
+        + counts.projector
+        + text.num_layers * (counts.llm_layer + counts.llm_experts)
+        + counts.embedding
+        + head
+    )
 
 
 ENGINE_WEIGHTS_SHARE = 0.9  # at most this much of a colocated engine's memory share may be weights (the rest: KV cache)
@@ -99,8 +105,11 @@ def colocated_engine_tp(cfg: JobConfig) -> int | None:
     room in a colocated engine's ``gpu_memory_utilization`` share; None when no TP within a node does."""
     share = cfg.backend_config.generate_config.gpu_memory_utilization * device_memory_gb(cfg)
     per_node = cfg.env.NPROC_PER_NODE
-    fitting = [tp for tp in range(1, per_node + 1)
-               if per_node % tp == 0 and engine_weights_gb(cfg) / tp <= ENGINE_WEIGHTS_SHARE * share]
+    fitting = [
+        tp
+        for tp in range(1, per_node + 1)
+        if per_node % tp == 0 and engine_weights_gb(cfg) / tp <= ENGINE_WEIGHTS_SHARE * share
+    ]
     return fitting[0] if fitting else None
 
 
@@ -134,7 +143,7 @@ def split_layers(model: ModelConfig, pp: int, seq_length: int, image_tokens: int
     counts = layer_counts(model)
     n_vit = model.image_encoder.vision_encoder.num_layers
     n_llm = model.text_decoder.num_layers
-    merge2 = model.image_encoder.vision_encoder.spatial_merge_size ** 2
+    merge2 = model.image_encoder.vision_encoder.spatial_merge_size**2
     vit_cost = counts.vit_layer * image_tokens * merge2
     llm_cost = counts.llm_layer * seq_length
     costs = [float(vit_cost)] * n_vit + [float(llm_cost)] * n_llm
@@ -244,14 +253,17 @@ def _rollout_phase(cfg: JobConfig, stage: StageMemory) -> float:
     if not b.generate_config.colocate or cfg.env.DEVICE == "cpu":
         return 0.0
     actor = b.actor_config
-    kept = ((0.0 if actor.offload_train_param else stage.weights + stage.reference)
-            + (0.0 if actor.offload_train_grad else stage.grads)
-            + (0.0 if actor.offload_train_optimizer else stage.optimizer))
+    kept = (
+        (0.0 if actor.offload_train_param else stage.weights + stage.reference)
+        + (0.0 if actor.offload_train_grad else stage.grads)
+        + (0.0 if actor.offload_train_optimizer else stage.optimizer)
+    )
     return kept + b.generate_config.gpu_memory_utilization * device_memory_gb(cfg)
 
 
-def _stage_params(cfg: JobConfig, counts: LayerCounts, s: int, vit_layers: list[int],
-                  llm_layers: list[int]) -> tuple[float, float]:
+def _stage_params(
+    cfg: JobConfig, counts: LayerCounts, s: int, vit_layers: list[int], llm_layers: list[int]
+) -> tuple[float, float]:
     """(frozen, trainable) parameter counts of stage ``s`` on one EP rank."""
     actor, model = cfg.backend_config.actor_config, cfg.backend_config.model
     vit = vit_layers[s] * counts.vit_layer + (counts.patch_embed if s == 0 else 0)
@@ -267,8 +279,7 @@ def _stage_params(cfg: JobConfig, counts: LayerCounts, s: int, vit_layers: list[
     return float(frozen), float(trainable + llm)
 
 
-def _stage_activations(cfg: JobConfig, s: int, vit_layers: list[int], llm_layers: list[int], tp: int,
-                       cp: int) -> float:
+def _stage_activations(cfg: JobConfig, s: int, vit_layers: list[int], llm_layers: list[int], tp: int, cp: int) -> float:
     """Bytes of activations one micro-batch leaves on stage ``s`` until its backward."""
     b = cfg.backend_config
     text, vit = b.model.text_decoder, b.model.image_encoder.vision_encoder
@@ -285,13 +296,27 @@ def _stage_activations(cfg: JobConfig, s: int, vit_layers: list[int], llm_layers
     # A frozen ViT runs without autograd: it keeps no activations for backward. Under a token budget a micro-batch
     # holds at most one image per image's worth of tokens.
     trains_vit = b.actor_config.unfreeze_vision_encoder
-    images = (b.actor_config.micro_batch_size if b.actor_config.max_tokens_per_micro_batch is None
-              else max(1, micro_batch_tokens(cfg) // image_tokens(cfg)))
-    vit_act = per_layer(vit_tokens * images, vit_tokens, vit.hidden_size, vit.num_attention_heads,
-                        scores=not b.training.use_flash_attn, split=1) if trains_vit else 0.0
+    images = (
+        b.actor_config.micro_batch_size
+        if b.actor_config.max_tokens_per_micro_batch is None
+        else max(1, micro_batch_tokens(cfg) // image_tokens(cfg))
+    )
+    vit_act = (
+        per_layer(
+            vit_tokens * images,
+            vit_tokens,
+            vit.hidden_size,
+            vit.num_attention_heads,
+            scores=not b.training.use_flash_attn,
+            split=1,
+        )
+        if trains_vit
+        else 0.0
+    )
     # the LLM: sequence parallelism whenever TP > 1; fused attention keeps no S x S scores (a test checks)
-    llm_act = per_layer(micro_batch_tokens(cfg) / cp, seq, text.hidden_size, text.num_attention_heads,
-                        scores=False, split=tp)
+    llm_act = per_layer(
+        micro_batch_tokens(cfg) / cp, seq, text.hidden_size, text.num_attention_heads, scores=False, split=tp
+    )
     return llm_layers[s] * llm_act + vit_layers[s] * vit_act
 
 
@@ -326,28 +351,41 @@ class ParallelPlan:
 
     def describe(self) -> str:
         experts = f" (EP {self.ep} within DP)" if self.ep > 1 else ""
-        lines = [f"parallel layout: world {self.tp * self.pp * self.dp} = TP {self.tp} x PP {self.pp} x DP {self.dp}"
-                 f"{experts}; vit_pp_layers {self.vit_pp_layers}; llm_pp_layers {self.llm_pp_layers}",
-                 "estimated memory per device, GiB (training phase; rollout: beside a colocated engine):",
-                 "  stage  weights  grads  optimizer  reference  activations  training  rollout"]
+        lines = [
+            f"parallel layout: world {self.tp * self.pp * self.dp} = TP {self.tp} x PP {self.pp} x DP {self.dp}"
+            f"{experts}; vit_pp_layers {self.vit_pp_layers}; llm_pp_layers {self.llm_pp_layers}",
+            "estimated memory per device, GiB (training phase; rollout: beside a colocated engine):",
+            "  stage  weights  grads  optimizer  reference  activations  training  rollout",
+        ]
         for m in self.memory:
-            lines.append(f"  {m.stage:>5}  {m.weights:7.2f}  {m.grads:5.2f}  {m.optimizer:9.2f}  "
-                         f"{m.reference:9.2f}  {m.activations:11.2f}  {m.training:8.2f}  {m.rollout:7.2f}")
+            lines.append(
+                f"  {m.stage:>5}  {m.weights:7.2f}  {m.grads:5.2f}  {m.optimizer:9.2f}  "
+                f"{m.reference:9.2f}  {m.activations:11.2f}  {m.training:8.2f}  {m.rollout:7.2f}"
+            )
         if self.offload:
-            lines.append("colocated rollout: the actor offloads its " + ", ".join(self.offload)
-                         + " while the engine generates (actor_config.offload_train_*)")
+            lines.append(
+                "colocated rollout: the actor offloads its "
+                + ", ".join(self.offload)
+                + " while the engine generates (actor_config.offload_train_*)"
+            )
         if self.engine_weights:
-            lines.append(f"colocated engine: TP {self.engine_tp}, {self.engine_weights:.1f} GiB of weights per device "
-                         f"in its {self.engine_share:.1f} GiB share (generate_config.gpu_memory_utilization)")
+            lines.append(
+                f"colocated engine: TP {self.engine_tp}, {self.engine_weights:.1f} GiB of weights per device "
+                f"in its {self.engine_share:.1f} GiB share (generate_config.gpu_memory_utilization)"
+            )
         if not self.engine_fits:
-            lines.append(f"WARNING: the engine's weights leave its KV cache less than {1 - ENGINE_WEIGHTS_SHARE:.0%} "
-                         "of its share: raise generate_config.infer_tensor_parallel_size (within a node) or "
-                         "gpu_memory_utilization, or give the engines devices of their own (colocate: false)")
+            lines.append(
+                f"WARNING: the engine's weights leave its KV cache less than {1 - ENGINE_WEIGHTS_SHARE:.0%} "
+                "of its share: raise generate_config.infer_tensor_parallel_size (within a node) or "
+                "gpu_memory_utilization, or give the engines devices of their own (colocate: false)"
+            )
         if self.peak > self.device_memory_gb:
-            lines.append(f"WARNING: the estimate ({self.peak:.1f} GiB) exceeds the device memory "
-                         f"({self.device_memory_gb:.0f} GiB): raise TP/PP, enable use-distributed-optimizer, "
-                         "lower seq-length or micro_batch_size; in the rollout phase, set actor_config."
-                         "offload_train_* or lower generate_config.gpu_memory_utilization")
+            lines.append(
+                f"WARNING: the estimate ({self.peak:.1f} GiB) exceeds the device memory "
+                f"({self.device_memory_gb:.0f} GiB): raise TP/PP, enable use-distributed-optimizer, "
+                "lower seq-length or micro_batch_size; in the rollout phase, set actor_config."
+                "offload_train_* or lower generate_config.gpu_memory_utilization"
+            )
         return "\n".join(lines)
 
 
@@ -364,11 +402,20 @@ def current_plan(cfg: JobConfig) -> ParallelPlan:
     g = cfg.backend_config.generate_config
     colocated = g.colocate and cfg.env.DEVICE != "cpu"
     engine_tp = max(1, g.infer_tensor_parallel_size)
-    return ParallelPlan(tp, pp, dp, list(m.image_encoder.vision_encoder.pipeline_num_layers),
-                        list(m.text_decoder.pipeline_num_layers), estimate_memory(cfg), device_memory_gb(cfg),
-                        offload, engine_tp, engine_weights_gb(cfg) / engine_tp if colocated else 0.0,
-                        g.gpu_memory_utilization * device_memory_gb(cfg) if colocated else 0.0,
-                        actor.expert_model_parallel_size)
+    return ParallelPlan(
+        tp,
+        pp,
+        dp,
+        list(m.image_encoder.vision_encoder.pipeline_num_layers),
+        list(m.text_decoder.pipeline_num_layers),
+        estimate_memory(cfg),
+        device_memory_gb(cfg),
+        offload,
+        engine_tp,
+        engine_weights_gb(cfg) / engine_tp if colocated else 0.0,
+        g.gpu_memory_utilization * device_memory_gb(cfg) if colocated else 0.0,
+        actor.expert_model_parallel_size,
+    )
 
 
 def with_offload(cfg: JobConfig, kinds: tuple[str, ...]) -> JobConfig:
@@ -388,9 +435,13 @@ def sharded_sizes(cfg: JobConfig) -> dict[str, int]:
     widths and the vocab (fixed by the checkpoint). Groups that do not divide the heads are left out: they are wrong
     on their own (``query_groups_divide_heads``), and a TP fitted to them would be wrong too."""
     text, vit = cfg.backend_config.model.text_decoder, cfg.backend_config.model.image_encoder.vision_encoder
-    sizes = {f"{_TEXT}.num_attention_heads": text.num_attention_heads, f"{_TEXT}.ffn_hidden_size": text.ffn_hidden_size,
-             f"{_VIT}.num_attention_heads": vit.num_attention_heads, f"{_VIT}.ffn_hidden_size": vit.ffn_hidden_size,
-             f"{_TEXT}.vocab_size": text.vocab_size}
+    sizes = {
+        f"{_TEXT}.num_attention_heads": text.num_attention_heads,
+        f"{_TEXT}.ffn_hidden_size": text.ffn_hidden_size,
+        f"{_VIT}.num_attention_heads": vit.num_attention_heads,
+        f"{_VIT}.ffn_hidden_size": vit.ffn_hidden_size,
+        f"{_TEXT}.vocab_size": text.vocab_size,
+    }
     groups = text.num_query_groups if text.group_query_attention else text.num_attention_heads
     if groups >= 1 and text.num_attention_heads % groups == 0:
         sizes[f"{_TEXT}.num_query_groups"] = groups
@@ -404,8 +455,10 @@ def tp_choices(cfg: JobConfig, limit: int = 64) -> list[int]:
     its own error rather than leaving no TP at all."""
     t, text = cfg.backend_config.training, cfg.backend_config.model.text_decoder
     limits = list(sharded_sizes(cfg).values())
-    for total, factor in ((text.vocab_size, t.make_vocab_size_divisible_by),
-                          (text.num_attention_heads, t.context_parallel_size)):
+    for total, factor in (
+        (text.vocab_size, t.make_vocab_size_divisible_by),
+        (text.num_attention_heads, t.context_parallel_size),
+    ):
         if factor >= 1 and total % factor == 0:
             limits.append(total // factor)
     return [tp for tp in range(1, limit + 1) if all(n % tp == 0 for n in limits)]
@@ -417,8 +470,9 @@ def tp_candidates(cfg: JobConfig) -> list[int]:
     return [tp for tp in tp_choices(cfg, nproc) if nproc % tp == 0]
 
 
-def with_layout(cfg: JobConfig, tp: int, pp: int, vit_layers: list[int], llm_layers: list[int],
-                ep: int = 1) -> JobConfig:
+def with_layout(
+    cfg: JobConfig, tp: int, pp: int, vit_layers: list[int], llm_layers: list[int], ep: int = 1
+) -> JobConfig:
     """A copy of ``cfg`` with another parallel layout (both the source keys and their resolved echoes)."""
     out = copy.deepcopy(cfg)
     b = out.backend_config
@@ -448,9 +502,15 @@ def plan_parallel(cfg: JobConfig) -> ParallelPlan:
     model = cfg.backend_config.model
     experts = model.text_decoder.num_moe_experts or 0
     tps = [1] if experts else tp_candidates(cfg)  # MoE: EP spreads the experts whole; TP would cut each one
-    options = sorted(((tp, pp) for tp in tps for pp in range(1, world // tp + 1)
-                      if (world // tp) % (pp * cp) == 0 and pp <= model.text_decoder.num_layers),
-                     key=lambda o: (o[0] * o[1], o[1]))
+    options = sorted(
+        (
+            (tp, pp)
+            for tp in tps
+            for pp in range(1, world // tp + 1)
+            if (world // tp) % (pp * cp) == 0 and pp <= model.text_decoder.num_layers
+        ),
+        key=lambda o: (o[0] * o[1], o[1]),
+    )
     plans = []
     ladder = OFFLOAD_LADDER if cfg.backend_config.generate_config.colocate and cfg.env.DEVICE != "cpu" else ((),)
     for tp, pp in options:
@@ -469,8 +529,9 @@ def expert_parallel(experts: int, replicas: int) -> int:
     return max(d for d in range(1, replicas + 1) if replicas % d == 0 and (experts % d == 0 if experts else d == 1))
 
 
-def batch_sizes(dp: int, micro_batch_size: int, n_samples: int, target_gbs: int,
-                target_prompts: int) -> tuple[int, int]:
+def batch_sizes(
+    dp: int, micro_batch_size: int, n_samples: int, target_gbs: int, target_prompts: int
+) -> tuple[int, int]:
     """(global_batch_size, rollout_batch_size) near the targets: GBS a multiple of MBS x DP, and the
     rollout's samples (prompts x n) a whole number of GBS-sized optimizer steps."""
     unit = micro_batch_size * dp

@@ -48,15 +48,20 @@ _TINY_RUN: dict[str, Any] = {
     "backend_config": {
         "training": {"seq-length": 320, "seed": 1234, "lr-decay-style": "cosine"},
         "actor_config": {"lr": 2e-4, "min_lr": 2e-5, "micro_batch_size": 8},
-        "megatron_training": {"tokenizer_name_or_path": "${af_output_dir}/tiny_hf", "train_iters": 40,
-                              "save_interval": 20},
-        "data": {"dataset_param": {
-            "basic_parameters": {"dataset_dir": "${af_output_dir}/geo3k_synthetic"},
-            "preprocess_parameters": {"max_prompt_length": 256, "min_pixels": 56 * 56, "max_pixels": 224 * 224},
-        }},
+        "megatron_training": {
+            "tokenizer_name_or_path": "${af_output_dir}/tiny_hf",
+            "train_iters": 40,
+            "save_interval": 20,
+        },
+        "data": {
+            "dataset_param": {
+                "basic_parameters": {"dataset_dir": "${af_output_dir}/geo3k_synthetic"},
+                "preprocess_parameters": {"max_prompt_length": 256, "min_pixels": 56 * 56, "max_pixels": 224 * 224},
+            }
+        },
         "rl_config": {"n_samples_per_prompt": 8, "kl_loss_coef": 0.05, "val_freq": 10, "val_before_train": True},
         "generate_config": {"sampling_config": {"max_tokens": 64}, "gpu_memory_utilization": 0.3},
-    }
+    },
 }
 
 

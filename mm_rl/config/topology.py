@@ -77,10 +77,17 @@ def topology(cfg: JobConfig) -> Topology:
     g, t = b.generate_config, b.training
     replicas = engine_replicas(cfg)
     rollout = 0 if g.colocate or env.DEVICE == "cpu" else replicas * g.infer_tensor_parallel_size
-    return Topology(device=env.DEVICE, nodes=env.NNODES, devices_per_node=env.NPROC_PER_NODE,
-                    tp=t.tensor_model_parallel_size, pp=t.pipeline_model_parallel_size, cp=t.context_parallel_size,
-                    rollout_devices=rollout, rollout_overlaps=b.rl_config.one_step_off_policy,
-                    rollout_replicas=replicas)
+    return Topology(
+        device=env.DEVICE,
+        nodes=env.NNODES,
+        devices_per_node=env.NPROC_PER_NODE,
+        tp=t.tensor_model_parallel_size,
+        pp=t.pipeline_model_parallel_size,
+        cp=t.context_parallel_size,
+        rollout_devices=rollout,
+        rollout_overlaps=b.rl_config.one_step_off_policy,
+        rollout_replicas=replicas,
+    )
 
 
 def engine_replicas(cfg: JobConfig) -> int:

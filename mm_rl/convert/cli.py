@@ -27,11 +27,17 @@ from mm_rl.convert.mg2hf import mg2hf
 from mm_rl.convert.model_config import model_config_from_hf
 
 REQUIRED = {"hf2mg": ("mm_dir", "hf_config.hf_dir"), "mg2hf": ("load_dir", "save_hf_dir")}
-_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def run_convert(direction: str, job: str | None, overrides: Sequence[str], hf_dir: str | None = None,
-                iteration: str | None = None, max_shard_size: str | None = None) -> Path:
+def run_convert(
+    direction: str,
+    job: str | None,
+    overrides: Sequence[str],
+    hf_dir: str | None = None,
+    iteration: str | None = None,
+    max_shard_size: str | None = None,
+) -> Path:
     """Run one conversion as the CLI describes it; returns the output directory."""
     if job is not None:
         cfg, model, source = _from_job(direction, job, overrides, hf_dir)
@@ -55,9 +61,17 @@ def _from_flags(direction: str, overrides: Sequence[str], hf_dir: str | None) ->
     if direction == "mg2hf" and not hf_dir:
         missing.append("hf_dir")
     if missing:
-        raise ConfigError([Violation(f"--{'' if k == 'hf_dir' else 'cfg.'}{k}", None, f"is required for convert "
-                                     f"{direction} without --job", f"pass --{'' if k == 'hf_dir' else 'cfg.'}{k} "
-                                     "PATH, or --job job.yaml") for k in missing])
+        raise ConfigError(
+            [
+                Violation(
+                    f"--{'' if k == 'hf_dir' else 'cfg.'}{k}",
+                    None,
+                    f"is required for convert {direction} without --job",
+                    f"pass --{'' if k == 'hf_dir' else 'cfg.'}{k} PATH, or --job job.yaml",
+                )
+                for k in missing
+            ]
+        )
     source = str(_get(cfg_data, "hf_config.hf_dir") if direction == "hf2mg" else hf_dir)
     model_data = model_config_from_hf(source, given.get("model", {}))
     parallel = cfg_data.setdefault("parallel_config", {})
@@ -82,14 +96,23 @@ def _nested(overrides: Sequence[str]) -> dict[str, Any]:
     items = parse_overrides(overrides)
     wrong = [item for item in items if not item.startswith(("cfg.", "model."))]
     if wrong:
-        raise ConfigError([Violation("--" + item.split("=", 1)[0], item.split("=", 1)[1], "is not a convert option "
-                                     "without --job", "use --cfg.KEY VALUE (conversion keys), --model.KEY VALUE "
-                                     "(model.json keys), or --job job.yaml") for item in wrong])
+        raise ConfigError(
+            [
+                Violation(
+                    "--" + item.split("=", 1)[0],
+                    item.split("=", 1)[1],
+                    "is not a convert option without --job",
+                    "use --cfg.KEY VALUE (conversion keys), --model.KEY VALUE (model.json keys), or --job job.yaml",
+                )
+                for item in wrong
+            ]
+        )
     try:
         data = OmegaConf.to_container(OmegaConf.from_dotlist(list(items)))
     except OmegaConfBaseException as err:
-        raise ConfigError([Violation("overrides", list(items), str(err).splitlines()[0],
-                                     "write --cfg.a.b VALUE")]) from None
+        raise ConfigError(
+            [Violation("overrides", list(items), str(err).splitlines()[0], "write --cfg.a.b VALUE")]
+        ) from None
     return data if isinstance(data, dict) else {}
 
 
@@ -106,8 +129,16 @@ def parse_iteration(text: str | None) -> Iteration | None:
         return None
     if text == "release" or text.isdigit():
         return "release" if text == "release" else int(text)
-    raise ConfigError([Violation("--iteration", text, "must be 'release' or a step number",
-                                 "e.g. --iteration 100 (or leave it out for the latest)")])
+    raise ConfigError(
+        [
+            Violation(
+                "--iteration",
+                text,
+                "must be 'release' or a step number",
+                "e.g. --iteration 100 (or leave it out for the latest)",
+            )
+        ]
+    )
 
 
 def parse_size(text: str | None) -> int:

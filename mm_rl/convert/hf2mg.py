@@ -45,8 +45,10 @@ from mm_rl.convert.mapping import (
 from mm_rl.convert.stages import Pipeline, plan_pipeline
 
 SOURCE_RECORD = "hf2mg_source.json"  # in release/: what it was converted from, to reuse it only when that matches
-LAYER_KEYS = {"vit_layer": "model.image_encoder.vision_encoder.num_layers",
-              "llm_layer": "model.text_decoder.num_layers"}
+LAYER_KEYS = {
+    "vit_layer": "model.image_encoder.vision_encoder.num_layers",
+    "llm_layer": "model.text_decoder.num_layers",
+}
 
 
 def hf2mg(cfg: Hf2MgCfg, model: ModelConfig, zip_crc32: bool = False) -> Path:
@@ -56,13 +58,29 @@ def hf2mg(cfg: Hf2MgCfg, model: ModelConfig, zip_crc32: bool = False) -> Path:
     pipeline = plan_pipeline(model, cfg.parallel_config)
     hf_dir, mm_dir = Path(cfg.hf_config.hf_dir), Path(cfg.mm_dir)
     if mm_dir.resolve() == hf_dir.resolve():
-        raise ConfigError([Violation("cfg.mm_dir", cfg.mm_dir, "is the HuggingFace checkpoint directory itself",
-                                     "write the Megatron shards to another directory")])
-    plan = [[stage_tensors(model, stage, ep_rank, pipeline.ep) for ep_rank in range(pipeline.ep)]
-            for stage in pipeline.stages]
+        raise ConfigError(
+            [
+                Violation(
+                    "cfg.mm_dir",
+                    cfg.mm_dir,
+                    "is the HuggingFace checkpoint directory itself",
+                    "write the Megatron shards to another directory",
+                )
+            ]
+        )
+    plan = [
+        [stage_tensors(model, stage, ep_rank, pipeline.ep) for ep_rank in range(pipeline.ep)]
+        for stage in pipeline.stages
+    ]
     dims = model_dims(model)
-    shapes = {name: hf_shape(b.entry, part, dims) for stage in plan for rank in stage for b in rank
-              if b.entry.expert for part, name in enumerate(b.hf)}
+    shapes = {
+        name: hf_shape(b.entry, part, dims)
+        for stage in plan
+        for rank in stage
+        for b in rank
+        if b.entry.expert
+        for part, name in enumerate(b.hf)
+    }
     reader = HfReader(hf_dir, lambda name: published_name(model, name), model_family(model).hf_fused, shapes)
     check_checkpoint(reader, model, [b for stage in plan for rank in stage for b in rank])
     write_release(reader, model, pipeline, plan, mm_dir, zip_crc32, source_record(cfg, model))
@@ -72,12 +90,21 @@ def hf2mg(cfg: Hf2MgCfg, model: ModelConfig, zip_crc32: bool = False) -> Path:
 def source_record(cfg: Hf2MgCfg, model: ModelConfig) -> dict[str, Any]:
     """What a conversion depends on: the source files (name, size, mtime), model.json and the layout."""
     hf_dir = Path(cfg.hf_config.hf_dir).resolve()
-    files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(hf_dir.iterdir())
-             if p.suffix == ".safetensors" or p.name in ("config.json", "model.safetensors.index.json")}
+    files = {
+        p.name: [p.stat().st_size, p.stat().st_mtime_ns]
+        for p in sorted(hf_dir.iterdir())
+        if p.suffix == ".safetensors" or p.name in ("config.json", "model.safetensors.index.json")
+    }
     parallel = cfg.parallel_config
-    return {"hf_dir": str(hf_dir), "files": files, "model": dataclasses.asdict(model), "tp": parallel.tp_size,
-            "ep": parallel.ep_size or 1, "llm_pp_layers": list(parallel.llm_pp_layers),
-            "vit_pp_layers": list(parallel.vit_pp_layers)}
+    return {
+        "hf_dir": str(hf_dir),
+        "files": files,
+        "model": dataclasses.asdict(model),
+        "tp": parallel.tp_size,
+        "ep": parallel.ep_size or 1,
+        "llm_pp_layers": list(parallel.llm_pp_layers),
+        "vit_pp_layers": list(parallel.vit_pp_layers),
+    }
 
 
 def reusable_conversion(cfg: Hf2MgCfg, model: ModelConfig) -> str | None:
@@ -99,8 +126,12 @@ def reusable_conversion(cfg: Hf2MgCfg, model: ModelConfig) -> str | None:
         check_rank_dirs(release, pipeline.tp, pipeline.pp, pipeline.ep)
     except ConversionError as error:
         return str(error)
-    files = [rank_file(release, t, s.pp_rank, pipeline.pp, e, pipeline.ep) for s in pipeline.stages
-             for t in range(pipeline.tp) for e in range(pipeline.ep)]
+    files = [
+        rank_file(release, t, s.pp_rank, pipeline.pp, e, pipeline.ep)
+        for s in pipeline.stages
+        for t in range(pipeline.tp)
+        for e in range(pipeline.ep)
+    ]
     missing = [str(path) for path in files if not path.is_file()]
     return f"rank files are missing: {missing}" if missing else None
 
@@ -111,20 +142,29 @@ def check_checkpoint(reader: HfReader, model: ModelConfig, bounds: list[Bound]) 
     needed = {name for b in bounds for name in b.hf}
     missing = sorted(needed - reader.names)
     if missing:
-        raise ConversionError(f"{reader.dir} lacks tensors that model.json needs (another model, or an "
-                              "incomplete checkpoint?):\n" + listing(missing))
+        raise ConversionError(
+            f"{reader.dir} lacks tensors that model.json needs (another model, or an "
+            "incomplete checkpoint?):\n" + listing(missing)
+        )
     unexpected = sorted(n for n in reader.names - needed if not _dropped_layer(n, model))
     if unexpected:
-        raise ConversionError(f"{reader.dir} holds tensors that model.json does not use (another model, or "
-                              "tied/untied embeddings or biases set differently?):\n"
-                              + listing([f"{n} (in {reader.file[n]})" for n in unexpected]))
+        raise ConversionError(
+            f"{reader.dir} holds tensors that model.json does not use (another model, or "
+            "tied/untied embeddings or biases set differently?):\n"
+            + listing([f"{n} (in {reader.file[n]})" for n in unexpected])
+        )
     dims = model_dims(model)
-    wrong = [f"{name} in {reader.file[name]}: shape {list(reader.shape[name])}, model.json gives "
-             f"{list(hf_shape(b.entry, part, dims))}"
-             for b in bounds for part, name in enumerate(b.hf) if reader.shape[name] != hf_shape(b.entry, part, dims)]
+    wrong = [
+        f"{name} in {reader.file[name]}: shape {list(reader.shape[name])}, model.json gives "
+        f"{list(hf_shape(b.entry, part, dims))}"
+        for b in bounds
+        for part, name in enumerate(b.hf)
+        if reader.shape[name] != hf_shape(b.entry, part, dims)
+    ]
     if wrong:
-        raise ConversionError(f"tensors of {reader.dir} do not have the shapes model.json gives:\n"
-                              + listing(sorted(set(wrong))))
+        raise ConversionError(
+            f"tensors of {reader.dir} do not have the shapes model.json gives:\n" + listing(sorted(set(wrong)))
+        )
 
 
 def _compact(tensor: torch.Tensor) -> torch.Tensor:
@@ -147,9 +187,16 @@ def _check_layer_counts(reader: HfReader, model: ModelConfig) -> None:
         if found:
             have[found[0]] = max(have[found[0]], found[1] + 1)
     want = {"vit_layer": model.image_encoder.vision_encoder.num_layers, "llm_layer": model.text_decoder.num_layers}
-    problems = [Violation(LAYER_KEYS[scope], want[scope], f"the checkpoint {reader.dir} has only {have[scope]} "
-                          "(layers may be removed, never added)", f"use at most {have[scope]}")
-                for scope in want if want[scope] > have[scope]]
+    problems = [
+        Violation(
+            LAYER_KEYS[scope],
+            want[scope],
+            f"the checkpoint {reader.dir} has only {have[scope]} (layers may be removed, never added)",
+            f"use at most {have[scope]}",
+        )
+        for scope in want
+        if want[scope] > have[scope]
+    ]
     if problems:
         raise ConfigError(problems)
 
@@ -163,8 +210,15 @@ def _dropped_layer(name: str, model: ModelConfig) -> bool:
     return found[1] >= kept
 
 
-def write_release(reader: HfReader, model: ModelConfig, pipeline: Pipeline, plan: list[list[list[Bound]]],
-                  mm_dir: Path, zip_crc32: bool = False, record: dict[str, Any] | None = None) -> None:
+def write_release(
+    reader: HfReader,
+    model: ModelConfig,
+    pipeline: Pipeline,
+    plan: list[list[list[Bound]]],
+    mm_dir: Path,
+    zip_crc32: bool = False,
+    record: dict[str, Any] | None = None,
+) -> None:
     """Write every rank file (``plan``: per stage, per EP rank, its tensors) into a staging directory, rename it
     to ``release``, then write the latest file."""
     dims = model_dims(model)
@@ -175,8 +229,7 @@ def write_release(reader: HfReader, model: ModelConfig, pipeline: Pipeline, plan
                 for tp_rank in range(pipeline.tp):
                     state = {}
                     for bound in bounds:
-                        state[bound.mg] = _compact(shard_from_hf(bound, dims, tp_rank, pipeline.tp, reader.read,
-                                                                 False))
+                        state[bound.mg] = _compact(shard_from_hf(bound, dims, tp_rank, pipeline.tp, reader.read, False))
                     reader.release()
                     path = rank_file(staging, tp_rank, stage.pp_rank, pipeline.pp, ep_rank, pipeline.ep)
                     save_model_state(path, state, zip_crc32)

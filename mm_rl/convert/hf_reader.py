@@ -27,8 +27,13 @@ INDEX = "model.safetensors.index.json"
 class HfReader:
     """Shapes, dtypes and slices of the tensors of one HF checkpoint directory, by published name."""
 
-    def __init__(self, hf_dir: str | Path, canonical: Callable[[str], str] = str,
-                 fused: tuple[Fused, ...] = (), part_shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+    def __init__(
+        self,
+        hf_dir: str | Path,
+        canonical: Callable[[str], str] = str,
+        fused: tuple[Fused, ...] = (),
+        part_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> None:
         """``canonical``: a stored tensor name -> its published name (the family's other spellings); ``fused``:
         stored tensors that are read as their per-expert parts (each part a view, nothing assembled), whose
         shapes ``part_shapes`` gives (to tell the published layout from transformers' in-memory one)."""
@@ -60,12 +65,16 @@ class HfReader:
             experts, rows, columns = self.shape[name]
             k = len(rule.parts)
             want = part_shapes.get(rule.parts[0].format(i=match["i"], e=0))
-            in_memory = want is not None and (rows, columns) != (want[1], k * want[0]) \
+            in_memory = (
+                want is not None
+                and (rows, columns) != (want[1], k * want[0])
                 and (rows, columns) == (k * want[0], want[1])
+            )
             width, depth = (rows, columns) if in_memory else (columns, rows)
             if width % k:
-                raise ConversionError(f"{name} in {self.file[name]}: shape {list(self.shape[name])} does not split "
-                                      f"into {k} parts")
+                raise ConversionError(
+                    f"{name} in {self.file[name]}: shape {list(self.shape[name])} does not split into {k} parts"
+                )
             for e in range(experts):
                 for j, part in enumerate(rule.parts):
                     virtual = part.format(i=match["i"], e=e)
@@ -74,6 +83,7 @@ class HfReader:
                     self.parts[virtual] = (e, j, in_memory)
             for table in (self.file, self.stored, self.shape, self.dtype):
                 del table[name]
+
     def _files(self) -> dict[str, set[str] | None]:
         """file name -> the tensor names the index assigns to it (None: whatever the file holds)."""
         if not self.dir.is_dir():
@@ -89,13 +99,16 @@ class HfReader:
                 files.setdefault(file_name, set()).add(name)  # type: ignore[union-attr]
             missing = sorted(f for f in files if not (self.dir / f).is_file())
             if missing:
-                raise ConversionError(f"{index} names files that are missing (an incomplete download or copy?):\n"
-                                      + listing(missing))
+                raise ConversionError(
+                    f"{index} names files that are missing (an incomplete download or copy?):\n" + listing(missing)
+                )
             return files
         found = sorted(p.name for p in self.dir.glob("*.safetensors"))
         if not found:
-            raise ConversionError(f"no {INDEX} and no *.safetensors files in {self.dir} (only safetensors "
-                                  "checkpoints are read: re-save others with save_pretrained(safe_serialization=True))")
+            raise ConversionError(
+                f"no {INDEX} and no *.safetensors files in {self.dir} (only safetensors "
+                "checkpoints are read: re-save others with save_pretrained(safe_serialization=True))"
+            )
         return dict.fromkeys(found)
 
     def _read_header(self, file_name: str, expected: set[str] | None) -> None:
@@ -108,8 +121,10 @@ class HfReader:
         except (SafetensorError, OSError) as err:
             raise ConversionError(f"{path} is not a readable safetensors file ({err}); truncated or corrupt?") from None
         if expected is not None and expected - stored:
-            raise ConversionError(f"{self.dir / INDEX} places tensors in {file_name} that it does not hold:\n"
-                                  + listing(sorted(expected - stored)))
+            raise ConversionError(
+                f"{self.dir / INDEX} places tensors in {file_name} that it does not hold:\n"
+                + listing(sorted(expected - stored))
+            )
         for name in sorted(expected if expected is not None else stored):
             published = self.canonical(name)
             if published in self.file:

@@ -22,14 +22,37 @@ from mm_rl.config.schema import ModelConfig
 from mm_rl.convert.errors import ConversionError
 
 INDEX = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_BYTES = 2 * 1024 ** 3
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
-              "merges.txt", "special_tokens_map.json", "added_tokens.json", "preprocessor_config.json",
-              "video_preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja")
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
 SIDE_PATTERNS = ("chat_template*.jinja", "chat_template*.json")
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 
 
 @dataclass(frozen=True)
@@ -77,8 +100,9 @@ class ShardedWriter:
             self._next_shard()
         spec = self.shards[self._shard][self._pos]
         shape = (sum(b.shape[0] for b in blocks), *blocks[0].shape[1:]) if blocks[0].dim() else ()
-        if (name, shape) != (spec.name, spec.shape) or any(b.dtype != spec.dtype or b.shape[1:] != blocks[0].shape[1:]
-                                                            for b in blocks):
+        if (name, shape) != (spec.name, spec.shape) or any(
+            b.dtype != spec.dtype or b.shape[1:] != blocks[0].shape[1:] for b in blocks
+        ):
             raise ConversionError(f"internal: expected {spec} next, got {name} {list(shape)} {blocks[0].dtype}")
         assert self._file is not None
         for block in blocks:
@@ -93,8 +117,11 @@ class ShardedWriter:
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for spec in self.shards[self._shard]:
-            header[spec.name] = {"dtype": _DTYPES[spec.dtype], "shape": list(spec.shape),
-                                 "data_offsets": [offset, offset + spec.nbytes]}
+            header[spec.name] = {
+                "dtype": _DTYPES[spec.dtype],
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)

@@ -80,7 +80,7 @@ def incomplete_reason(directory: Path) -> str | None:
 
 
 def describe_os_error(err: OSError, path: str | os.PathLike[str] | None = None) -> str:
-    """"no space left on device: <path>": the errno's meaning and the path (``path`` when the error names none:
+    """ "no space left on device: <path>": the errno's meaning and the path (``path`` when the error names none:
     a full disk fails a write, not an open), as a user reads it, instead of a traceback."""
     what = os.strerror(err.errno).lower() if err.errno else (str(err) or type(err).__name__)
     where = err.filename if err.filename is not None else path
@@ -146,7 +146,8 @@ def resolve_iteration(root: Path, iteration: Iteration | None) -> Path:
             raise ConversionError(
                 f"{root / LATEST} is missing: {root} is not a Megatron checkpoint, or its save or conversion was "
                 f"interrupted before completing (iterations present: {available or 'none'}); convert again, or "
-                "pass an iteration explicitly if you know one is complete")
+                "pass an iteration explicitly if you know one is complete"
+            )
     path = root / iteration_name(iteration)
     if not path.is_dir():
         raise ConversionError(f"{path} does not exist (iterations present in {root}: {available or 'none'})")
@@ -163,8 +164,10 @@ def check_rank_dirs(iteration_dir: Path, tp: int, pp: int, ep: int = 1) -> None:
     ranks = [tuple(int(x) for x in re.findall(r"\d+", name)) for name in found]
     shape = f"TP={1 + max(r[0] for r in ranks)} x PP={1 + max((r[1] if len(r) > 1 else 0) for r in ranks)}"
     lines = [f"missing {n}" for n in sorted(expected - found)] + [f"unexpected {n}" for n in sorted(found - expected)]
-    raise ConversionError(f"{iteration_dir} holds rank directories of {shape if ranks else 'nothing'}, the parallel "
-                          f"config gives TP={tp} x PP={pp}{f' x EP={ep}' if ep > 1 else ''}:\n" + listing(lines))
+    raise ConversionError(
+        f"{iteration_dir} holds rank directories of {shape if ranks else 'nothing'}, the parallel "
+        f"config gives TP={tp} x PP={pp}{f' x EP={ep}' if ep > 1 else ''}:\n" + listing(lines)
+    )
 
 
 # ------------------------------------------------------------------------------------------ rank files
@@ -189,12 +192,15 @@ def load_model_state(path: Path) -> dict[str, torch.Tensor]:
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # torch raises several types for truncated or foreign files
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConversionError(f"{path} cannot be read as a torch checkpoint ({first}); half-written or "
-                              "corrupt?") from None
+        raise ConversionError(
+            f"{path} cannot be read as a torch checkpoint ({first}); half-written or corrupt?"
+        ) from None
     if not isinstance(data, Mapping) or not isinstance(data.get("model"), Mapping):
         keys = list(data) if isinstance(data, Mapping) else type(data).__name__
-        raise ConversionError(f"{path} has no 'model' state dict (it holds {keys}); virtual-pipeline checkpoints "
-                              "(model0, model1, ...) are not supported")
+        raise ConversionError(
+            f"{path} has no 'model' state dict (it holds {keys}); virtual-pipeline checkpoints "
+            "(model0, model1, ...) are not supported"
+        )
     return dict(data["model"])
 
 

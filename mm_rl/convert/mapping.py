@@ -76,15 +76,18 @@ def stage_tensors(model: ModelConfig, stage: Stage, ep_rank: int = 0, ep: int = 
         entries = [e for e in family.tensors if e.scope == scope and (e.when is None or flags[e.when])]
         for local, index in stage.layers(scope):
             for e in entries:
-                out += [Bound(e, e.mg.format(i=local, e=mine), tuple(h.format(i=index, e=glob) for h in e.hf))
-                        for mine, glob in (experts if e.expert else [(0, 0)])]
+                out += [
+                    Bound(e, e.mg.format(i=local, e=mine), tuple(h.format(i=index, e=glob) for h in e.hf))
+                    for mine, glob in (experts if e.expert else [(0, 0)])
+                ]
     return out
 
 
 @cache
 def _hf_layer_patterns(family: ModelFamily) -> tuple[tuple[re.Pattern[str], Scope], ...]:
-    return tuple((name_pattern(h), e.scope)
-                 for e in family.tensors if e.scope in ("vit_layer", "llm_layer") for h in e.hf)
+    return tuple(
+        (name_pattern(h), e.scope) for e in family.tensors if e.scope in ("vit_layer", "llm_layer") for h in e.hf
+    )
 
 
 def hf_layer_index(model: ModelConfig, name: str) -> tuple[Scope, int] | None:
@@ -114,7 +117,7 @@ def published_name(model: ModelConfig, name: str) -> str:
     """The published HF name of a tensor stored under another spelling (the family's ``hf_aliases``)."""
     for alias, published in model_family(model).hf_aliases:
         if name.startswith(alias):
-            return published + name[len(alias):]
+            return published + name[len(alias) :]
     return name
 
 
@@ -170,8 +173,9 @@ def shard_shape(entry: Entry, dims: Mapping[str, int], rank: int, tp: int) -> tu
 Reader = Callable[[str, int, int, int], torch.Tensor]
 
 
-def shard_from_hf(bound: Bound, dims: Mapping[str, int], rank: int, tp: int, read: Reader,
-                  copy: bool = True) -> torch.Tensor:
+def shard_from_hf(
+    bound: Bound, dims: Mapping[str, int], rank: int, tp: int, read: Reader, copy: bool = True
+) -> torch.Tensor:
     """TP rank ``rank``'s shard of ``bound``: a new compact tensor, or with ``copy=False`` the range ``read``
     returned where the shard is a single range (no copy; possibly a strided view).
 
@@ -195,8 +199,9 @@ def shard_from_hf(bound: Bound, dims: Mapping[str, int], rank: int, tp: int, rea
     return torch.cat(out, dim)
 
 
-def check_shards(bound: Bound, dims: Mapping[str, int], shards: Sequence[torch.Tensor],
-                 where: Sequence[object] = ()) -> None:
+def check_shards(
+    bound: Bound, dims: Mapping[str, int], shards: Sequence[torch.Tensor], where: Sequence[object] = ()
+) -> None:
     """Each TP shard must have the shape the model config gives and rank 0's dtype; ``where`` names the shards'
     files in the message. Reads no tensor data."""
     tp = len(shards)
@@ -204,8 +209,10 @@ def check_shards(bound: Bound, dims: Mapping[str, int], shards: Sequence[torch.T
         label = f"{where[rank]}: " if where else ""
         want = shard_shape(bound.entry, dims, rank, tp)
         if tuple(shard.shape) != want:
-            raise ConversionError(f"{label}{bound.mg} (TP rank {rank} of {tp}) has shape {list(shard.shape)}, "
-                                  f"the model config gives {list(want)}")
+            raise ConversionError(
+                f"{label}{bound.mg} (TP rank {rank} of {tp}) has shape {list(shard.shape)}, "
+                f"the model config gives {list(want)}"
+            )
         if shard.dtype != shards[0].dtype:
             raise ConversionError(f"{label}{bound.mg} is {shard.dtype} on TP rank {rank}, {shards[0].dtype} on 0")
 
@@ -226,12 +233,16 @@ def hf_blocks(bound: Bound, dims: Mapping[str, int], shards: Sequence[torch.Tens
     entry, tp = bound.entry, len(shards)
     if entry.split is None:
         return [[shards[0]]]
-    located = [(piece, rank, offset) for rank in range(tp)
-               for piece, offset in _offsets(pieces(entry, dims, rank, tp))]
+    located = [(piece, rank, offset) for rank in range(tp) for piece, offset in _offsets(pieces(entry, dims, rank, tp))]
     if entry.split == 0:
-        return [[shards[rank].narrow(0, offset, piece.size)
-                 for piece, rank, offset in sorted(located, key=lambda x: x[0].start) if piece.part == part]
-                for part in range(len(entry.hf))]
+        return [
+            [
+                shards[rank].narrow(0, offset, piece.size)
+                for piece, rank, offset in sorted(located, key=lambda x: x[0].start)
+                if piece.part == part
+            ]
+            for part in range(len(entry.hf))
+        ]
     out = [torch.empty(hf_shape(entry, part, dims), dtype=shards[0].dtype) for part in range(len(entry.hf))]
     for piece, rank, offset in located:
         out[piece.part].narrow(1, piece.start, piece.size).copy_(shards[rank].narrow(1, offset, piece.size))
@@ -258,8 +269,14 @@ def merge_tp_shards(mg_name: str, shards: Sequence[torch.Tensor], model: ModelCo
     return shard_from_hf(bound, dims, 0, 1, lambda name, dim, a, b: parts[entry.hf.index(name)].narrow(dim, a, b - a))
 
 
-def megatron_to_hf(tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConfig, pipeline: Pipeline,
-                   pp_rank: int, ep_rank: int = 0, ep: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+def megatron_to_hf(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    model: ModelConfig,
+    pipeline: Pipeline,
+    pp_rank: int,
+    ep_rank: int = 0,
+    ep: int = 1,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Full (TP-merged) Megatron tensors of stage ``pp_rank`` on EP rank ``ep_rank`` -> (HF name, tensor) pairs,
     for the weight sync (experts by their per-expert HF names, which vLLM loads as they are).
 
@@ -277,11 +294,20 @@ def megatron_to_hf(tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConf
             yield from zip(bound.hf, hf_from_shards(bound, dims, [tensor]), strict=True)
 
 
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], model: ModelConfig, pipeline: Pipeline, pp_rank: int,
-                   tp_rank: int, ep_rank: int = 0, ep: int = 1) -> dict[str, torch.Tensor]:
+def hf_to_megatron(
+    hf: Mapping[str, torch.Tensor],
+    model: ModelConfig,
+    pipeline: Pipeline,
+    pp_rank: int,
+    tp_rank: int,
+    ep_rank: int = 0,
+    ep: int = 1,
+) -> dict[str, torch.Tensor]:
     """In-memory HF state dict (per-expert names) -> the Megatron state dict of one (pp, tp, ep) rank (the same
     rules as hf2mg)."""
     dims = model_dims(model)
     read: Reader = lambda name, dim, a, b: hf[name].narrow(dim, a, b - a)  # noqa: E731
-    return {b.mg: shard_from_hf(b, dims, tp_rank, pipeline.tp, read)
-            for b in stage_tensors(model, pipeline.stages[pp_rank], ep_rank, ep)}
+    return {
+        b.mg: shard_from_hf(b, dims, tp_rank, pipeline.tp, read)
+        for b in stage_tensors(model, pipeline.stages[pp_rank], ep_rank, ep)
+    }

@@ -41,8 +41,13 @@ from mm_rl.convert.stages import Pipeline, Stage, plan_pipeline
 EXTRA_STATE = "._extra_state"
 
 
-def mg2hf(cfg: Mg2HfCfg, model: ModelConfig, hf_dir: str | Path, iteration: Iteration | None = None,
-          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def mg2hf(
+    cfg: Mg2HfCfg,
+    model: ModelConfig,
+    hf_dir: str | Path,
+    iteration: Iteration | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
     """Convert ``iteration`` of ``cfg.load_dir`` (None: the latest) into ``cfg.save_hf_dir``; returns it.
 
     ``hf_dir`` is the HF checkpoint the model came from: its config, tokenizer, processor and chat template
@@ -52,10 +57,16 @@ def mg2hf(cfg: Mg2HfCfg, model: ModelConfig, hf_dir: str | Path, iteration: Iter
     _check_target(out, source, Path(cfg.load_dir))
     iteration_dir = _complete_iteration(Path(cfg.load_dir), iteration)
     check_rank_dirs(iteration_dir, pipeline.tp, pipeline.pp, pipeline.ep)
-    plan = [(stage, ep_rank, stage_tensors(model, stage, ep_rank, pipeline.ep)) for stage in pipeline.stages
-            for ep_rank in range(pipeline.ep)]
-    specs = [spec for stage, ep_rank, bounds in plan
-             for spec in _stage_specs(iteration_dir, model, pipeline, stage, ep_rank, bounds)]
+    plan = [
+        (stage, ep_rank, stage_tensors(model, stage, ep_rank, pipeline.ep))
+        for stage in pipeline.stages
+        for ep_rank in range(pipeline.ep)
+    ]
+    specs = [
+        spec
+        for stage, ep_rank, bounds in plan
+        for spec in _stage_specs(iteration_dir, model, pipeline, stage, ep_rank, bounds)
+    ]
     fused = model_family(model).hf_fused
     with staged_dir(out) as staging:
         writer = FusingWriter(ShardedWriter(staging, fuse_specs(specs, fused), max_shard_bytes), fused)
@@ -74,8 +85,16 @@ def _check_target(out: Path, source: Path, load_dir: Path) -> None:
         if out.resolve() == other.resolve():
             raise ConfigError([Violation("cfg.save_hf_dir", str(out), f"is {what}", "write to another directory")])
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
-        raise ConfigError([Violation("cfg.save_hf_dir", str(out), "exists and is not a HuggingFace checkpoint",
-                                     "choose a new or empty directory (an earlier output is replaced)")])
+        raise ConfigError(
+            [
+                Violation(
+                    "cfg.save_hf_dir",
+                    str(out),
+                    "exists and is not a HuggingFace checkpoint",
+                    "choose a new or empty directory (an earlier output is replaced)",
+                )
+            ]
+        )
 
 
 def _complete_iteration(root: Path, iteration: Iteration | None) -> Path:
@@ -104,13 +123,15 @@ def _step_of(path: Path) -> int | None:
 
 
 def _complete_hint(root: Path, before: int | None) -> str:
-    """"; iteration N (path) is complete: convert it with --iteration N", or that none (before ``before``) is."""
+    """ "; iteration N (path) is complete: convert it with --iteration N", or that none (before ``before``) is."""
     steps = [s for s in complete_steps(root) if before is None or s < before]
     earlier = "" if before is None else "earlier "
     if not steps:
         return f"; no {earlier}iteration in {root} is complete"
-    return (f"; the newest complete {earlier}iteration is {steps[-1]} ({root / iteration_name(steps[-1])}): "
-            f"convert it with --iteration {steps[-1]}")
+    return (
+        f"; the newest complete {earlier}iteration is {steps[-1]} ({root / iteration_name(steps[-1])}): "
+        f"convert it with --iteration {steps[-1]}"
+    )
 
 
 class _StageFiles:
@@ -119,8 +140,9 @@ class _StageFiles:
     file's size."""
 
     def __init__(self, iteration_dir: Path, pipeline: Pipeline, stage: Stage, ep_rank: int) -> None:
-        self.paths = [rank_file(iteration_dir, r, stage.pp_rank, pipeline.pp, ep_rank, pipeline.ep)
-                      for r in range(pipeline.tp)]
+        self.paths = [
+            rank_file(iteration_dir, r, stage.pp_rank, pipeline.pp, ep_rank, pipeline.ep) for r in range(pipeline.tp)
+        ]
         self.budget = max(p.stat().st_size for p in self.paths) if all(p.is_file() for p in self.paths) else 0
         self._states: list[dict[str, torch.Tensor] | None] = [None] * pipeline.tp
         self._read = 0
@@ -150,8 +172,9 @@ def _written(bound: Bound, ep_rank: int) -> bool:
     return not bound.entry.duplicate and (bound.entry.expert or ep_rank == 0)
 
 
-def _stage_specs(iteration_dir: Path, model: ModelConfig, pipeline: Pipeline, stage: Stage, ep_rank: int,
-                 bounds: list[Bound]) -> list[TensorSpec]:
+def _stage_specs(
+    iteration_dir: Path, model: ModelConfig, pipeline: Pipeline, stage: Stage, ep_rank: int, bounds: list[Bound]
+) -> list[TensorSpec]:
     """Check the stage's rank files hold exactly the expected tensors with the expected shapes; the HF tensors
     they make, in writing order (per-expert parts unfused)."""
     files = _StageFiles(iteration_dir, pipeline, stage, ep_rank)
@@ -161,9 +184,11 @@ def _stage_specs(iteration_dir: Path, model: ModelConfig, pipeline: Pipeline, st
         if keys != expected:
             lines = [f"missing {k}" for k in sorted(expected - keys)]
             lines += [f"unexpected {k}" for k in sorted(keys - expected)]
-            raise ConversionError(f"{path} does not hold the tensors of pipeline stage {stage.pp_rank} (ViT blocks "
-                                  f"{_span(stage.vit)}, LLM layers {_span(stage.llm)}): check the pipeline split "
-                                  "and model.json against the checkpoint\n" + listing(lines))
+            raise ConversionError(
+                f"{path} does not hold the tensors of pipeline stage {stage.pp_rank} (ViT blocks "
+                f"{_span(stage.vit)}, LLM layers {_span(stage.llm)}): check the pipeline split "
+                "and model.json against the checkpoint\n" + listing(lines)
+            )
     dims = model_dims(model)
     specs = []
     for bound in bounds:
@@ -174,8 +199,15 @@ def _stage_specs(iteration_dir: Path, model: ModelConfig, pipeline: Pipeline, st
     return specs
 
 
-def _write_stage(writer: FusingWriter, iteration_dir: Path, model: ModelConfig, pipeline: Pipeline, stage: Stage,
-                 ep_rank: int, bounds: list[Bound]) -> None:
+def _write_stage(
+    writer: FusingWriter,
+    iteration_dir: Path,
+    model: ModelConfig,
+    pipeline: Pipeline,
+    stage: Stage,
+    ep_rank: int,
+    bounds: list[Bound],
+) -> None:
     files = _StageFiles(iteration_dir, pipeline, stage, ep_rank)
     dims = model_dims(model)
     for bound in bounds:

@@ -19,8 +19,9 @@ from mm_rl.models.family import HfConfigError, UnknownFamily
 from mm_rl.models.registry import family_for_hf
 
 
-def model_config_from_hf(config_json: str | Path | Mapping[str, Any],
-                         overrides: Mapping[str, Any] | None = None) -> ModelConfig:
+def model_config_from_hf(
+    config_json: str | Path | Mapping[str, Any], overrides: Mapping[str, Any] | None = None
+) -> ModelConfig:
     """The model.json of the checkpoint whose config.json is ``config_json`` (a path or its parsed content).
 
     ``overrides`` is a nested dict merged over the result before it is type-checked (e.g. fewer layers)."""

@@ -25,7 +25,7 @@ def prefault(tensor: torch.Tensor) -> None:
     global _enabled
     if not _enabled or tensor.device.type != "cpu" or tensor.numel() == 0:
         return
-    span = (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)))
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
     start = tensor.data_ptr()
     aligned = start - start % mmap.PAGESIZE
     if _call()(aligned, span * tensor.element_size() + start - aligned, MADV_POPULATE_READ) != 0:

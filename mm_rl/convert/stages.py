@@ -58,8 +58,11 @@ class Pipeline:
 
 def plan_pipeline(model: ModelConfig, parallel: ParallelConfig) -> Pipeline:
     """The stage layout for ``parallel``; a ConfigError lists every rule the split or the TP size breaks."""
-    problems = [*_split_problems(model, parallel), *_tp_problems(model, parallel.tp_size),
-                *_ep_problems(model, parallel.ep_size or 1)]
+    problems = [
+        *_split_problems(model, parallel),
+        *_tp_problems(model, parallel.tp_size),
+        *_ep_problems(model, parallel.ep_size or 1),
+    ]
     if problems:
         raise ConfigError(problems)
     tied = not model.text_decoder.untie_embeddings_and_output_weights
@@ -70,47 +73,82 @@ def plan_pipeline(model: ModelConfig, parallel: ParallelConfig) -> Pipeline:
     last = len(llm) - 1
     stages = []
     for rank in range(len(llm)):
-        holds = {name for name, at in (("patch_embed", first_vit), ("merger", last_vit), ("embedding", first_llm),
-                                       ("final_norm", last), ("output_layer", last)) if at == rank}
+        holds = {
+            name
+            for name, at in (
+                ("patch_embed", first_vit),
+                ("merger", last_vit),
+                ("embedding", first_llm),
+                ("final_norm", last),
+                ("output_layer", last),
+            )
+            if at == rank
+        }
         if tied and rank == first_llm:
             holds.discard("output_layer")  # the output layer shares the embedding weight on the same stage
-        stages.append(Stage(rank, range(sum(vit[:rank]), sum(vit[:rank + 1])),
-                            range(sum(llm[:rank]), sum(llm[:rank + 1])), frozenset(holds),
-                            tuple(model.image_encoder.vision_encoder.deepstack_visual_indexes)))
+        stages.append(
+            Stage(
+                rank,
+                range(sum(vit[:rank]), sum(vit[: rank + 1])),
+                range(sum(llm[:rank]), sum(llm[: rank + 1])),
+                frozenset(holds),
+                tuple(model.image_encoder.vision_encoder.deepstack_visual_indexes),
+            )
+        )
     return Pipeline(parallel.tp_size, tuple(stages), parallel.ep_size or 1)
 
 
 def _ep_problems(model: ModelConfig, ep: int) -> Iterator[Violation]:
     experts = model.text_decoder.num_moe_experts or 0
     if ep < 1 or (ep > 1 and experts % ep):
-        yield Violation(f"{PARALLEL_KEY}.ep_size", ep, f"EP must divide {MODEL_KEY}.text_decoder.num_moe_experts "
-                        f"= {experts or None} (each EP rank holds as many experts)",
-                        "use 1 for a dense model" if not experts
-                        else f"use an EP among {[d for d in range(1, experts + 1) if experts % d == 0][:12]}")
+        yield Violation(
+            f"{PARALLEL_KEY}.ep_size",
+            ep,
+            f"EP must divide {MODEL_KEY}.text_decoder.num_moe_experts "
+            f"= {experts or None} (each EP rank holds as many experts)",
+            "use 1 for a dense model"
+            if not experts
+            else f"use an EP among {[d for d in range(1, experts + 1) if experts % d == 0][:12]}",
+        )
 
 
 def _split_problems(model: ModelConfig, parallel: ParallelConfig) -> Iterator[Violation]:
     vit, llm = list(parallel.vit_pp_layers), list(parallel.llm_pp_layers)
-    totals = {"vit_pp_layers": (vit, model.image_encoder.vision_encoder.num_layers,
-                                f"{MODEL_KEY}.image_encoder.vision_encoder.num_layers"),
-              "llm_pp_layers": (llm, model.text_decoder.num_layers, f"{MODEL_KEY}.text_decoder.num_layers")}
+    totals = {
+        "vit_pp_layers": (
+            vit,
+            model.image_encoder.vision_encoder.num_layers,
+            f"{MODEL_KEY}.image_encoder.vision_encoder.num_layers",
+        ),
+        "llm_pp_layers": (llm, model.text_decoder.num_layers, f"{MODEL_KEY}.text_decoder.num_layers"),
+    }
     for name, (layers, total, total_key) in totals.items():
         key = f"{PARALLEL_KEY}.{name}"
         if total < 1:
             yield Violation(total_key, total, "must be at least 1", "keep at least one layer")
         elif not layers or min(layers) < 0 or sum(layers) != total:
-            yield Violation(key, layers, f"entries must be >= 0 and sum to {total_key} = {total} "
-                            f"(they sum to {sum(layers)})", f"give one entry per pipeline stage summing to {total}")
+            yield Violation(
+                key,
+                layers,
+                f"entries must be >= 0 and sum to {total_key} = {total} (they sum to {sum(layers)})",
+                f"give one entry per pipeline stage summing to {total}",
+            )
     if len(vit) != len(llm):
-        yield Violation(f"{PARALLEL_KEY}.vit_pp_layers", vit,
-                        f"has {len(vit)} entries but llm_pp_layers has {len(llm)}: both need one per pipeline stage",
-                        f"give {len(llm)} entries, e.g. {[sum(vit)] + [0] * (len(llm) - 1)}")
+        yield Violation(
+            f"{PARALLEL_KEY}.vit_pp_layers",
+            vit,
+            f"has {len(vit)} entries but llm_pp_layers has {len(llm)}: both need one per pipeline stage",
+            f"give {len(llm)} entries, e.g. {[sum(vit)] + [0] * (len(llm) - 1)}",
+        )
     elif any(vit) and any(llm):
         first_llm = next(i for i, n in enumerate(llm) if n)
-        if any(vit[first_llm + 1:]):
-            yield Violation(f"{PARALLEL_KEY}.vit_pp_layers", vit,
-                            f"the ViT must end by stage {first_llm}, the first holding LLM layers ({llm})",
-                            f"move the ViT blocks to earlier stages, e.g. {[sum(vit)] + [0] * (len(vit) - 1)}")
+        if any(vit[first_llm + 1 :]):
+            yield Violation(
+                f"{PARALLEL_KEY}.vit_pp_layers",
+                vit,
+                f"the ViT must end by stage {first_llm}, the first holding LLM layers ({llm})",
+                f"move the ViT blocks to earlier stages, e.g. {[sum(vit)] + [0] * (len(vit) - 1)}",
+            )
 
 
 def _tp_problems(model: ModelConfig, tp: int) -> Iterator[Violation]:
@@ -127,16 +165,29 @@ def _tp_problems(model: ModelConfig, tp: int) -> Iterator[Violation]:
         ("text_decoder.vocab_size", text.vocab_size, "embeddings and output layer split on the vocab"),
         ("image_encoder.vision_encoder.num_attention_heads", vit.num_attention_heads, "ViT heads split"),
         ("image_encoder.vision_encoder.ffn_hidden_size", vit.ffn_hidden_size, "the ViT MLP splits"),
-        ("image_encoder.vision_projector.ffn_hidden_size", model.image_encoder.vision_projector.ffn_hidden_size,
-         "the merger MLP splits"),
-        *((("text_decoder.moe_intermediate_size", text.moe_intermediate_size or 0, "each expert's MLP splits"),)
-          if text.num_moe_experts else ()),
+        (
+            "image_encoder.vision_projector.ffn_hidden_size",
+            model.image_encoder.vision_projector.ffn_hidden_size,
+            "the merger MLP splits",
+        ),
+        *(
+            (("text_decoder.moe_intermediate_size", text.moe_intermediate_size or 0, "each expert's MLP splits"),)
+            if text.num_moe_experts
+            else ()
+        ),
     )
     for name, size, why in sizes:
         if size % tp:
-            yield Violation(key, tp, f"TP must divide {MODEL_KEY}.{name} = {size} ({why})",
-                            f"use a TP among {[d for d in range(1, size + 1) if size % d == 0][:12]}")
+            yield Violation(
+                key,
+                tp,
+                f"TP must divide {MODEL_KEY}.{name} = {size} ({why})",
+                f"use a TP among {[d for d in range(1, size + 1) if size % d == 0][:12]}",
+            )
     if vit.num_query_groups != vit.num_attention_heads:
-        yield Violation(f"{MODEL_KEY}.image_encoder.vision_encoder.num_query_groups", vit.num_query_groups,
-                        f"the ViT has full multi-head attention: must equal num_attention_heads "
-                        f"= {vit.num_attention_heads}", f"set it to {vit.num_attention_heads}")
+        yield Violation(
+            f"{MODEL_KEY}.image_encoder.vision_encoder.num_query_groups",
+            vit.num_query_groups,
+            f"the ViT has full multi-head attention: must equal num_attention_heads = {vit.num_attention_heads}",
+            f"set it to {vit.num_attention_heads}",
+        )

@@ -259,8 +259,9 @@ def open_image(source: ImageSource) -> Image.Image:
         raise BadRow("undecodable image") from error
 
 
-def parse_fields(record: dict[str, Any], base_dir: Path, keys: Mapping[str, str],
-                 instruction: str) -> tuple[list[dict[str, Any]], list[ImageSource], str]:
+def parse_fields(
+    record: dict[str, Any], base_dir: Path, keys: Mapping[str, str], instruction: str
+) -> tuple[list[dict[str, Any]], list[ImageSource], str]:
     """(messages, image sources, ground truth) of a row: every check that needs neither the image pixels nor the
     tokenizer (``keys``: the ``prompt``, ``answer`` and ``image`` columns); raises BadRow."""
     prompt = field_value(record, keys["prompt"])

@@ -402,8 +402,9 @@ def _templates_for(answer: int, names: Sequence[str] | None = None) -> list[Temp
     return [t for t in TEMPLATES if answer in t.answers and (names is None or t.name in names)]
 
 
-def render_problem(rng: np.random.Generator, answer: int, image_size: int,
-                   templates: Sequence[str] | None = None) -> tuple[str, str, bytes]:
+def render_problem(
+    rng: np.random.Generator, answer: int, image_size: int, templates: Sequence[str] | None = None
+) -> tuple[str, str, bytes]:
     """Draw one figure for ``answer``: (template name, question text, PNG bytes); ``templates`` limits the
     choice to those names (None: all)."""
     options = _templates_for(answer, templates)
@@ -435,8 +436,13 @@ def _split_rng(seed: int, split: str) -> np.random.Generator:
     return np.random.default_rng([seed, SPLITS.index(split), _FORMAT_VERSION])
 
 
-def build_split(split: str, size: int, seed: int, image_size: int, templates: Sequence[str] | None = None,
-                ) -> tuple[list[dict[str, Any]], Counter[str]]:
+def build_split(
+    split: str,
+    size: int,
+    seed: int,
+    image_size: int,
+    templates: Sequence[str] | None = None,
+) -> tuple[list[dict[str, Any]], Counter[str]]:
     """The rows of one split and how often each template was used."""
     rng = _split_rng(seed, split)
     answers = rng.permutation(np.arange(size) % len(ANSWERS) + 1)
@@ -462,8 +468,9 @@ def _write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
     pq.write_table(table, path, compression="zstd", compression_level=3, row_group_size=1024)
 
 
-def _args(seed: int, train_size: int, test_size: int, image_size: int,
-          templates: Sequence[str] | None) -> dict[str, Any]:
+def _args(
+    seed: int, train_size: int, test_size: int, image_size: int, templates: Sequence[str] | None
+) -> dict[str, Any]:
     args: dict[str, Any] = {
         "format": _FORMAT_VERSION,
         "seed": seed,
@@ -523,7 +530,11 @@ def _swap_in(staging: Path, out_dir: Path, args: dict[str, Any]) -> None:
 
 
 def write_synthetic_geo3k(
-    out_dir: str | Path, seed: int = 0, train_size: int = 512, test_size: int = 64, image_size: int = 112,
+    out_dir: str | Path,
+    seed: int = 0,
+    train_size: int = 512,
+    test_size: int = 64,
+    image_size: int = 112,
     templates: Sequence[str] | None = None,
 ) -> Path:
     """Write (or reuse) ``train.parquet`` and ``test.parquet`` of the synthetic set in ``out_dir``; return it.

@@ -210,8 +210,10 @@ def _model_config(family: ModelFamily, tie_word_embeddings: bool, overrides: dic
     text = {**module.TEXT_CONFIG, **overrides}
     unknown = sorted((set(text) - set(module.TEXT_CONFIG)) | (set(vision) - set(module.VISION_CONFIG)))
     if unknown:
-        raise TypeError(f"unknown tiny-model overrides {unknown}; fields: {sorted(module.TEXT_CONFIG)}, "
-                        f"{sorted(module.VISION_CONFIG)}")
+        raise TypeError(
+            f"unknown tiny-model overrides {unknown}; fields: {sorted(module.TEXT_CONFIG)}, "
+            f"{sorted(module.VISION_CONFIG)}"
+        )
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     if sum(text["mrope_section"]) * 2 != head_dim:
         raise ValueError(f"mrope_section {text['mrope_section']} must sum to head_dim / 2 = {head_dim // 2}")
@@ -221,8 +223,13 @@ def _model_config(family: ModelFamily, tie_word_embeddings: bool, overrides: dic
         raise ValueError(f"vocab_size must exceed {BOXED_TOKEN_ID}")
     ids = {"bos_token_id": ENDOFTEXT_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID}
     rope = {"rope_type": "default", "rope_theta": text.pop("rope_theta"), "mrope_section": text.pop("mrope_section")}
-    text_config = {**text, **ids, "rope_parameters": rope, "tie_word_embeddings": tie_word_embeddings,
-                   "dtype": "float32"}
+    text_config = {
+        **text,
+        **ids,
+        "rope_parameters": rope,
+        "tie_word_embeddings": tie_word_embeddings,
+        "dtype": "float32",
+    }
     return module.hf_config(
         text_config=text_config,
         vision_config=vision,
@@ -266,8 +273,9 @@ def _init_tensor(seed: int, name: str, like: Any, std: float = 0.02) -> Any:
     return (torch.randn(like.shape, generator=generator, dtype=torch.float32) * std).to(like.dtype)
 
 
-def _write_checkpoint(directory: Path, family: ModelFamily, seed: int, tie_word_embeddings: bool,
-                      overrides: dict[str, Any]) -> None:
+def _write_checkpoint(
+    directory: Path, family: ModelFamily, seed: int, tie_word_embeddings: bool, overrides: dict[str, Any]
+) -> None:
     from mm_rl.platform import cpu_wheels
 
     cpu_wheels.install()  # transformers' image utilities import torchvision when it is installed
@@ -284,8 +292,11 @@ def _write_checkpoint(directory: Path, family: ModelFamily, seed: int, tie_word_
     with quiet_progress():
         model.save_pretrained(directory, safe_serialization=True)
     weights_file = directory / "model.safetensors"
-    weights = to_published(family, model, {name: _init_tensor(seed, name, tensor)
-                                           for name, tensor in sorted(load_file(weights_file).items())})
+    weights = to_published(
+        family,
+        model,
+        {name: _init_tensor(seed, name, tensor) for name, tensor in sorted(load_file(weights_file).items())},
+    )
     save_file(weights, weights_file, metadata={"format": "pt"})
     GenerationConfig(
         bos_token_id=ENDOFTEXT_TOKEN_ID, eos_token_id=[EOS_TOKEN_ID, ENDOFTEXT_TOKEN_ID], pad_token_id=PAD_TOKEN_ID
@@ -311,8 +322,11 @@ def _write_checkpoint(directory: Path, family: ModelFamily, seed: int, tie_word_
         "processor_class": family.tiny_module().PROCESSOR_CLASS,
     }
     _write_json(directory / "tokenizer_config.json", tokenizer_config)
-    processor = {**IMAGE_PROCESSOR_CONFIG, **family.tiny_module().IMAGE_PROCESSOR,
-                 "processor_class": tokenizer_config["processor_class"]}
+    processor = {
+        **IMAGE_PROCESSOR_CONFIG,
+        **family.tiny_module().IMAGE_PROCESSOR,
+        "processor_class": tokenizer_config["processor_class"],
+    }
     _write_json(directory / "preprocessor_config.json", processor)
     (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
@@ -323,10 +337,13 @@ def to_published(family: ModelFamily, model: Any, weights: dict[str, Any]) -> di
     (``is_fused_checkpoint_transposed``: it transposes unconditionally) would misread. A tensor is transposed when
     it has its in-memory parameter's shape."""
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    return {name: tensor.transpose(1, 2).contiguous()
-            if any(name_pattern(rule.stored).match(name) for rule in family.hf_fused)
-            and tuple(tensor.shape) == shapes.get(name) else tensor
-            for name, tensor in weights.items()}
+    return {
+        name: tensor.transpose(1, 2).contiguous()
+        if any(name_pattern(rule.stored).match(name) for rule in family.hf_fused)
+        and tuple(tensor.shape) == shapes.get(name)
+        else tensor
+        for name, tensor in weights.items()
+    }
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -354,13 +371,19 @@ def tiny_overrides(model: ModelConfig) -> dict[str, Any]:
     text = model.text_decoder
     if not text.num_moe_experts:
         return {}
-    return {"num_experts": text.num_moe_experts, "num_experts_per_tok": text.moe_router_topk,
-            "moe_intermediate_size": text.moe_intermediate_size}
+    return {
+        "num_experts": text.num_moe_experts,
+        "num_experts_per_tok": text.moe_router_topk,
+        "moe_intermediate_size": text.moe_intermediate_size,
+    }
 
 
 def build_tiny_checkpoint(
-    out_dir: str | Path, seed: int = 0, tie_word_embeddings: bool = False, family: str = "qwen2_5vl",
-    **config_overrides: Any
+    out_dir: str | Path,
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+    family: str = "qwen2_5vl",
+    **config_overrides: Any,
 ) -> Path:
     """Build (or reuse) the tiny checkpoint of model family ``family`` (a model.json ``model_id``) in ``out_dir``
     and return its path.
@@ -375,8 +398,10 @@ def build_tiny_checkpoint(
         return out_dir
     if out_dir.exists() and not (out_dir / _MARKER).is_file() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not a tiny checkpoint; refusing to overwrite it")
-    built = cache.entry(cache.key("tiny", args, build_sources(family)),
-                        lambda staging: _build_into(staging, family, seed, tie_word_embeddings, config_overrides, args))
+    built = cache.entry(
+        cache.key("tiny", args, build_sources(family)),
+        lambda staging: _build_into(staging, family, seed, tie_word_embeddings, config_overrides, args),
+    )
     try:  # an existing out_dir (empty, or an older tiny build) is moved aside and removed
         cache.copy_out(built, out_dir)
     except OSError:
@@ -389,12 +414,18 @@ def build_sources(family: str) -> list[str]:
     """The modules whose code determines a tiny checkpoint's bytes (its cache key): this builder, the family's
     tiny sizes and its tensor rules (the published fused layout), with the table pieces the Qwen-VL families share."""
     chosen = model_family(family)
-    return [__name__, "mm_rl.models.family", chosen.tiny_module().__name__, chosen.model_json.__module__,
-            tensors.__name__]
+    return [
+        __name__,
+        "mm_rl.models.family",
+        chosen.tiny_module().__name__,
+        chosen.model_json.__module__,
+        tensors.__name__,
+    ]
 
 
-def _build_into(staging: Path, family: str, seed: int, tie_word_embeddings: bool, overrides: dict[str, Any],
-                args: dict[str, Any]) -> None:
+def _build_into(
+    staging: Path, family: str, seed: int, tie_word_embeddings: bool, overrides: dict[str, Any], args: dict[str, Any]
+) -> None:
     _write_checkpoint(staging, model_family(family), seed, tie_word_embeddings, overrides)
     _write_json(staging / _MARKER, args)  # written last: its presence means the directory is complete
     for path in staging.iterdir():  # some writers create 0600 files

@@ -181,9 +181,13 @@ def _train(model: Any, items: list[PromptItem], processor: PromptProcessor, args
     losses = []
     for _ in range(args.steps):
         batch_items = rng.sample(items, min(args.batch_size, len(items)))
-        responses = [processor.text_ids(target_response(rng, item.ground_truth, given_numbers(item.prompt_text),
-                                                        args.answer_share)) + [tiny.EOS_TOKEN_ID]
-                     for item in batch_items]
+        responses = [
+            processor.text_ids(
+                target_response(rng, item.ground_truth, given_numbers(item.prompt_text), args.answer_share)
+            )
+            + [tiny.EOS_TOKEN_ID]
+            for item in batch_items
+        ]
         loss = model(**_batch(batch_items, responses)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -227,8 +231,9 @@ def evaluate(model: Any, items: list[PromptItem], processor: PromptProcessor, ar
         givens = f"<think> {' '.join(given_numbers(item.prompt_text))} </think>"
         for response in sample_responses(model, item, processor, args):
             scores.append(compute_score(response, item.ground_truth) | {"restates": float(response.startswith(givens))})
-    return {key: round(sum(s[key] for s in scores) / len(scores), 6)
-            for key in ("format", "accuracy", "score", "restates")}
+    return {
+        key: round(sum(s[key] for s in scores) / len(scores), 6) for key in ("format", "accuracy", "score", "restates")
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- files
@@ -298,8 +303,10 @@ def warm_up_format(
         return stored
     if not isinstance(record["data"], dict):  # not the synthetic set: nothing names the data, so no cache key
         return _warm_in_place(hf_dir, data_dir, args, record)
-    warmed = cache.entry(cache.key("tiny-warmup", record, _sources(record)),
-                         lambda staging: _warm_copy(staging, hf_dir, data_dir, args, record))
+    warmed = cache.entry(
+        cache.key("tiny-warmup", record, _sources(record)),
+        lambda staging: _warm_copy(staging, hf_dir, data_dir, args, record),
+    )
     with atomic_path(hf_dir / _WEIGHTS, suffix=".tmp", mode=0o644) as tmp:  # weights first, the marker last
         shutil.copyfile(warmed / _WEIGHTS, tmp)
     write_atomic(hf_dir / MARKER, (warmed / MARKER).read_bytes(), sync=False, suffix=".tmp")
@@ -309,8 +316,13 @@ def warm_up_format(
 def _sources(record: dict[str, Any]) -> list[str]:
     """The modules whose code determines the warmed weights and metrics (the cache key): the warm-up, the data it
     reads (the synthetic set's writer, the prompt processing), the reward it measures, and the tiny builder."""
-    return [__name__, "mm_rl.demo.synthetic", "mm_rl.data.dataset", "mm_rl.rewards.geo3k",
-            *tiny.build_sources(record["build"]["family"])]
+    return [
+        __name__,
+        "mm_rl.demo.synthetic",
+        "mm_rl.data.dataset",
+        "mm_rl.rewards.geo3k",
+        *tiny.build_sources(record["build"]["family"]),
+    ]
 
 
 def _warm_copy(staging: Path, hf_dir: Path, data_dir: Path, args: WarmupArgs, record: dict[str, Any]) -> None:

@@ -26,15 +26,17 @@ if TYPE_CHECKING:
 PLOT_FILE = "metrics.png"
 RESUME_KEY = "backend_config.megatron_training.resume_mode"
 RERUN = "the last complete checkpoint is kept; run the same command again to resume from it"
-_NO_WRITE = ("give this user write permission there, or point af_output_dir (and megatron_training.save) at a "
-             "directory it may write")
+_NO_WRITE = (
+    "give this user write permission there, or point af_output_dir (and megatron_training.save) at a "
+    "directory it may write"
+)
 # The disk errors a user fixes outside mm_rl, and how; any other OSError is a bug and keeps its traceback.
 _DISK_FIXES = {
     errno.ENOSPC: "free space on that file system (backend_config.megatron_training.max_keep_ckpts bounds the "
-                  "checkpoints kept)",
+    "checkpoints kept)",
     errno.EDQUOT: "free space within your quota there",
     errno.EROFS: "make that file system writable, or point af_output_dir (and megatron_training.save) at a "
-                 "writable one",
+    "writable one",
     errno.EACCES: _NO_WRITE,
     errno.EPERM: _NO_WRITE,
 }
@@ -82,9 +84,11 @@ def convert_out(job: JobConfig, report: Callable[[str], None]) -> Path:
     try:
         out = mg2hf(cfg, b.model, b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir)
     except ConversionError as err:
-        raise ConversionError(f"{err}\ntraining finished and its checkpoints are kept in {cfg.load_dir}; once the "
-                              "above is fixed, `ascendfactory-cli convert mg2hf --job <this job yaml>` writes the "
-                              "HuggingFace checkpoint without training again") from err
+        raise ConversionError(
+            f"{err}\ntraining finished and its checkpoints are kept in {cfg.load_dir}; once the "
+            "above is fixed, `ascendfactory-cli convert mg2hf --job <this job yaml>` writes the "
+            "HuggingFace checkpoint without training again"
+        ) from err
     report(f"      done in {time.perf_counter() - start:.1f} s")
     return out
 
@@ -106,8 +110,11 @@ def resume(trainer: GRPOTrainer, job: JobConfig) -> int | None:
     except ConfigError:
         raise
     except ValueError as err:
-        raise _resume_error(job, f"the checkpoint cannot continue this job: {err}", "restore the settings the "
-                            "checkpoint was trained with, or set it to 'disable' to start over from step 0") from None
+        raise _resume_error(
+            job,
+            f"the checkpoint cannot continue this job: {err}",
+            "restore the settings the checkpoint was trained with, or set it to 'disable' to start over from step 0",
+        ) from None
 
 
 def _resume_error(job: JobConfig, rule: str, fix: str) -> ConfigError:
@@ -136,8 +143,15 @@ def run_job(job: JobConfig, report: Callable[[str], None] = print) -> JobResult:
         trainer.close(graceful)
     plot = plot_metrics(out_dir / METRICS_FILE, out_dir / PLOT_FILE)
     hf_dir = convert_out(job, report)
-    return JobResult(out_dir, Path(job.backend_config.megatron_training.save), hf_dir, plot,
-                     history[-1] if history else {}, resumed, time.perf_counter() - start)
+    return JobResult(
+        out_dir,
+        Path(job.backend_config.megatron_training.save),
+        hf_dir,
+        plot,
+        history[-1] if history else {},
+        resumed,
+        time.perf_counter() - start,
+    )
 
 
 def summary(result: JobResult, job_path: str) -> str:
@@ -145,12 +159,14 @@ def summary(result: JobResult, job_path: str) -> str:
     from mm_rl.trainer.runtime import worker_log
 
     final, log = result.final, worker_log(result.out_dir)
-    numbers = ", ".join(f"{label} {final[key]:.3f}" for key, label in
-                        (("reward/score", "reward"), ("reward/accuracy", "accuracy"), ("actor/kl_loss", "kl"))
-                        if key in final)
+    numbers = ", ".join(
+        f"{label} {final[key]:.3f}"
+        for key, label in (("reward/score", "reward"), ("reward/accuracy", "accuracy"), ("actor/kl_loss", "kl"))
+        if key in final
+    )
     lines = [
-        f"done in {result.seconds / 60:.1f} min" + (f" (resumed from step {result.resumed_from})"
-                                                    if result.resumed_from else ""),
+        f"done in {result.seconds / 60:.1f} min"
+        + (f" (resumed from step {result.resumed_from})" if result.resumed_from else ""),
         f"  last step:        {numbers or 'no step ran (already at train_iters)'}",
         f"  metrics:          {result.out_dir / 'metrics.jsonl'} (TensorBoard: {result.out_dir / 'tensorboard'})",
         f"  plot:             {result.plot}",
@@ -178,13 +194,17 @@ def failure_message(error: BaseException) -> str | None:
     disk = _disk_error(error)
     if disk is not None:
         text = describe_os_error(disk) if error is disk else str(error)
-        return f"{text}\n{_DISK_FIXES[disk.errno]}, then run the same command again: it resumes from the last " \
-               "complete checkpoint"
+        return (
+            f"{text}\n{_DISK_FIXES[disk.errno]}, then run the same command again: it resumes from the last "
+            "complete checkpoint"
+        )
     if isinstance(error, WorkerError):
         return f"{error}\n{RERUN}"
     if isinstance(error, TrainingStopped):
-        return f"{error}\nthe last complete checkpoint is kept: after that change, run the command again to resume " \
-               "from it (unchanged, a rerun repeats this)"
+        return (
+            f"{error}\nthe last complete checkpoint is kept: after that change, run the command again to resume "
+            "from it (unchanged, a rerun repeats this)"
+        )
     if isinstance(error, CheckpointError | ConversionError):
         return str(error)
     return None

@@ -45,8 +45,15 @@ def absolute_paths(node: DictConfig, base: Path) -> None:
             OmegaConf.update(node, key, str((base / value).resolve()))
 
 
-def submit(job_path: str, overrides: Sequence[str], address: str, *, wait: bool = True,
-           report: Callable[[str], None] = print, poll_s: float = 2.0) -> int:
+def submit(
+    job_path: str,
+    overrides: Sequence[str],
+    address: str,
+    *,
+    wait: bool = True,
+    report: Callable[[str], None] = print,
+    poll_s: float = 2.0,
+) -> int:
     """Submit the job; with ``wait`` stream its logs and return 0 when it succeeded, else 1."""
     from ray.job_submission import JobSubmissionClient
 
@@ -57,12 +64,15 @@ def submit(job_path: str, overrides: Sequence[str], address: str, *, wait: bool 
         client = JobSubmissionClient(address)
         with tempfile.TemporaryDirectory(prefix="mm_rl-submit-") as folder:
             write_job_yaml(node, Path(folder) / "job.yaml", header="submitted by ascendfactory-cli submit")
-            job_id = client.submit_job(entrypoint="ascendfactory-cli train job.yaml",
-                                       runtime_env={"working_dir": folder})
+            job_id = client.submit_job(
+                entrypoint="ascendfactory-cli train job.yaml", runtime_env={"working_dir": folder}
+            )
     except Exception as error:  # Ray raises ConnectionError, RuntimeError or its own auth errors here
-        raise SubmitError(f"could not submit to {address}: {error_line(error)}. Is the head's dashboard at that "
-                          "address (ray start --head prints it; default port 8265), and, with token "
-                          "authentication on, is RAY_AUTH_MODE=token set with the cluster's token?") from error
+        raise SubmitError(
+            f"could not submit to {address}: {error_line(error)}. Is the head's dashboard at that "
+            "address (ray start --head prints it; default port 8265), and, with token "
+            "authentication on, is RAY_AUTH_MODE=token set with the cluster's token?"
+        ) from error
     report(f"submitted {job_id} to {address}")
     if not wait:
         report(f"follow it with: ray job logs --address {address} --follow {job_id}")

@@ -61,7 +61,8 @@ def head_dim(cfg: JobConfig) -> int:
 def positive_sizes(cfg: JobConfig) -> Iterator[Violation]:
     b = cfg.backend_config
     sizes = {
-        "env.NNODES": cfg.env.NNODES, "env.NPROC_PER_NODE": cfg.env.NPROC_PER_NODE,
+        "env.NNODES": cfg.env.NNODES,
+        "env.NPROC_PER_NODE": cfg.env.NPROC_PER_NODE,
         f"{ACTOR}.tensor_model_parallel_size": b.actor_config.tensor_model_parallel_size,
         f"{ACTOR}.pipeline_model_parallel_size": b.actor_config.pipeline_model_parallel_size,
         f"{TRAIN}.context-parallel-size": b.training.context_parallel_size,
@@ -82,8 +83,12 @@ def positive_sizes(cfg: JobConfig) -> Iterator[Violation]:
         if value < 1:
             yield Violation(key, value, "must be at least 1", "use a positive integer")
     if not 0 <= cfg.env.NODE_RANK < max(1, cfg.env.NNODES):
-        yield Violation("env.NODE_RANK", cfg.env.NODE_RANK, f"must be in [0, NNODES={cfg.env.NNODES})",
-                        "give the head node 0 and the others 1..NNODES-1")
+        yield Violation(
+            "env.NODE_RANK",
+            cfg.env.NODE_RANK,
+            f"must be in [0, NNODES={cfg.env.NNODES})",
+            "give the head node 0 and the others 1..NNODES-1",
+        )
 
 
 @rule
@@ -97,20 +102,36 @@ def rollout_engine_fits(cfg: JobConfig) -> Iterator[Violation]:
         return
     tp = g.infer_tensor_parallel_size
     if g.colocate and env.NPROC_PER_NODE % tp:
-        yield Violation(key, tp, f"a colocated engine replica spans {tp} devices of one node beside the actor ranks "
-                        f"there, and a node's NPROC_PER_NODE = {env.NPROC_PER_NODE} devices do not split into "
-                        f"groups of {tp}", "use an engine TP that divides NPROC_PER_NODE")
+        yield Violation(
+            key,
+            tp,
+            f"a colocated engine replica spans {tp} devices of one node beside the actor ranks "
+            f"there, and a node's NPROC_PER_NODE = {env.NPROC_PER_NODE} devices do not split into "
+            f"groups of {tp}",
+            "use an engine TP that divides NPROC_PER_NODE",
+        )
     elif g.colocate and g.replicas * tp > devices:
-        yield Violation(f"{GEN}.replicas", g.replicas, f"colocated replicas take {tp} device(s) each "
-                        f"(infer_tensor_parallel_size), and the job has {devices}",
-                        f"use at most {devices // tp} (0: every device)")
+        yield Violation(
+            f"{GEN}.replicas",
+            g.replicas,
+            f"colocated replicas take {tp} device(s) each (infer_tensor_parallel_size), and the job has {devices}",
+            f"use at most {devices // tp} (0: every device)",
+        )
     elif g.infer_tensor_parallel_size > env.NPROC_PER_NODE:
-        yield Violation(key, g.infer_tensor_parallel_size, f"an engine replica runs on one node, which has "
-                        f"NPROC_PER_NODE = {env.NPROC_PER_NODE} devices", "use a smaller engine TP")
+        yield Violation(
+            key,
+            g.infer_tensor_parallel_size,
+            f"an engine replica runs on one node, which has NPROC_PER_NODE = {env.NPROC_PER_NODE} devices",
+            "use a smaller engine TP",
+        )
     elif topology(cfg).world_size < 1:
-        yield Violation(f"{GEN}.colocate", g.colocate, f"the separate engine replicas take "
-                        f"{topology(cfg).rollout_devices} of the {devices} devices, leaving none for the actor",
-                        f"add devices (NNODES / NPROC_PER_NODE), fewer {GEN}.replicas, or colocate: true")
+        yield Violation(
+            f"{GEN}.colocate",
+            g.colocate,
+            f"the separate engine replicas take "
+            f"{topology(cfg).rollout_devices} of the {devices} devices, leaving none for the actor",
+            f"add devices (NNODES / NPROC_PER_NODE), fewer {GEN}.replicas, or colocate: true",
+        )
 
 
 @rule
@@ -121,13 +142,20 @@ def one_step_off_policy_needs_a_free_engine(cfg: JobConfig) -> Iterator[Violatio
     if not rl.one_step_off_policy:
         return
     if g.colocate and cfg.env.DEVICE != "cpu":
-        yield Violation(f"{RL}.one_step_off_policy", True, "a colocated engine sleeps while the actor trains, so it "
-                        "cannot generate ahead", f"set {GEN}.colocate: false (the engine on devices of its own), or "
-                        "one_step_off_policy: false")
+        yield Violation(
+            f"{RL}.one_step_off_policy",
+            True,
+            "a colocated engine sleeps while the actor trains, so it cannot generate ahead",
+            f"set {GEN}.colocate: false (the engine on devices of its own), or one_step_off_policy: false",
+        )
     if rl.dynamic_sampling.enable:
-        yield Violation(f"{RL}.dynamic_sampling.enable", True, "dynamic sampling draws its extra batches after "
-                        "seeing the first one's rewards, which the one-step-off-policy pipeline has not waited for",
-                        f"turn one of them off ({RL}.one_step_off_policy or dynamic_sampling.enable)")
+        yield Violation(
+            f"{RL}.dynamic_sampling.enable",
+            True,
+            "dynamic sampling draws its extra batches after "
+            "seeing the first one's rewards, which the one-step-off-policy pipeline has not waited for",
+            f"turn one of them off ({RL}.one_step_off_policy or dynamic_sampling.enable)",
+        )
 
 
 @rule
@@ -136,10 +164,13 @@ def world_divisible(cfg: JobConfig) -> Iterator[Violation]:
     model_parallel, world = topo.model_parallel, topo.world_size
     if world > 0 and model_parallel > 0 and world % model_parallel:
         engine = f" minus the separate engines' {topo.rollout_devices}" if topo.rollout_devices else ""
-        yield Violation("env.NPROC_PER_NODE", cfg.env.NPROC_PER_NODE,
-                        f"the actor's devices (NNODES x NPROC_PER_NODE{engine}) = {world} are not divisible by "
-                        f"TP x PP x CP = {model_parallel}",
-                        "change the device count or TP/PP/CP so that TP x PP x CP divides it")
+        yield Violation(
+            "env.NPROC_PER_NODE",
+            cfg.env.NPROC_PER_NODE,
+            f"the actor's devices (NNODES x NPROC_PER_NODE{engine}) = {world} are not divisible by "
+            f"TP x PP x CP = {model_parallel}",
+            "change the device count or TP/PP/CP so that TP x PP x CP divides it",
+        )
 
 
 @rule
@@ -154,22 +185,34 @@ def gbs_multiple(cfg: JobConfig) -> Iterator[Violation]:
         return  # positive_sizes
     if world < 1 or model_parallel < 1 or world % model_parallel:
         if gbs % mbs:
-            yield Violation(f"{MT}.global_batch_size", gbs, f"must be a multiple of MBS x DP, so at least of MBS = "
-                            f"{mbs}; DP = the actor's devices / (TP x PP x CP) = {world} / {model_parallel} is not a "
-                            "positive whole number yet", "fix the device count or TP / PP / CP first (see their "
-                            "error), then use a multiple of MBS x DP")
+            yield Violation(
+                f"{MT}.global_batch_size",
+                gbs,
+                f"must be a multiple of MBS x DP, so at least of MBS = "
+                f"{mbs}; DP = the actor's devices / (TP x PP x CP) = {world} / {model_parallel} is not a "
+                "positive whole number yet",
+                "fix the device count or TP / PP / CP first (see their error), then use a multiple of MBS x DP",
+            )
         return
     dp = topo.dp  # the devices divide by TP x PP x CP here
     if cfg.backend_config.actor_config.max_tokens_per_micro_batch is not None:  # cut by tokens: MBS plays no part
         if gbs < dp:
-            yield Violation(f"{MT}.global_batch_size", gbs, f"gives each of the DP = {dp} replicas less than one "
-                            "sample", f"use at least {dp}")
+            yield Violation(
+                f"{MT}.global_batch_size",
+                gbs,
+                f"gives each of the DP = {dp} replicas less than one sample",
+                f"use at least {dp}",
+            )
         return
     unit = mbs * dp
     if gbs % unit:
         below = gbs // unit * unit
-        yield Violation(f"{MT}.global_batch_size", gbs, f"must be a multiple of MBS x DP = {mbs} x {dp} = {unit}",
-                        "use " + " or ".join(str(n) for n in (below, below + unit) if n > 0))
+        yield Violation(
+            f"{MT}.global_batch_size",
+            gbs,
+            f"must be a multiple of MBS x DP = {mbs} x {dp} = {unit}",
+            "use " + " or ".join(str(n) for n in (below, below + unit) if n > 0),
+        )
 
 
 @rule
@@ -183,16 +226,23 @@ def rollout_fills_minibatches(cfg: JobConfig) -> Iterator[Violation]:
     key = f"{MT}.global_batch_size" if mini == gbs else f"{RL}.mini_batch_size"
     unit = b.actor_config.micro_batch_size * topology(cfg).dp
     if mini > 0 and unit > 0 and samples > 0 and samples % mini:
-        effect = ("so no optimizer step would run at all" if mini > samples else
-                  f"the remaining {samples % mini} samples of every step would be dropped")
+        effect = (
+            "so no optimizer step would run at all"
+            if mini > samples
+            else f"the remaining {samples % mini} samples of every step would be dropped"
+        )
         fits = [d for d in range(unit, samples + 1, unit) if samples % d == 0 and d <= mini]
         prompts = mini // math.gcd(mini, rl.n_samples_per_prompt)  # the rollout_batch_size step that fills it
         fix = f"use {fits[-1]} (a multiple of MBS x DP = {unit} that divides {samples}), or " if fits else ""
-        yield Violation(key, mini, f"rollout_batch_size x n_samples_per_prompt = {rl.rollout_batch_size} x "
-                        f"{rl.n_samples_per_prompt} = {samples} samples per step must split into whole mini-batches "
-                        f"(one optimizer step each) of {mini}, {effect}",
-                        f"{fix}set {RL}.rollout_batch_size to a multiple of {prompts} "
-                        f"(e.g. {-(-rl.rollout_batch_size // prompts) * prompts})")
+        yield Violation(
+            key,
+            mini,
+            f"rollout_batch_size x n_samples_per_prompt = {rl.rollout_batch_size} x "
+            f"{rl.n_samples_per_prompt} = {samples} samples per step must split into whole mini-batches "
+            f"(one optimizer step each) of {mini}, {effect}",
+            f"{fix}set {RL}.rollout_batch_size to a multiple of {prompts} "
+            f"(e.g. {-(-rl.rollout_batch_size // prompts) * prompts})",
+        )
 
 
 # ---------------------------------------------------------------------------- tensor parallelism
@@ -206,11 +256,18 @@ def tp_divides(cfg: JobConfig) -> Iterator[Violation]:
     sizes = sharded_sizes(cfg)
     failed = [f"{key} = {size}" for key, size in sizes.items() if size % tp]
     if failed:
-        unsure = ("" if f"{TEXT}.num_query_groups" in sizes else
-                  f"; {TEXT}.num_query_groups is left out: it does not divide the heads itself (see its error)")
-        yield Violation(f"{ACTOR}.tensor_model_parallel_size", tp, f"TP must divide {', '.join(failed)}",
-                        f"pick a TP that every divisibility rule (these sizes, the vocab padding, context-parallel "
-                        f"heads) accepts: one of {tp_choices(cfg)}{unsure}")
+        unsure = (
+            ""
+            if f"{TEXT}.num_query_groups" in sizes
+            else f"; {TEXT}.num_query_groups is left out: it does not divide the heads itself (see its error)"
+        )
+        yield Violation(
+            f"{ACTOR}.tensor_model_parallel_size",
+            tp,
+            f"TP must divide {', '.join(failed)}",
+            f"pick a TP that every divisibility rule (these sizes, the vocab padding, context-parallel "
+            f"heads) accepts: one of {tp_choices(cfg)}{unsure}",
+        )
 
 
 def _query_groups(cfg: JobConfig) -> int:
@@ -231,10 +288,14 @@ def query_groups_divide_heads(cfg: JobConfig) -> Iterator[Violation]:
     if text.group_query_attention and (text.num_query_groups < 1 or text.num_attention_heads % text.num_query_groups):
         divisors = _divisors(text.num_attention_heads)
         with_tp = [d for d in divisors if tp > 1 and d % tp == 0]
-        yield Violation(f"{TEXT}.num_query_groups", text.num_query_groups,
-                        f"must divide num_attention_heads = {text.num_attention_heads}",
-                        f"use a divisor of the heads that TP = {tp} divides too: one of {with_tp}" if with_tp else
-                        f"use one of {divisors}")
+        yield Violation(
+            f"{TEXT}.num_query_groups",
+            text.num_query_groups,
+            f"must divide num_attention_heads = {text.num_attention_heads}",
+            f"use a divisor of the heads that TP = {tp} divides too: one of {with_tp}"
+            if with_tp
+            else f"use one of {divisors}",
+        )
 
 
 @rule
@@ -248,9 +309,13 @@ def vocab_padding(cfg: JobConfig) -> Iterator[Violation]:
         return
     per_rank = vocab // tp
     best = max(d for d in range(1, min(by, per_rank) + 1) if per_rank % d == 0)
-    yield Violation(f"{TRAIN}.make-vocab-size-divisible-by", by,
-                    f"the vocab ({vocab}, fixed by the checkpoint) must be divisible by make-vocab-size-divisible-by "
-                    f"x TP = {by} x {tp} = {by * tp}", f"use a divisor of vocab / TP = {per_rank}, e.g. {best}")
+    yield Violation(
+        f"{TRAIN}.make-vocab-size-divisible-by",
+        by,
+        f"the vocab ({vocab}, fixed by the checkpoint) must be divisible by make-vocab-size-divisible-by "
+        f"x TP = {by} x {tp} = {by * tp}",
+        f"use a divisor of vocab / TP = {per_rank}, e.g. {best}",
+    )
 
 
 # ------------------------------------------------------------------------------ pipeline layout
@@ -258,15 +323,24 @@ def vocab_padding(cfg: JobConfig) -> Iterator[Violation]:
 def pipeline_layers(cfg: JobConfig) -> Iterator[Violation]:
     pp = cfg.backend_config.actor_config.pipeline_model_parallel_size
     m = cfg.backend_config.model
-    for key, layers, total in ((LLM_PP_LAYERS, m.text_decoder.pipeline_num_layers, m.text_decoder.num_layers),
-                               (VIT_PP_LAYERS, m.image_encoder.vision_encoder.pipeline_num_layers,
-                                m.image_encoder.vision_encoder.num_layers)):
+    for key, layers, total in (
+        (LLM_PP_LAYERS, m.text_decoder.pipeline_num_layers, m.text_decoder.num_layers),
+        (VIT_PP_LAYERS, m.image_encoder.vision_encoder.pipeline_num_layers, m.image_encoder.vision_encoder.num_layers),
+    ):
         if len(layers) != pp:
-            yield Violation(key, layers, f"needs one entry per pipeline stage (PP = {pp}), has {len(layers)}",
-                            f"give {pp} entries summing to {total}")
+            yield Violation(
+                key,
+                layers,
+                f"needs one entry per pipeline stage (PP = {pp}), has {len(layers)}",
+                f"give {pp} entries summing to {total}",
+            )
         elif sum(layers) != total or min(layers) < 0:
-            yield Violation(key, layers, f"entries must be >= 0 and sum to num_layers = {total} "
-                            f"(they sum to {sum(layers)})", f"adjust the entries to sum to {total}")
+            yield Violation(
+                key,
+                layers,
+                f"entries must be >= 0 and sum to num_layers = {total} (they sum to {sum(layers)})",
+                f"adjust the entries to sum to {total}",
+            )
 
 
 @rule
@@ -276,35 +350,48 @@ def vit_first(cfg: JobConfig) -> Iterator[Violation]:
     if len(vit) != len(llm):
         return
     first_llm_stage = next((i for i, n in enumerate(llm) if n > 0), len(llm))
-    if any(n > 0 for n in vit[first_llm_stage + 1:]):
-        yield Violation(VIT_PP_LAYERS, vit,
-                        f"the ViT must finish before the LLM starts: stage {first_llm_stage} already holds LLM "
-                        f"layers ({llm}) but a later stage still holds ViT blocks",
-                        "move all ViT blocks to the stages up to the first one with LLM layers, e.g. "
-                        f"[{sum(vit)}, 0, ...]")
+    if any(n > 0 for n in vit[first_llm_stage + 1 :]):
+        yield Violation(
+            VIT_PP_LAYERS,
+            vit,
+            f"the ViT must finish before the LLM starts: stage {first_llm_stage} already holds LLM "
+            f"layers ({llm}) but a later stage still holds ViT blocks",
+            f"move all ViT blocks to the stages up to the first one with LLM layers, e.g. [{sum(vit)}, 0, ...]",
+        )
 
 
 @rule
 def conversion_matches(cfg: JobConfig) -> Iterator[Violation]:
     b = cfg.backend_config
-    expected: dict[str, Any] = {"tp_size": b.actor_config.tensor_model_parallel_size,
-                                "ep_size": b.actor_config.expert_model_parallel_size,
-                                "llm_pp_layers": b.model.text_decoder.pipeline_num_layers,
-                                "vit_pp_layers": b.model.image_encoder.vision_encoder.pipeline_num_layers}
+    expected: dict[str, Any] = {
+        "tp_size": b.actor_config.tensor_model_parallel_size,
+        "ep_size": b.actor_config.expert_model_parallel_size,
+        "llm_pp_layers": b.model.text_decoder.pipeline_num_layers,
+        "vit_pp_layers": b.model.image_encoder.vision_encoder.pipeline_num_layers,
+    }
     source = {"tp_size": TP, "ep_size": EP, "llm_pp_layers": LLM_PP_LAYERS, "vit_pp_layers": VIT_PP_LAYERS}
-    for stage, pc in ((HF2MG, b.convert_ckpt_hf2mg.cfg.parallel_config),
-                      (MG2HF, b.convert_ckpt_mg2hf.cfg.parallel_config)):
+    for stage, pc in (
+        (HF2MG, b.convert_ckpt_hf2mg.cfg.parallel_config),
+        (MG2HF, b.convert_ckpt_mg2hf.cfg.parallel_config),
+    ):
         for name, want in expected.items():
             got = getattr(pc, name)
             if got != want:
-                yield Violation(f"{stage}.parallel_config.{name}", got, f"must equal {source[name]} = {want}",
-                                f"remove the key so it follows {source[name]}, or set it to {want}")
+                yield Violation(
+                    f"{stage}.parallel_config.{name}",
+                    got,
+                    f"must equal {source[name]} = {want}",
+                    f"remove the key so it follows {source[name]}, or set it to {want}",
+                )
     t = b.training
     for flag, want_key in (("tensor_model_parallel_size", TP), ("pipeline_model_parallel_size", PP)):
         if getattr(t, flag) != getattr(b.actor_config, flag):
-            yield Violation(f"{TRAIN}.{flag.replace('_', '-')}", getattr(t, flag),
-                            f"must equal {want_key} = {getattr(b.actor_config, flag)}",
-                            f"remove the key so it follows {want_key}")
+            yield Violation(
+                f"{TRAIN}.{flag.replace('_', '-')}",
+                getattr(t, flag),
+                f"must equal {want_key} = {getattr(b.actor_config, flag)}",
+                f"remove the key so it follows {want_key}",
+            )
 
 
 @rule
@@ -319,13 +406,22 @@ def expert_parallel(cfg: JobConfig) -> Iterator[Violation]:
     if ep > 1 and not experts:
         yield Violation(key, ep, "the model has no experts (text_decoder.num_moe_experts is null)", "use 1")
     elif experts % ep:
-        yield Violation(key, ep, f"must divide num_moe_experts = {experts} (each EP rank holds as many)",
-                        f"use one of {_divisors(experts)[:12]}")
+        yield Violation(
+            key,
+            ep,
+            f"must divide num_moe_experts = {experts} (each EP rank holds as many)",
+            f"use one of {_divisors(experts)[:12]}",
+        )
     topo = topology(cfg)
     replicas = topo.dp * topo.cp
     if ep > 1 and replicas > 0 and replicas % ep:
-        yield Violation(key, ep, f"must divide DP x CP = {replicas} (the ranks that hold the same model-parallel "
-                        "shard share out the experts)", f"use one of {[d for d in _divisors(replicas) if d > 0][:12]}")
+        yield Violation(
+            key,
+            ep,
+            f"must divide DP x CP = {replicas} (the ranks that hold the same model-parallel "
+            "shard share out the experts)",
+            f"use one of {[d for d in _divisors(replicas) if d > 0][:12]}",
+        )
 
 
 # ---------------------------------------------------------------------------------- model shape
@@ -347,9 +443,12 @@ def model_family(cfg: JobConfig) -> Iterator[Violation]:
 def mrope_sum(cfg: JobConfig) -> Iterator[Violation]:
     section = cfg.backend_config.model.text_decoder.mrope_section
     if sum(section) * 2 != head_dim(cfg):
-        yield Violation(f"{TEXT}.mrope_section", section,
-                        f"must sum to head_dim / 2 = {head_dim(cfg) // 2} (sums to {sum(section)})",
-                        "split head_dim / 2 over (time, height, width), e.g. [16, 24, 24] for head_dim 128")
+        yield Violation(
+            f"{TEXT}.mrope_section",
+            section,
+            f"must sum to head_dim / 2 = {head_dim(cfg) // 2} (sums to {sum(section)})",
+            "split head_dim / 2 over (time, height, width), e.g. [16, 24, 24] for head_dim 128",
+        )
 
 
 @rule
@@ -357,26 +456,45 @@ def projector_sizes(cfg: JobConfig) -> Iterator[Violation]:
     m = cfg.backend_config.model
     text, proj, vit = m.text_decoder, m.image_encoder.vision_projector, m.image_encoder.vision_encoder
     if proj.hidden_size != text.hidden_size:
-        yield Violation(f"{PROJ}.hidden_size", proj.hidden_size,
-                        f"the projector output must equal {TEXT}.hidden_size = {text.hidden_size}",
-                        f"set it to {text.hidden_size}")
+        yield Violation(
+            f"{PROJ}.hidden_size",
+            proj.hidden_size,
+            f"the projector output must equal {TEXT}.hidden_size = {text.hidden_size}",
+            f"set it to {text.hidden_size}",
+        )
     if text.llm_hidden_size != text.hidden_size:
-        yield Violation(f"{TEXT}.llm_hidden_size", text.llm_hidden_size,
-                        f"must equal {TEXT}.hidden_size = {text.hidden_size}", "remove the key so it follows")
+        yield Violation(
+            f"{TEXT}.llm_hidden_size",
+            text.llm_hidden_size,
+            f"must equal {TEXT}.hidden_size = {text.hidden_size}",
+            "remove the key so it follows",
+        )
     if proj.input_size != vit.hidden_size:
-        yield Violation(f"{PROJ}.input_size", proj.input_size, f"must equal {VIT}.hidden_size = {vit.hidden_size}",
-                        f"set it to {vit.hidden_size}")
+        yield Violation(
+            f"{PROJ}.input_size",
+            proj.input_size,
+            f"must equal {VIT}.hidden_size = {vit.hidden_size}",
+            f"set it to {vit.hidden_size}",
+        )
     if any(not 0 <= i < vit.num_layers for i in vit.fullatt_block_indexes):
-        yield Violation(f"{VIT}.fullatt_block_indexes", vit.fullatt_block_indexes,
-                        f"indexes must lie in [0, num_layers = {vit.num_layers})", "drop the indexes past the end")
+        yield Violation(
+            f"{VIT}.fullatt_block_indexes",
+            vit.fullatt_block_indexes,
+            f"indexes must lie in [0, num_layers = {vit.num_layers})",
+            "drop the indexes past the end",
+        )
 
 
 @rule
 def fused_kernels(cfg: JobConfig) -> Iterator[Violation]:
     t, text = cfg.backend_config.training, cfg.backend_config.model.text_decoder
     if t.use_fused_rmsnorm and text.normalization != "RMSNorm":
-        yield Violation(f"{TRAIN}.use-fused-rmsnorm", True, f"needs normalization RMSNorm (is {text.normalization})",
-                        "turn use-fused-rmsnorm off or use RMSNorm")
+        yield Violation(
+            f"{TRAIN}.use-fused-rmsnorm",
+            True,
+            f"needs normalization RMSNorm (is {text.normalization})",
+            "turn use-fused-rmsnorm off or use RMSNorm",
+        )
     if t.use_fused_swiglu and not text.swiglu:
         yield Violation(f"{TRAIN}.use-fused-swiglu", True, "needs swiglu", "turn use-fused-swiglu off or swiglu on")
 
@@ -385,25 +503,39 @@ def fused_kernels(cfg: JobConfig) -> Iterator[Violation]:
 def context_parallel(cfg: JobConfig) -> Iterator[Violation]:
     t = cfg.backend_config.training
     if t.context_parallel_algo is not None and t.context_parallel_size <= 1:
-        yield Violation(f"{TRAIN}.context-parallel-algo", t.context_parallel_algo,
-                        "needs context-parallel-size > 1", "remove it or raise context-parallel-size")
+        yield Violation(
+            f"{TRAIN}.context-parallel-algo",
+            t.context_parallel_algo,
+            "needs context-parallel-size > 1",
+            "remove it or raise context-parallel-size",
+        )
     heads = cfg.backend_config.model.text_decoder.num_attention_heads
     if t.context_parallel_size > 1 and heads % (t.context_parallel_size * t.tensor_model_parallel_size):
-        yield Violation(f"{TRAIN}.context-parallel-size", t.context_parallel_size,
-                        f"Ulysses CP splits the heads: CP x TP must divide num_attention_heads = {heads}",
-                        "lower CP or TP")
+        yield Violation(
+            f"{TRAIN}.context-parallel-size",
+            t.context_parallel_size,
+            f"Ulysses CP splits the heads: CP x TP must divide num_attention_heads = {heads}",
+            "lower CP or TP",
+        )
 
 
 @rule
 def freeze_flags(cfg: JobConfig) -> Iterator[Violation]:
     enc = cfg.backend_config.model.image_encoder
     if not enc.vision_encoder.freeze:
-        yield Violation(f"{VIT}.freeze", False, "model.json's freeze flag is not the switch for training the ViT",
-                        f"keep freeze: true and set {ACTOR}.unfreeze_vision_encoder: true "
-                        f"(optionally {ACTOR}.vision_encoder_lr)")
+        yield Violation(
+            f"{VIT}.freeze",
+            False,
+            "model.json's freeze flag is not the switch for training the ViT",
+            f"keep freeze: true and set {ACTOR}.unfreeze_vision_encoder: true (optionally {ACTOR}.vision_encoder_lr)",
+        )
     if enc.vision_projector.freeze:
-        yield Violation(f"{PROJ}.freeze", True, "model.json's freeze flag is not the switch for the projector",
-                        f"keep freeze: false and set {ACTOR}.freeze_vision_projector: true")
+        yield Violation(
+            f"{PROJ}.freeze",
+            True,
+            "model.json's freeze flag is not the switch for the projector",
+            f"keep freeze: false and set {ACTOR}.freeze_vision_projector: true",
+        )
 
 
 # ------------------------------------------------------------------------------- optimisation / RL
@@ -418,61 +550,96 @@ def optimizer_settings(cfg: JobConfig) -> Iterator[Violation]:
     if a.min_lr < 0:
         yield Violation(f"{ACTOR}.min_lr", a.min_lr, "must be >= 0", "use 0 or e.g. lr / 10")
     if a.vision_encoder_lr is not None and a.vision_encoder_lr <= 0:
-        yield Violation(f"{ACTOR}.vision_encoder_lr", a.vision_encoder_lr, "must be > 0",
-                        "remove it to train the ViT at lr, or keep unfreeze_vision_encoder: false")
+        yield Violation(
+            f"{ACTOR}.vision_encoder_lr",
+            a.vision_encoder_lr,
+            "must be > 0",
+            "remove it to train the ViT at lr, or keep unfreeze_vision_encoder: false",
+        )
     if not 0 <= t.lr_warmup_fraction < 1:
-        yield Violation(f"{TRAIN}.lr-warmup-fraction", t.lr_warmup_fraction, "must lie in [0, 1)",
-                        "use e.g. 0.1 (10% of train-iters)")
-    for key, value, fix in (("clip-grad", t.clip_grad, "use e.g. 1.0, or 0 to disable clipping"),
-                            ("weight-decay", t.weight_decay, "use 0 or e.g. 0.01")):
+        yield Violation(
+            f"{TRAIN}.lr-warmup-fraction",
+            t.lr_warmup_fraction,
+            "must lie in [0, 1)",
+            "use e.g. 0.1 (10% of train-iters)",
+        )
+    for key, value, fix in (
+        ("clip-grad", t.clip_grad, "use e.g. 1.0, or 0 to disable clipping"),
+        ("weight-decay", t.weight_decay, "use 0 or e.g. 0.01"),
+    ):
         if value < 0:
             yield Violation(f"{TRAIN}.{key}", value, "must be >= 0", fix)
     for key, value in (("adam-beta1", t.adam_beta1), ("adam-beta2", t.adam_beta2)):
         if not 0 <= value < 1:
-            yield Violation(f"{TRAIN}.{key}", value, "Adam's moment decay must lie in [0, 1)",
-                            "use 0.9 (beta1), 0.999 or 0.95 (beta2)")
+            yield Violation(
+                f"{TRAIN}.{key}",
+                value,
+                "Adam's moment decay must lie in [0, 1)",
+                "use 0.9 (beta1), 0.999 or 0.95 (beta2)",
+            )
 
 
 @rule
 def logger_settings(cfg: JobConfig) -> Iterator[Violation]:
     if cfg.logger.generations_per_step < 0:
-        yield Violation("logger.generations_per_step", cfg.logger.generations_per_step,
-                        "must be >= 0 (prompts per step in generations.jsonl)", "use 0 to log none, or e.g. 2")
+        yield Violation(
+            "logger.generations_per_step",
+            cfg.logger.generations_per_step,
+            "must be >= 0 (prompts per step in generations.jsonl)",
+            "use 0 to log none, or e.g. 2",
+        )
 
 
 @rule
 def checkpoint_settings(cfg: JobConfig) -> Iterator[Violation]:
     mt = cfg.backend_config.megatron_training
     if mt.save_interval <= 0:
-        yield Violation(f"{MT}.save_interval", mt.save_interval, "must be > 0",
-                        "use a step count; the last step is always saved")
+        yield Violation(
+            f"{MT}.save_interval", mt.save_interval, "must be > 0", "use a step count; the last step is always saved"
+        )
     if mt.max_keep_ckpts < 0:
-        yield Violation(f"{MT}.max_keep_ckpts", mt.max_keep_ckpts, "must be >= 0 (the number of checkpoints kept)",
-                        "use 0 to keep all, or e.g. 2 to keep the last two")
+        yield Violation(
+            f"{MT}.max_keep_ckpts",
+            mt.max_keep_ckpts,
+            "must be >= 0 (the number of checkpoints kept)",
+            "use 0 to keep all, or e.g. 2 to keep the last two",
+        )
 
 
 @rule
 def rl_settings(cfg: JobConfig) -> Iterator[Violation]:
     rl, gen = cfg.backend_config.rl_config, cfg.backend_config.generate_config
     if rl.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and rl.n_samples_per_prompt < 2:
-        yield Violation(f"{RL}.n_samples_per_prompt", rl.n_samples_per_prompt,
-                        f"{rl.adv_estimator} compares samples within a group: needs at least 2", "use 4 to 16")
+        yield Violation(
+            f"{RL}.n_samples_per_prompt",
+            rl.n_samples_per_prompt,
+            f"{rl.adv_estimator} compares samples within a group: needs at least 2",
+            "use 4 to 16",
+        )
     for key in ("clip_ratio_low", "clip_ratio_high"):
         if getattr(rl, key) < 0:
             yield Violation(f"{RL}.{key}", getattr(rl, key), "must be >= 0", "use e.g. 0.2")
     if rl.clip_ratio_c <= 1:
         yield Violation(f"{RL}.clip_ratio_c", rl.clip_ratio_c, "dual clip needs a bound > 1", "use e.g. 3.0")
     if ":" not in rl.reward.function:
-        yield Violation(f"{RL}.reward.function", rl.reward.function, "must be 'module:function'",
-                        "e.g. mm_rl.rewards.geo3k:compute_score")
+        yield Violation(
+            f"{RL}.reward.function",
+            rl.reward.function,
+            "must be 'module:function'",
+            "e.g. mm_rl.rewards.geo3k:compute_score",
+        )
     buffer = rl.overlong_buffer
     if buffer.enable and not 0 < buffer.len <= gen.sampling_config.max_tokens:
-        yield Violation(f"{RL}.overlong_buffer.len", buffer.len,
-                        f"must lie in (0, max_tokens = {gen.sampling_config.max_tokens}] when the buffer is enabled",
-                        "use e.g. a quarter of max_tokens, or disable the buffer")
+        yield Violation(
+            f"{RL}.overlong_buffer.len",
+            buffer.len,
+            f"must lie in (0, max_tokens = {gen.sampling_config.max_tokens}] when the buffer is enabled",
+            "use e.g. a quarter of max_tokens, or disable the buffer",
+        )
     if not 0 < gen.gpu_memory_utilization <= 1:
-        yield Violation(f"{GEN}.gpu_memory_utilization", gen.gpu_memory_utilization, "must lie in (0, 1]",
-                        "use e.g. 0.6")
+        yield Violation(
+            f"{GEN}.gpu_memory_utilization", gen.gpu_memory_utilization, "must lie in (0, 1]", "use e.g. 0.6"
+        )
 
 
 @rule
@@ -486,8 +653,12 @@ def kl_settings(cfg: JobConfig) -> Iterator[Violation]:
     if rl.kl_ctrl.type == "adaptive":
         for key, value in (("target_kl", rl.kl_ctrl.target_kl), ("horizon", rl.kl_ctrl.horizon)):
             if value <= 0:
-                yield Violation(f"{RL}.kl_ctrl.{key}", value, "the adaptive KL controller needs it > 0",
-                                "use e.g. target_kl 0.1, horizon 10000, or kl_ctrl.type: fixed")
+                yield Violation(
+                    f"{RL}.kl_ctrl.{key}",
+                    value,
+                    "the adaptive KL controller needs it > 0",
+                    "use e.g. target_kl 0.1, horizon 10000, or kl_ctrl.type: fixed",
+                )
 
 
 @rule
@@ -495,24 +666,38 @@ def sampling_settings(cfg: JobConfig) -> Iterator[Violation]:
     """What the rollout engine would refuse at its first request (vLLM's SamplingParams: temperature >= 0,
     top_p in (0, 1], top_k -1 or 0 for off or >= 1), and greedy groups, whose samples are all the same."""
     g, rl = cfg.backend_config.generate_config, cfg.backend_config.rl_config
-    for key, s in ((f"{GEN}.sampling_config", g.sampling_config), (f"{GEN}.val_sampling_config",
-                                                                  g.val_sampling_config)):
+    for key, s in (
+        (f"{GEN}.sampling_config", g.sampling_config),
+        (f"{GEN}.val_sampling_config", g.val_sampling_config),
+    ):
         if s.temperature < 0:
             yield Violation(f"{key}.temperature", s.temperature, "must be >= 0", "use 1.0 for sampling, 0 for greedy")
         if not 0 < s.top_p <= 1:
-            yield Violation(f"{key}.top_p", s.top_p, "must lie in (0, 1] (the probability mass sampled from)",
-                            "use 1.0 (off) or e.g. 0.9")
+            yield Violation(
+                f"{key}.top_p",
+                s.top_p,
+                "must lie in (0, 1] (the probability mass sampled from)",
+                "use 1.0 (off) or e.g. 0.9",
+            )
         if s.top_k < -1:
-            yield Violation(f"{key}.top_k", s.top_k, "must be -1 or 0 (off) or a positive count",
-                            "use -1 (off) or e.g. 50")
+            yield Violation(
+                f"{key}.top_k", s.top_k, "must be -1 or 0 (off) or a positive count", "use -1 (off) or e.g. 50"
+            )
     if g.val_sampling_config.n < 1:
-        yield Violation(f"{GEN}.val_sampling_config.n", g.val_sampling_config.n, "must be at least 1",
-                        "use 1 (greedy validation gives one answer per prompt)")
+        yield Violation(
+            f"{GEN}.val_sampling_config.n",
+            g.val_sampling_config.n,
+            "must be at least 1",
+            "use 1 (greedy validation gives one answer per prompt)",
+        )
     if 0 <= g.sampling_config.temperature < GREEDY_BELOW and rl.n_samples_per_prompt > 1:
-        yield Violation(f"{GEN}.sampling_config.temperature", g.sampling_config.temperature,
-                        f"greedy decoding gives the n_samples_per_prompt = {rl.n_samples_per_prompt} responses of a "
-                        "prompt identically: equal rewards, zero advantages, nothing learned",
-                        "use 1.0 (validation stays greedy: val_sampling_config.temperature)")
+        yield Violation(
+            f"{GEN}.sampling_config.temperature",
+            g.sampling_config.temperature,
+            f"greedy decoding gives the n_samples_per_prompt = {rl.n_samples_per_prompt} responses of a "
+            "prompt identically: equal rewards, zero advantages, nothing learned",
+            "use 1.0 (validation stays greedy: val_sampling_config.temperature)",
+        )
 
 
 @rule
@@ -521,17 +706,27 @@ def policy_loss_settings(cfg: JobConfig) -> Iterator[Violation]:
     lower bound), GSPO is a per-sequence objective, SAPO's gate divides by its temperatures."""
     rl = cfg.backend_config.rl_config
     if rl.policy_loss != "cispo" and rl.clip_ratio_low >= 1:
-        yield Violation(f"{RL}.clip_ratio_low", rl.clip_ratio_low, f"{rl.policy_loss} clips the ratio below at "
-                        "1 - clip_ratio_low, which must stay > 0",
-                        "use e.g. 0.2 (only cispo takes >= 1: no lower bound)")
+        yield Violation(
+            f"{RL}.clip_ratio_low",
+            rl.clip_ratio_low,
+            f"{rl.policy_loss} clips the ratio below at 1 - clip_ratio_low, which must stay > 0",
+            "use e.g. 0.2 (only cispo takes >= 1: no lower bound)",
+        )
     if rl.policy_loss == "gspo" and rl.loss_agg_mode != "seq-mean-token-mean":
-        yield Violation(f"{RL}.loss_agg_mode", rl.loss_agg_mode, "gspo's ratio and clip are per sequence: its "
-                        "objective weighs every sequence the same (GSPO's 1/G mean)",
-                        "set loss_agg_mode: seq-mean-token-mean")
+        yield Violation(
+            f"{RL}.loss_agg_mode",
+            rl.loss_agg_mode,
+            "gspo's ratio and clip are per sequence: its objective weighs every sequence the same (GSPO's 1/G mean)",
+            "set loss_agg_mode: seq-mean-token-mean",
+        )
     for key in ("tau_pos", "tau_neg"):
         if getattr(rl, key) <= 0:
-            yield Violation(f"{RL}.{key}", getattr(rl, key), "the SAPO gate (4 / tau) * sigmoid(tau * (r - 1)) needs "
-                            "tau > 0", "use the paper's tau_pos 1.0, tau_neg 1.05")
+            yield Violation(
+                f"{RL}.{key}",
+                getattr(rl, key),
+                "the SAPO gate (4 / tau) * sigmoid(tau * (r - 1)) needs tau > 0",
+                "use the paper's tau_pos 1.0, tau_neg 1.05",
+            )
 
 
 @rule
@@ -540,15 +735,23 @@ def rollout_correction_settings(cfg: JobConfig) -> Iterator[Violation]:
     rc = cfg.backend_config.rl_config.rollout_correction
     key = f"{RL}.rollout_correction"
     if rc.rollout_is_threshold <= 1:
-        yield Violation(f"{key}.rollout_is_threshold", rc.rollout_is_threshold, "weights scatter around 1 (a matched "
-                        "token's is 1): a bound <= 1 cuts or drops about half the tokens even when the engine and the "
-                        "actor agree up to rounding",
-                        "use e.g. 2.0 (token) or 2.0-10.0 (sequence)")
+        yield Violation(
+            f"{key}.rollout_is_threshold",
+            rc.rollout_is_threshold,
+            "weights scatter around 1 (a matched "
+            "token's is 1): a bound <= 1 cuts or drops about half the tokens even when the engine and the "
+            "actor agree up to rounding",
+            "use e.g. 2.0 (token) or 2.0-10.0 (sequence)",
+        )
     if rc.bypass_mode and rc.rollout_is in ("token", "sequence"):
-        yield Violation(f"{key}.rollout_is", rc.rollout_is, "bypass_mode takes the engine's log-probs as the old "
-                        "ones, so every weight pi_old / pi_engine is 1: the correction would do nothing",
-                        "set rollout_is: auto (or null) to bypass, or bypass_mode: false to correct (an old "
-                        "log-prob pass, then the weights)")
+        yield Violation(
+            f"{key}.rollout_is",
+            rc.rollout_is,
+            "bypass_mode takes the engine's log-probs as the old "
+            "ones, so every weight pi_old / pi_engine is 1: the correction would do nothing",
+            "set rollout_is: auto (or null) to bypass, or bypass_mode: false to correct (an old "
+            "log-prob pass, then the weights)",
+        )
 
 
 @rule
@@ -560,10 +763,14 @@ def token_budgets(cfg: JobConfig) -> Iterator[Violation]:
     for name in ("max_tokens_per_micro_batch", "log_prob_max_tokens_per_micro_batch"):
         budget = getattr(b.actor_config, name)
         if budget is not None and budget < prompt + response:
-            yield Violation(f"{ACTOR}.{name}", budget, f"must hold the longest sample, max_prompt_length + "
-                            f"max_tokens = {prompt} + {response} = {prompt + response} tokens",
-                            f"use at least {prompt + response} (a few times that lets short samples share a "
-                            "micro-batch), or null to cut micro_batch_size samples at a time")
+            yield Violation(
+                f"{ACTOR}.{name}",
+                budget,
+                f"must hold the longest sample, max_prompt_length + "
+                f"max_tokens = {prompt} + {response} = {prompt + response} tokens",
+                f"use at least {prompt + response} (a few times that lets short samples share a "
+                "micro-batch), or null to cut micro_batch_size samples at a time",
+            )
 
 
 @rule
@@ -573,19 +780,33 @@ def sequence_budget(cfg: JobConfig) -> Iterator[Violation]:
     response = b.generate_config.sampling_config.max_tokens
     longest = b.model.text_decoder.max_position_embeddings
     if prompt + response > b.training.seq_length:
-        fix = (f"raise seq-length to {prompt + response} or shorten prompts / responses"
-               if prompt + response <= longest else f"lower max_prompt_length or max_tokens: the model holds at most "
-               f"{longest} positions ({TEXT}.max_position_embeddings)")
-        yield Violation(f"{TRAIN}.seq-length", b.training.seq_length,
-                        f"must hold max_prompt_length + max_tokens = {prompt} + {response} = {prompt + response}", fix)
+        fix = (
+            f"raise seq-length to {prompt + response} or shorten prompts / responses"
+            if prompt + response <= longest
+            else f"lower max_prompt_length or max_tokens: the model holds at most "
+            f"{longest} positions ({TEXT}.max_position_embeddings)"
+        )
+        yield Violation(
+            f"{TRAIN}.seq-length",
+            b.training.seq_length,
+            f"must hold max_prompt_length + max_tokens = {prompt} + {response} = {prompt + response}",
+            fix,
+        )
     if b.training.seq_length > longest:
-        yield Violation(f"{TRAIN}.seq-length", b.training.seq_length,
-                        f"must not exceed the model's {TEXT}.max_position_embeddings = {longest}",
-                        f"use at most {longest} (with max_prompt_length + max_tokens within it)")
+        yield Violation(
+            f"{TRAIN}.seq-length",
+            b.training.seq_length,
+            f"must not exceed the model's {TEXT}.max_position_embeddings = {longest}",
+            f"use at most {longest} (with max_prompt_length + max_tokens within it)",
+        )
     pre = b.data.dataset_param.preprocess_parameters
     if pre.min_pixels > pre.max_pixels:
-        yield Violation(f"{DATA}.preprocess_parameters.min_pixels", pre.min_pixels,
-                        f"must not exceed max_pixels = {pre.max_pixels}", "lower min_pixels")
+        yield Violation(
+            f"{DATA}.preprocess_parameters.min_pixels",
+            pre.min_pixels,
+            f"must not exceed max_pixels = {pre.max_pixels}",
+            "lower min_pixels",
+        )
 
 
 # ------------------------------------------------------------------------------- paths and the HF dir
@@ -593,8 +814,9 @@ def _must_exist(key: str, path: str, what: str) -> Iterator[Violation]:
     if not path:
         yield Violation(key, path, f"{what} is required", f"set {key} to the {what}")
     elif not Path(path).exists():
-        yield Violation(key, path, f"{what} does not exist{relative_note(path)}",
-                        f"point {source_of(key)} at an existing {what}")
+        yield Violation(
+            key, path, f"{what} does not exist{relative_note(path)}", f"point {source_of(key)} at an existing {what}"
+        )
 
 
 def _writable(key: str, path: str, reported: set[Path]) -> Iterator[Violation]:
@@ -605,24 +827,37 @@ def _writable(key: str, path: str, reported: set[Path]) -> Iterator[Violation]:
         existing = existing.parent
     if existing not in reported and (not existing.is_dir() or not os.access(existing, os.W_OK)):
         reported.add(existing)
-        yield Violation(key, path, f"cannot be written ({existing} is not a writable directory)",
-                        "choose a directory you can write to")
+        yield Violation(
+            key,
+            path,
+            f"cannot be written ({existing} is not a writable directory)",
+            "choose a directory you can write to",
+        )
 
 
 def paths_exist(cfg: JobConfig) -> Iterator[Violation]:
     b = cfg.backend_config
-    yield from _must_exist(f"{DATA}.basic_parameters.dataset_dir", b.data.dataset_param.basic_parameters.dataset_dir,
-                           "dataset directory")
+    yield from _must_exist(
+        f"{DATA}.basic_parameters.dataset_dir", b.data.dataset_param.basic_parameters.dataset_dir, "dataset directory"
+    )
     if not b.megatron_training.tokenizer_name_or_path:
-        yield Violation(f"{MT}.tokenizer_name_or_path", "", "the HuggingFace checkpoint to train is required",
-                        "set it to the checkpoint directory (hf_dir and the processor follow it)")
+        yield Violation(
+            f"{MT}.tokenizer_name_or_path",
+            "",
+            "the HuggingFace checkpoint to train is required",
+            "set it to the checkpoint directory (hf_dir and the processor follow it)",
+        )
     elif b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir:
-        yield from _must_exist(f"{HF2MG}.hf_config.hf_dir", b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir,
-                               "HuggingFace checkpoint directory")
+        yield from _must_exist(
+            f"{HF2MG}.hf_config.hf_dir", b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir, "HuggingFace checkpoint directory"
+        )
     reported: set[Path] = set()
-    for key, path in (("af_output_dir", cfg.af_output_dir), (f"{HF2MG}.mm_dir", b.convert_ckpt_hf2mg.cfg.mm_dir),
-                      (f"{MT}.save", b.megatron_training.save),
-                      (f"{MG2HF}.save_hf_dir", b.convert_ckpt_mg2hf.cfg.save_hf_dir)):
+    for key, path in (
+        ("af_output_dir", cfg.af_output_dir),
+        (f"{HF2MG}.mm_dir", b.convert_ckpt_hf2mg.cfg.mm_dir),
+        (f"{MT}.save", b.megatron_training.save),
+        (f"{MG2HF}.save_hf_dir", b.convert_ckpt_mg2hf.cfg.save_hf_dir),
+    ):
         yield from _writable(key, path, reported)
 
 
@@ -643,12 +878,16 @@ def _has_file(*patterns: str) -> Callable[[Path], bool]:
 # (what, found in a directory?) for the HF checkpoint hf2mg converts and for the prompt processor's source.
 CHECKPOINT_FILES: tuple[tuple[str, Callable[[Path], bool]], ...] = (
     ("config.json", _has_file("config.json")),
-    ("the weights (*.safetensors)", _has_file("*.safetensors")))
+    ("the weights (*.safetensors)", _has_file("*.safetensors")),
+)
 PROCESSOR_FILES: tuple[tuple[str, Callable[[Path], bool]], ...] = (
-    ("a tokenizer (tokenizer.json, tokenizer.model or vocab.json)",
-     _has_file("tokenizer.json", "tokenizer.model", "vocab.json")),
+    (
+        "a tokenizer (tokenizer.json, tokenizer.model or vocab.json)",
+        _has_file("tokenizer.json", "tokenizer.model", "vocab.json"),
+    ),
     ("an image processor (preprocessor_config.json)", _has_file("preprocessor_config.json", "processor_config.json")),
-    ("a chat template (chat_template.jinja / .json or tokenizer_config.json)", _has_chat_template))
+    ("a chat template (chat_template.jinja / .json or tokenizer_config.json)", _has_chat_template),
+)
 
 
 def hf_checkpoint_files(cfg: JobConfig) -> Iterator[Violation]:
@@ -662,19 +901,28 @@ def hf_checkpoint_files(cfg: JobConfig) -> Iterator[Violation]:
     if processor_dir and processor_dir != hf_dir:
         yield from _must_exist(processor_key, processor_dir, "processor (tokenizer) directory")
     for key, directory, wanted, use in (
-            (f"{HF2MG}.hf_config.hf_dir", hf_dir, CHECKPOINT_FILES, "hf2mg converts the checkpoint from them"),
-            (processor_key, processor_dir, PROCESSOR_FILES, "the prompts are built with them")):
+        (f"{HF2MG}.hf_config.hf_dir", hf_dir, CHECKPOINT_FILES, "hf2mg converts the checkpoint from them"),
+        (processor_key, processor_dir, PROCESSOR_FILES, "the prompts are built with them"),
+    ):
         if not directory or not Path(directory).is_dir():
             continue
         missing = [what for what, found in wanted if not found(Path(directory))]
         if missing:
-            yield Violation(key, directory, f"is not a complete HuggingFace checkpoint: it lacks {', '.join(missing)}; "
-                            f"{use}", f"point {MT}.tokenizer_name_or_path (which it follows unless set) at the "
-                            "directory of a downloaded checkpoint of a family mm_rl trains")
+            yield Violation(
+                key,
+                directory,
+                f"is not a complete HuggingFace checkpoint: it lacks {', '.join(missing)}; {use}",
+                f"point {MT}.tokenizer_name_or_path (which it follows unless set) at the "
+                "directory of a downloaded checkpoint of a family mm_rl trains",
+            )
     config_file = Path(hf_dir or ".") / "config.json"
     if hf_dir and config_file.is_file() and _read_json(config_file) is None:
-        yield Violation(f"{HF2MG}.hf_config.hf_dir", hf_dir, f"{config_file} is not a JSON object",
-                        "restore config.json from the checkpoint's source")
+        yield Violation(
+            f"{HF2MG}.hf_config.hf_dir",
+            hf_dir,
+            f"{config_file} is not a JSON object",
+            "restore config.json from the checkpoint's source",
+        )
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -696,32 +944,55 @@ def hf_checkpoint_matches(cfg: JobConfig) -> Iterator[Violation]:
         checkpoint_family = family_for_hf(hf)
         want = checkpoint_family.model_json(hf)
     except (UnknownFamily, HfConfigError) as err:
-        yield Violation(f"{HF2MG}.hf_config.hf_dir", str(config_file.parent), str(err),
-                        "point it at a checkpoint of a family mm_rl trains")
+        yield Violation(
+            f"{HF2MG}.hf_config.hf_dir",
+            str(config_file.parent),
+            str(err),
+            "point it at a checkpoint of a family mm_rl trains",
+        )
         return
     if checkpoint_family.model_id != m.model_id:
-        yield Violation(f"{MODEL}.model_id", m.model_id, f"the checkpoint {config_file} is {checkpoint_family.label}",
-                        f"set it to {checkpoint_family.model_id} (config --af_model_name writes the whole model.json)")
+        yield Violation(
+            f"{MODEL}.model_id",
+            m.model_id,
+            f"the checkpoint {config_file} is {checkpoint_family.label}",
+            f"set it to {checkpoint_family.model_id} (config --af_model_name writes the whole model.json)",
+        )
         return
     text, vit = m.text_decoder, m.image_encoder.vision_encoder
     text_hf, vit_hf = want["text_decoder"], want["image_encoder"]["vision_encoder"]
-    same = [(f"{MODEL}.{key}", getattr(m, key), want.get(key))
-            for key in ("img_context_token_id", "vision_start_token_id")]
-    same += [(f"{TEXT}.{key}", getattr(text, key), text_hf.get(key))
-             for key in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                         "untie_embeddings_and_output_weights")]
+    same = [
+        (f"{MODEL}.{key}", getattr(m, key), want.get(key)) for key in ("img_context_token_id", "vision_start_token_id")
+    ]
+    same += [
+        (f"{TEXT}.{key}", getattr(text, key), text_hf.get(key))
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "untie_embeddings_and_output_weights",
+        )
+    ]
     same.append((f"{TEXT}.num_query_groups", _query_groups(cfg), text_hf.get("num_query_groups")))
-    same += [(f"{VIT}.{key}", getattr(vit, key), vit_hf.get(key))
-             for key in ("hidden_size", "ffn_hidden_size", "num_attention_heads")]
+    same += [
+        (f"{VIT}.{key}", getattr(vit, key), vit_hf.get(key))
+        for key in ("hidden_size", "ffn_hidden_size", "num_attention_heads")
+    ]
     for key, ours, theirs in same:
         if theirs is not None and ours != theirs:
             yield Violation(key, ours, f"must match the checkpoint's {config_file} ({theirs})", f"set it to {theirs}")
     layers, positions = "layers may be removed, never added", "positions beyond it were never trained"
     for key, ours, theirs, why in (
-            (f"{TEXT}.num_layers", text.num_layers, text_hf.get("num_layers"), layers),
-            (f"{VIT}.num_layers", vit.num_layers, vit_hf.get("num_layers"), layers),
-            (f"{TEXT}.max_position_embeddings", text.max_position_embeddings, text_hf.get("max_position_embeddings"),
-             positions)):
+        (f"{TEXT}.num_layers", text.num_layers, text_hf.get("num_layers"), layers),
+        (f"{VIT}.num_layers", vit.num_layers, vit_hf.get("num_layers"), layers),
+        (
+            f"{TEXT}.max_position_embeddings",
+            text.max_position_embeddings,
+            text_hf.get("max_position_embeddings"),
+            positions,
+        ),
+    ):
         if theirs is not None and ours > theirs:
             yield Violation(key, ours, f"the checkpoint has only {theirs} ({why})", f"use at most {theirs}")
 
@@ -736,9 +1007,13 @@ def reward_function_imports(cfg: JobConfig) -> Iterator[Violation]:
     try:
         load_reward_function(function)
     except (ImportError, TypeError, ValueError) as err:
-        yield Violation(f"{RL}.reward.function", function, f"cannot be loaded ({err})",
-                        "install its module in this Python environment or fix the module:function path, e.g. "
-                        "mm_rl.rewards.geo3k:compute_score")
+        yield Violation(
+            f"{RL}.reward.function",
+            function,
+            f"cannot be loaded ({err})",
+            "install its module in this Python environment or fix the module:function path, e.g. "
+            "mm_rl.rewards.geo3k:compute_score",
+        )
 
 
 def data_splits(cfg: JobConfig) -> Iterator[Violation]:
@@ -759,43 +1034,68 @@ def _split_rows(cfg: JobConfig, which: str, need: int) -> Iterator[Violation]:
 
     data = cfg.backend_config.data.dataset_param
     basic, split, key = data.basic_parameters, getattr(data.basic_parameters, which), f"{DATA}.basic_parameters"
-    validation_off = ("" if which == "train_split" else
-                      f", or turn validation off ({RL}.val_freq: 0, val_before_train: false)")
+    validation_off = (
+        "" if which == "train_split" else f", or turn validation off ({RL}.val_freq: 0, val_before_train: false)"
+    )
     try:
         files = find_split(basic.dataset_dir, split)
     except ValueError as err:
-        yield Violation(f"{key}.{which}", split, str(err), f"set {which} to the stem of the split's file, or add "
-                        f"{split}.parquet or {split}.jsonl to dataset_dir{validation_off}")
+        yield Violation(
+            f"{key}.{which}",
+            split,
+            str(err),
+            f"set {which} to the stem of the split's file, or add "
+            f"{split}.parquet or {split}.jsonl to dataset_dir{validation_off}",
+        )
         return
     try:
         stats = count_usable_rows(files, basic, data.preprocess_parameters.instruction, need)
     except ValueError as err:
-        yield Violation(f"{key}.dataset_dir", basic.dataset_dir, f"split '{split}': {err}",
-                        "rewrite the file (or remove it)")
+        yield Violation(
+            f"{key}.dataset_dir", basic.dataset_dir, f"split '{split}': {err}", "rewrite the file (or remove it)"
+        )
         return
     if stats.kept >= need:
         return
     where = f"split '{split}' ({', '.join(p.name for p in files.paths)})"
     if stats.rows == 0:
-        yield Violation(f"{key}.dataset_dir", basic.dataset_dir, f"{where} holds no rows",
-                        f"fill the file, or point dataset_dir at the data set{validation_off}")
+        yield Violation(
+            f"{key}.dataset_dir",
+            basic.dataset_dir,
+            f"{where} holds no rows",
+            f"fill the file, or point dataset_dir at the data set{validation_off}",
+        )
     elif stats.kept == 0:
         reason = stats.bad.most_common(1)[0][0]
-        field = next((f for f in ("prompt_key", "answer_key", "image_key")
-                      if reason == f"missing field '{getattr(basic, f)}'"), None)
+        field = next(
+            (f for f in ("prompt_key", "answer_key", "image_key") if reason == f"missing field '{getattr(basic, f)}'"),
+            None,
+        )
         rule = f"{where} has no usable row: {stats.rows} read, {stats.bad_summary()}"
         if field is None:
-            yield Violation(f"{key}.dataset_dir", basic.dataset_dir, rule, "fix the rows named (see the reasons), "
-                            "or point dataset_dir at another data set")
+            yield Violation(
+                f"{key}.dataset_dir",
+                basic.dataset_dir,
+                rule,
+                "fix the rows named (see the reasons), or point dataset_dir at another data set",
+            )
         else:
-            yield Violation(f"{key}.{field}", getattr(basic, field), rule,
-                            f"set {field} to the column that holds it; the rows have {stats.columns}")
+            yield Violation(
+                f"{key}.{field}",
+                getattr(basic, field),
+                rule,
+                f"set {field} to the column that holds it; the rows have {stats.columns}",
+            )
     else:
-        yield Violation(f"{RL}.rollout_batch_size", cfg.backend_config.rl_config.rollout_batch_size,
-                        f"{where} has only {stats.kept} usable rows ({stats.rows} read"
-                        + (f"; {stats.bad_summary()}" if stats.bad else "") + "), fewer than one rollout batch",
-                        f"use rollout_batch_size <= {stats.kept} (with GBS dividing rollout_batch_size x "
-                        "n_samples_per_prompt), or add rows")
+        yield Violation(
+            f"{RL}.rollout_batch_size",
+            cfg.backend_config.rl_config.rollout_batch_size,
+            f"{where} has only {stats.kept} usable rows ({stats.rows} read"
+            + (f"; {stats.bad_summary()}" if stats.bad else "")
+            + "), fewer than one rollout batch",
+            f"use rollout_batch_size <= {stats.kept} (with GBS dividing rollout_batch_size x "
+            "n_samples_per_prompt), or add rows",
+        )
 
 
 def resume_checkpoint(cfg: JobConfig) -> Iterator[Violation]:
@@ -807,9 +1107,13 @@ def resume_checkpoint(cfg: JobConfig) -> Iterator[Violation]:
     if mode == "disable" or (mode == "auto" and (not mt.save or next(Path(mt.save).glob("iter_*"), None) is None)):
         return  # nothing to resume (and torch stays unimported)
     if mode != "auto" and not Path(mode).exists():
-        yield Violation(key, mode, "is neither auto, disable nor an existing checkpoint directory",
-                        f"use auto (resume from {MT}.save = {mt.save} when it holds a checkpoint), disable, or the "
-                        "path of an iter_NNNNNNN directory in it")
+        yield Violation(
+            key,
+            mode,
+            "is neither auto, disable nor an existing checkpoint directory",
+            f"use auto (resume from {MT}.save = {mt.save} when it holds a checkpoint), disable, or the "
+            "path of an iter_NNNNNNN directory in it",
+        )
         return
     from mm_rl.checkpoint import CheckpointError, CheckpointManager, CheckpointRefused
 
@@ -821,19 +1125,29 @@ def resume_checkpoint(cfg: JobConfig) -> Iterator[Violation]:
         yield Violation(key, mode, err.rule, err.fix)
         return
     except CheckpointError as err:
-        yield Violation(key, mode, str(err), f"point it at a complete iter_NNNNNNN directory in {mt.save}, or "
-                        f"{start_fresh}")
+        yield Violation(
+            key, mode, str(err), f"point it at a complete iter_NNNNNNN directory in {mt.save}, or {start_fresh}"
+        )
         return
     job = (actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size, actor.expert_model_parallel_size)
     if saved is not None and saved != job:
         bad = next(key for key, a, b in zip((TP, PP, EP), saved, job, strict=True) if a != b)
-        yield Violation(bad, job[(TP, PP, EP).index(bad)],
-                        f"the checkpoint to resume (step {step} in {mt.save}, resume_mode {mode}) was saved with "
-                        f"TP {saved[0]} x PP {saved[1]} x EP {saved[2]}, and a checkpoint loads only into the layout "
-                        f"it was saved with (this job: TP {job[0]} x PP {job[1]} x EP {job[2]})",
-                        f"set {TP}: {saved[0]}, {PP}: {saved[1]} (with pipeline_num_layers of {saved[1]} "
-                        f"entries) and {EP}: {saved[2]}, or {start_fresh}")
+        yield Violation(
+            bad,
+            job[(TP, PP, EP).index(bad)],
+            f"the checkpoint to resume (step {step} in {mt.save}, resume_mode {mode}) was saved with "
+            f"TP {saved[0]} x PP {saved[1]} x EP {saved[2]}, and a checkpoint loads only into the layout "
+            f"it was saved with (this job: TP {job[0]} x PP {job[1]} x EP {job[2]})",
+            f"set {TP}: {saved[0]}, {PP}: {saved[1]} (with pipeline_num_layers of {saved[1]} "
+            f"entries) and {EP}: {saved[2]}, or {start_fresh}",
+        )
 
 
-PATH_RULES: list[Rule] = [paths_exist, hf_checkpoint_files, hf_checkpoint_matches, reward_function_imports,
-                          data_splits, resume_checkpoint]
+PATH_RULES: list[Rule] = [
+    paths_exist,
+    hf_checkpoint_files,
+    hf_checkpoint_matches,
+    reward_function_imports,
+    data_splits,
+    resume_checkpoint,
+]

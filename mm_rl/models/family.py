@@ -24,12 +24,21 @@ if TYPE_CHECKING:
     from mm_rl.config.schema import ActorConfig, ModelConfig, TextDecoderConfig, TrainingFlags
 
 # deepstack: a DeepStack merger, held by its ViT block (``{i}``: the block on its stage, HF: its place in the list)
-Scope = Literal["patch_embed", "vit_layer", "merger", "deepstack", "embedding", "llm_layer", "final_norm",
-                "output_layer"]
+Scope = Literal[
+    "patch_embed", "vit_layer", "merger", "deepstack", "embedding", "llm_layer", "final_norm", "output_layer"
+]
 Layout = Literal["plain", "glu", "qkv", "fused_qkv"]
 Shape = tuple[str, ...]
-SCOPES: tuple[Scope, ...] = ("patch_embed", "vit_layer", "merger", "deepstack", "embedding", "llm_layer",
-                             "final_norm", "output_layer")
+SCOPES: tuple[Scope, ...] = (
+    "patch_embed",
+    "vit_layer",
+    "merger",
+    "deepstack",
+    "embedding",
+    "llm_layer",
+    "final_norm",
+    "output_layer",
+)
 
 # The special tokens of Qwen's vision-language tokenizers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL share them).
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -81,9 +90,17 @@ DecoderLayer = Callable[["TextDecoderConfig", int, bool], Any]
 class MegatronStage(Protocol):
     """A module building one pipeline stage of a family's model on megatron-core (``mm_rl.models.qwen_vl.model``)."""
 
-    def build_model(self, model_cfg: ModelConfig, flags: TrainingFlags | None = None,
-                    actor: ActorConfig | None = None, *, decoder_layer: DecoderLayer, params_dtype: torch.dtype = ...,
-                    remove_padding: bool = True, **config_overrides: Any) -> torch.nn.Module: ...
+    def build_model(
+        self,
+        model_cfg: ModelConfig,
+        flags: TrainingFlags | None = None,
+        actor: ActorConfig | None = None,
+        *,
+        decoder_layer: DecoderLayer,
+        params_dtype: torch.dtype = ...,
+        remove_padding: bool = True,
+        **config_overrides: Any,
+    ) -> torch.nn.Module: ...
 
     def embedding_ranks(self, model: ModelConfig) -> Callable[..., list[int]]: ...
 
@@ -128,8 +145,9 @@ class ModelFamily:
     hf_fused: tuple[Fused, ...] = ()
     vision_tokens: tuple[str, ...] = QWEN_VISION_TOKENS
 
-    def build_model(self, model: ModelConfig, flags: TrainingFlags | None = None, actor: ActorConfig | None = None,
-                    **options: Any) -> torch.nn.Module:
+    def build_model(
+        self, model: ModelConfig, flags: TrainingFlags | None = None, actor: ActorConfig | None = None, **options: Any
+    ) -> torch.nn.Module:
         """This rank's pipeline stage of the model, after megatron's ``initialize_model_parallel`` (imports
         megatron-core); ``options`` as the stage module's ``build_model`` takes them."""
         return self.stage().build_model(model, flags, actor, decoder_layer=self.decoder_layer, **options)

@@ -41,5 +41,7 @@ def family_for_hf(config: Mapping[str, Any]) -> ModelFamily:
         if model_type in candidate.hf_model_types or candidate.hf_architecture in architectures:
             return candidate
     known = ", ".join(f"{t} ({f.label})" for f in FAMILIES for t in f.hf_model_types)
-    raise UnknownFamily(f"config.json has model_type {model_type!r} (architectures {architectures}): not a model "
-                        f"family mm_rl knows; known model_type values: {known}")
+    raise UnknownFamily(
+        f"config.json has model_type {model_type!r} (architectures {architectures}): not a model "
+        f"family mm_rl knows; known model_type values: {known}"
+    )

@@ -129,8 +129,10 @@ def import_ipc(handle: bytes) -> torch.Tensor:
 
     identity, (rebuild, args) = pickle.loads(handle)  # noqa: S301 - made by export_ipc in this job
     if identity != device_identity():
-        raise RuntimeError(f"a shared weight buffer of device {identity} was sent to a process on {device_identity()}"
-                           ": only a process on the sender's own device can map it")
+        raise RuntimeError(
+            f"a shared weight buffer of device {identity} was sent to a process on {device_identity()}"
+            ": only a process on the sender's own device can map it"
+        )
     args = list(args)
     args[6] = current_device().index
     return rebuild(*args)

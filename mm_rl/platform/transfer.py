@@ -44,8 +44,10 @@ def to_device(batch: Mapping[str, Any], device: torch.device, images: StepImages
         if images is None:
             raise ValueError("the micro-batch names its images by image_index but the rank holds no step images")
         batch = {key: value for key, value in batch.items() if key != "image_index"} | image_inputs(batch, images)
-    return {key: _pinned(value, device).to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-            for key, value in batch.items()}
+    return {
+        key: _pinned(value, device).to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+        for key, value in batch.items()
+    }
 
 
 def image_inputs(batch: Mapping[str, Any], images: StepImages) -> dict[str, torch.Tensor]:
@@ -61,8 +63,10 @@ def image_inputs(batch: Mapping[str, Any], images: StepImages) -> dict[str, torc
     prompts = list(dict.fromkeys(rows))
     missing = [index for index in prompts if index not in images]
     if missing:
-        raise ValueError(f"the micro-batch's prompts {missing} are not among the step's images: were this step's "
-                         "images handed to the ranks?")
+        raise ValueError(
+            f"the micro-batch's prompts {missing} are not among the step's images: were this step's "
+            "images handed to the ranks?"
+        )
     first: dict[int, int] = {}
     count = 0
     for index in prompts:
@@ -72,11 +76,17 @@ def image_inputs(batch: Mapping[str, Any], images: StepImages) -> dict[str, torc
     slots = torch.tensor([first[index] + k for index in rows for k in range(len(images[index][1]))])
     grids = torch.cat([images[index][1] for index in prompts])
     if not torch.equal(grids[slots], batch.get("image_grid_thw", grids[:0])):
-        raise ValueError("the micro-batch's image_grid_thw differs from its prompts' images in the step's images: "
-                         "were this step's images handed to the ranks?")
+        raise ValueError(
+            "the micro-batch's image_grid_thw differs from its prompts' images in the step's images: "
+            "were this step's images handed to the ranks?"
+        )
     keys = torch.tensor([(index, k) for index in prompts for k in range(len(images[index][1]))])
-    return {"pixel_values": torch.cat([images[index][0] for index in prompts]), "encoded_grid_thw": grids,
-            "image_slots": slots, "image_keys": keys}
+    return {
+        "pixel_values": torch.cat([images[index][0] for index in prompts]),
+        "encoded_grid_thw": grids,
+        "image_slots": slots,
+        "image_keys": keys,
+    }
 
 
 def to_host(value: T) -> T:
@@ -89,6 +99,12 @@ def to_host(value: T) -> T:
     if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
         return type(value)(to_host(item) for item in value)  # type: ignore[call-arg]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: to_host(getattr(value, f.name))  # type: ignore[arg-type]
-                                             for f in dataclasses.fields(value) if f.init})
+        return dataclasses.replace(
+            value,
+            **{
+                f.name: to_host(getattr(value, f.name))  # type: ignore[arg-type]
+                for f in dataclasses.fields(value)
+                if f.init
+            },
+        )
     return value

@@ -297,8 +297,10 @@ class RolloutEngine(abc.ABC):
         from mm_rl.rollout.bounds import apply_bounds
 
         if self.asleep:
-            raise RuntimeError(f"the rollout engine's {' and '.join(sorted(self.asleep))} memory is asleep: call "
-                               "wake_up() before generate()")
+            raise RuntimeError(
+                f"the rollout engine's {' and '.join(sorted(self.asleep))} memory is asleep: call "
+                "wake_up() before generate()"
+            )
         spec = SamplingSpec.of(sampling, n)
         start = time.perf_counter()
         admitted, metrics = apply_bounds(requests, self.bounds, spec.max_tokens)
@@ -338,8 +340,7 @@ class RolloutEngine(abc.ABC):
 
         return [device_identity()]
 
-    def join_sync_group(self, key: str, stage: int, host: str, port: int, ranks: list[int | None],
-                        world: int) -> None:
+    def join_sync_group(self, key: str, stage: int, host: str, port: int, ranks: list[int | None], world: int) -> None:
         """Join ``stage``'s weight-sync group: loading process i as ``ranks[i]`` of ``world`` (None: it sits on the
         sender's device and maps the sender's buffer instead)."""
         from mm_rl.sync.transport import join_group

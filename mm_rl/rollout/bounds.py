@@ -76,8 +76,9 @@ def token_ids_of(model_path: str | Path) -> dict[str, int]:
     return {key: int(value) for key, value in ids.items() if value is not None}
 
 
-def policy_from_config(generate_config: GenerateConfig, model_path: str | Path, min_pixels: int,
-                       max_pixels: int) -> BoundsPolicy:
+def policy_from_config(
+    generate_config: GenerateConfig, model_path: str | Path, min_pixels: int, max_pixels: int
+) -> BoundsPolicy:
     """The policy of a ``GenerateConfig`` for the model in ``model_path``."""
     return BoundsPolicy(
         max_model_len=int(generate_config.max_model_len),

@@ -92,8 +92,10 @@ class RolloutWorker:
             **engine_kwargs,
         )
         # names this process in the worker log, where the engine's own lines go
-        print(f"rollout engine ({backend}) started in pid {os.getpid()}: {model_path}, {self.num_threads} threads",
-              flush=True)
+        print(
+            f"rollout engine ({backend}) started in pid {os.getpid()}: {model_path}, {self.num_threads} threads",
+            flush=True,
+        )
 
     def ready(self) -> bool:
         return True
@@ -121,8 +123,7 @@ class RolloutWorker:
     def device_identities(self) -> list[str | None]:
         return self.engine.device_identities()
 
-    def join_sync_group(self, key: str, stage: int, host: str, port: int, ranks: list[int | None],
-                        world: int) -> None:
+    def join_sync_group(self, key: str, stage: int, host: str, port: int, ranks: list[int | None], world: int) -> None:
         """Join the weight-sync group of an actor stage's sender (see mm_rl.sync.transport): the engine's loading
         process i as ``ranks[i]`` of ``world``."""
         self.engine.join_sync_group(key, stage, host, port, ranks, world)

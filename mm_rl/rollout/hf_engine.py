@@ -125,8 +125,11 @@ class HfEngine(RolloutEngine):
             if values is not None:
                 pixels.append(values)
                 grids.append(grid)
-        batch: dict[str, Any] = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device),
-                                 "mm_token_type_ids": hf_token_types(ids, self.bounds.image_token_id).to(self.device)}
+        batch: dict[str, Any] = {
+            "input_ids": ids.to(self.device),
+            "attention_mask": mask.to(self.device),
+            "mm_token_type_ids": hf_token_types(ids, self.bounds.image_token_id).to(self.device),
+        }
         if pixels:
             batch["pixel_values"] = torch.cat(pixels).to(self.device, self.model.dtype)
             batch["image_grid_thw"] = torch.cat(grids).to(self.device)

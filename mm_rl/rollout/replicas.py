@@ -51,8 +51,10 @@ def merge_outputs(shares: Sequence[Sequence[int]], results: Sequence[RolloutOutp
         if not share:
             continue
         if outputs is None or len(outputs) != len(share):
-            raise RuntimeError(f"rollout engine {replica} answered {0 if outputs is None else len(outputs)} of "
-                               f"its {len(share)} prompts")
+            raise RuntimeError(
+                f"rollout engine {replica} answered {0 if outputs is None else len(outputs)} of "
+                f"its {len(share)} prompts"
+            )
         for index, output in zip(share, outputs, strict=True):
             placed[index] = dataclasses.replace(output, replica=replica)
         _add(metrics, outputs.metrics)

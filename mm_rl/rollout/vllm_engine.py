@@ -181,8 +181,12 @@ class WeightReceiver:
             match = _VLLM_EXPERTS.search(name)
             kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
             experts = getattr(kernel, "fused_experts", None)
-            if match and int(match.group(1)) in layers and isinstance(experts, CPUUnquantizedExperts) \
-                    and hasattr(module, "w13_weight"):  # the module holding the packed weights, not its wrapper
+            if (
+                match
+                and int(match.group(1)) in layers
+                and isinstance(experts, CPUUnquantizedExperts)
+                and hasattr(module, "w13_weight")
+            ):  # the module holding the packed weights, not its wrapper
                 experts.process_weights_after_loading(module)
 
     def _mm_rl_refresh_tied_head(self) -> None:
@@ -217,8 +221,9 @@ class WeightReceiver:
 
         return device_identity()
 
-    def mm_rl_join_sync_group(self, key: str, stage: int, host: str, port: int, ranks: list[int | None],
-                              world: int) -> None:
+    def mm_rl_join_sync_group(
+        self, key: str, stage: int, host: str, port: int, ranks: list[int | None], world: int
+    ) -> None:
         """Join an actor stage's weight-sync group as ``ranks[TP rank]`` (None: this worker sits on the sender's
         device and maps its buffer instead): every TP rank receives each bucket itself, on its own device (no hop
         through the engine's host process)."""
@@ -305,8 +310,12 @@ def engine_kwargs(
     if device_kind() == "cpu":
         # the host's share is split between the replicas, which start side by side (generate_config.replicas)
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(
-            model_path, config.max_num_seqs, int(config.max_model_len), dtype,
-            config.gpu_memory_utilization / max(1, config.replicas))
+            model_path,
+            config.max_num_seqs,
+            int(config.max_model_len),
+            dtype,
+            config.gpu_memory_utilization / max(1, config.replicas),
+        )
     if config.colocate and device_kind() != "cpu":  # sleep() / wake_up() free and take back device memory
         kwargs["enable_sleep_mode"] = True
     kwargs["distributed_executor_backend"] = executor_backend(config.infer_tensor_parallel_size, in_process)
@@ -338,7 +347,7 @@ def cpu_thread_binding(tp: int) -> str | None:
     if len(cpus) < tp:
         return "nobind"
     per = len(cpus) // tp
-    return "|".join(",".join(str(c) for c in cpus[rank * per:(rank + 1) * per]) for rank in range(tp))
+    return "|".join(",".join(str(c) for c in cpus[rank * per : (rank + 1) * per]) for rank in range(tp))
 
 
 def device_environment(config: GenerateConfig) -> dict[str, str]:
@@ -563,8 +572,7 @@ class VllmEngine(RolloutEngine):
     def device_identities(self) -> list[str | None]:
         return self._rpc(WeightReceiver.mm_rl_device_identity)
 
-    def join_sync_group(self, key: str, stage: int, host: str, port: int, ranks: list[int | None],
-                        world: int) -> None:
+    def join_sync_group(self, key: str, stage: int, host: str, port: int, ranks: list[int | None], world: int) -> None:
         """Every vLLM worker joins with its own rank (or maps the sender's buffer: ``ranks[i]`` None)."""
         self._rpc(WeightReceiver.mm_rl_join_sync_group, key, stage, host, port, ranks, world)
 

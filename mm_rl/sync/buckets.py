@@ -35,9 +35,7 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def bucket_by_group(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[Bucket]:
+def bucket_by_group(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
     """Consecutive tensors in buckets of about ``bucket_bytes``, cut only between weight groups.
 
     For senders that push in several calls (Ray, multiprocess vLLM): with tensors ordered by layer (HF order),
@@ -86,5 +84,3 @@ class GroupAssembler:
     @property
     def pending_names(self) -> list[str]:
         return sorted(name for held in self.pending.values() for name in held)
-
-

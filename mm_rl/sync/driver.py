@@ -98,8 +98,10 @@ def plan_route(key: str, senders: dict[int, str | None], replicas: Sequence[Sequ
                     row.append(None)
                     continue
                 if identity is not None and identity in owners:
-                    raise ValueError(f"two engine processes on device {identity} (replicas {owners[identity]} and "
-                                     f"{replica}) in stage {stage}'s weight-sync group: nccl / hccl refuse that")
+                    raise ValueError(
+                        f"two engine processes on device {identity} (replicas {owners[identity]} and "
+                        f"{replica}) in stage {stage}'s weight-sync group: nccl / hccl refuse that"
+                    )
                 if identity is not None:
                     owners[identity] = replica
                 row.append(rank)
@@ -129,17 +131,26 @@ def join_route(group: SenderGroup, rollouts: Sequence[Any], route: SyncRoute) ->
 
     addresses = group.run(RankSender.rendezvous_address)
     senders = {c.pp_rank: addresses[i] for i, c in enumerate(group.coords) if c.is_sender()}
-    joined = [rollout.join_sync_group.remote(route.key, stage, *senders[stage], list(stage_route.ranks[replica]),
-                                             stage_route.world)
-              for replica, rollout in enumerate(rollouts) for stage, stage_route in route.stages.items()
-              if stage_route.joins(replica)]
+    joined = [
+        rollout.join_sync_group.remote(
+            route.key, stage, *senders[stage], list(stage_route.ranks[replica]), stage_route.world
+        )
+        for replica, rollout in enumerate(rollouts)
+        for stage, stage_route in route.stages.items()
+        if stage_route.joins(replica)
+    ]
     group.run(RankSender.join_sync_group, route.key, senders, {stage: r.world for stage, r in route.stages.items()})
     ray.get(joined)
     return route
 
 
-def sync_weights(group: SenderGroup, rollouts: Sequence[Any], bucket_bytes: int, max_in_flight: int = 1,
-                 route: SyncRoute | None = None) -> SyncReport:
+def sync_weights(
+    group: SenderGroup,
+    rollouts: Sequence[Any],
+    bucket_bytes: int,
+    max_in_flight: int = 1,
+    route: SyncRoute | None = None,
+) -> SyncReport:
     """Push the actor group's current weights into every rollout worker actor of ``rollouts`` (all stages at
     once), through the object store, or device to device along ``route`` (:func:`join_device_sync`).
 
@@ -159,6 +170,8 @@ def sync_weights(group: SenderGroup, rollouts: Sequence[Any], bucket_bytes: int,
     ray.get([rollout.end_weight_update.remote() for rollout in rollouts])  # after every bucket was loaded
     report = SyncReport(sorted(stats, key=lambda s: s.pp_rank), time.perf_counter() - start)
     if report.applied != report.tensors:
-        raise RuntimeError(f"weight sync: an engine applied {report.applied} of {report.tensors} tensors sent "
-                           "(an incomplete layer was held back: do the engine's checkpoint and model.json agree?)")
+        raise RuntimeError(
+            f"weight sync: an engine applied {report.applied} of {report.tensors} tensors sent "
+            "(an incomplete layer was held back: do the engine's checkpoint and model.json agree?)"
+        )
     return report

@@ -122,8 +122,9 @@ class GatherTimer:
         self.gather_s = 0.0
 
 
-def stage_hf_tensors(model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clock: GatherTimer) -> \
-        Iterator[NamedTensor]:
+def stage_hf_tensors(
+    model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clock: GatherTimer
+) -> Iterator[NamedTensor]:
     """(HF name, tensor) of this rank's stage, TP shards merged, in the mapping's order (layer by layer).
 
     Every TP rank of the stage must run it to the end (the gathers are collective); only TP-rank 0 gets items.
@@ -159,8 +160,14 @@ def stage_hf_tensors(model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clo
                 yield from zip(named.hf, parts, strict=True)
 
 
-def push_stage(model: Any, model_cfg: ModelConfig, tp: int, ep: int,
-               sink_factory: Callable[[int], BucketSink] | None, bucket_bytes: int) -> SyncStats | None:
+def push_stage(
+    model: Any,
+    model_cfg: ModelConfig,
+    tp: int,
+    ep: int,
+    sink_factory: Callable[[int], BucketSink] | None,
+    bucket_bytes: int,
+) -> SyncStats | None:
     """Run this rank's part of the sync: TP ranks gather; the sender (``sink_factory`` given) merges, renames,
     buckets and sends, then closes the sink and returns its statistics."""
     from megatron.core import parallel_state

@@ -52,6 +52,7 @@ class DeviceBucket:
     nbytes: int
     handle: bytes | None = None
 
+
 _ALIGN = 64  # byte alignment of each tensor in a flat buffer (any dtype view of it stays aligned)
 
 
@@ -220,8 +221,7 @@ def _group_backend(store: Any, rank: int, world: int, timeout: timedelta) -> Any
     return cls(store, rank, world, options)
 
 
-def join_group(key: str, stage: int, host: str, port: int, rank: int, world: int,
-               timeout_s: float = 600.0) -> None:
+def join_group(key: str, stage: int, host: str, port: int, rank: int, world: int, timeout_s: float = 600.0) -> None:
     """Join (or rejoin) the sync group of ``stage`` (``world`` = 1 + the engines' ranks): rank 0 hosts the
     rendezvous store at ``host:port``; all block until every rank arrived (up to ``timeout_s``)."""
     import torch.distributed as dist
@@ -237,8 +237,10 @@ def _sync_group(key: str, stage: int) -> SyncGroup:
     try:
         return _GROUPS[group_name(key, stage)]
     except KeyError:
-        raise RuntimeError(f"no weight-sync group {group_name(key, stage)!r} in this process: "
-                           "join_device_sync() must run before a device sync") from None
+        raise RuntimeError(
+            f"no weight-sync group {group_name(key, stage)!r} in this process: "
+            "join_device_sync() must run before a device sync"
+        ) from None
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
@@ -252,7 +254,7 @@ def _view(flat: torch.Tensor, dtype: str, shape: tuple[int, ...], start: int) ->
     import torch
 
     kind = getattr(torch, dtype)
-    return flat[start:start + kind.itemsize * math.prod(shape)].view(kind).view(shape)
+    return flat[start : start + kind.itemsize * math.prod(shape)].view(kind).view(shape)
 
 
 def bucket_layout(bucket: Bucket) -> tuple[list[TensorLayout], int]:
@@ -264,8 +266,9 @@ def bucket_layout(bucket: Bucket) -> tuple[list[TensorLayout], int]:
     return layout, offset
 
 
-def pack_bucket(bucket: Bucket, device: torch.device, buffer: Callable[[int], torch.Tensor] | None = None) -> \
-        tuple[list[TensorLayout], torch.Tensor]:
+def pack_bucket(
+    bucket: Bucket, device: torch.device, buffer: Callable[[int], torch.Tensor] | None = None
+) -> tuple[list[TensorLayout], torch.Tensor]:
     """The bucket's tensors in one flat byte buffer on ``device`` (``buffer(nbytes)`` when given: a buffer reused
     between buckets, at least that large), and where each one is."""
     import torch
@@ -320,9 +323,11 @@ class DeviceSink(_Pipelined):
         self.shared = ipc_supported(self.device)
         for replica in range(len(self.rollouts)):
             if self.route.maps(replica) and self.route.joins(replica) and not self.shared:
-                raise RuntimeError(f"engine replica {replica} has a TP worker on the {self.device} of stage {stage}'s "
-                                   "sender, which cannot share memory with it (torch_npu without storage sharing): "
-                                   "give the engines devices of their own (generate_config.colocate: false)")
+                raise RuntimeError(
+                    f"engine replica {replica} has a TP worker on the {self.device} of stage {stage}'s "
+                    "sender, which cannot share memory with it (torch_npu without storage sharing): "
+                    "give the engines devices of their own (generate_config.colocate: false)"
+                )
         self.buffers: list[torch.Tensor | None] = [None] * (self.max_in_flight + 1)
         self.sent = 0
 
@@ -349,9 +354,12 @@ class DeviceSink(_Pipelined):
         stored = ray.put(SharedBucket(bucket)) if mapped and not self.shared else None
         message = DeviceBucket(self.key, self.stage, layout, flat.numel())
         mapping = dataclasses.replace(message, handle=handle)
-        refs = [rollout.update_weights.remote(stored) if stored is not None and self.route.maps(replica)
-                else rollout.receive_weights.remote(mapping if self.route.maps(replica) else message)
-                for replica, rollout in enumerate(self.rollouts)]
+        refs = [
+            rollout.update_weights.remote(stored)
+            if stored is not None and self.route.maps(replica)
+            else rollout.receive_weights.remote(mapping if self.route.maps(replica) else message)
+            for replica, rollout in enumerate(self.rollouts)
+        ]
         if self.sync_group is not None:
             self.sync_group.group.broadcast(flat, 0).wait()
             synchronize(self.device)  # sent before the buffer is packed again

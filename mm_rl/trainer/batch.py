@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from mm_rl.platform.transfer import StepImages
     from mm_rl.rollout.base import FinishReason
 
+
 @dataclass
 class Sample:
     """One rollout response; the fields below ``reward`` are filled as the step goes."""
@@ -60,7 +61,7 @@ def tokens(sample: Sample) -> int:
 
 def by_count(samples: Sequence[Sample], size: int) -> list[list[Sample]]:
     """Consecutive runs of ``size`` samples (``micro_batch_size``)."""
-    return [list(samples[i:i + size]) for i in range(0, len(samples), size)]
+    return [list(samples[i : i + size]) for i in range(0, len(samples), size)]
 
 
 def computed_tokens(run: Sequence[Sample], packed: bool) -> int:
@@ -84,8 +85,9 @@ def by_tokens(samples: Sequence[Sample], budget: int, packed: bool = True) -> li
             continue
         for sample in group:
             if tokens(sample) > budget:
-                raise ValueError(f"a sample of {tokens(sample)} tokens does not fit the micro-batch budget of "
-                                 f"{budget} tokens")
+                raise ValueError(
+                    f"a sample of {tokens(sample)} tokens does not fit the micro-batch budget of {budget} tokens"
+                )
             if runs and computed_tokens([*runs[-1], sample], packed) <= budget:
                 runs[-1].append(sample)
             else:
@@ -102,18 +104,20 @@ def same_run_count(replicas: Sequence[Sequence[Sequence[Sample]]]) -> list[list[
     an error."""
     out = [[list(run) for run in runs] for runs in replicas]
     if any(not runs for runs in out) and any(out):
-        raise ValueError("a data-parallel replica got no samples while others did: with expert parallelism every "
-                         "replica must run micro-batches (use more samples than DP replicas)")
+        raise ValueError(
+            "a data-parallel replica got no samples while others did: with expert parallelism every "
+            "replica must run micro-batches (use more samples than DP replicas)"
+        )
     target = max(len(runs) for runs in out)
     for runs in out:
         while len(runs) < target and max(len(run) for run in runs) > 1:
             k = max(range(len(runs)), key=lambda i: len(runs[i]))
-            runs[k:k + 1] = [runs[k][:len(runs[k]) // 2], runs[k][len(runs[k]) // 2:]]
+            runs[k : k + 1] = [runs[k][: len(runs[k]) // 2], runs[k][len(runs[k]) // 2 :]]
     target = min(len(runs) for runs in out)
     for runs in out:
         while len(runs) > target:
             k = min(range(len(runs) - 1), key=lambda i: len(runs[i]) + len(runs[i + 1]))
-            runs[k:k + 2] = [runs[k] + runs[k + 1]]
+            runs[k : k + 2] = [runs[k] + runs[k + 1]]
     return out
 
 
@@ -147,16 +151,18 @@ def padding_share(runs: Sequence[Sequence[Sample]], packed: bool = False) -> flo
     return 1.0 - sum(tokens(s) for run in runs for s in run) / computed if computed else 0.0
 
 
-def micro_batches(runs: Sequence[Sequence[Sample]], items: dict[int, PromptItem], pad_id: int,
-                  fields: Sequence[str] = ()) -> list[dict[str, torch.Tensor]]:
+def micro_batches(
+    runs: Sequence[Sequence[Sample]], items: dict[int, PromptItem], pad_id: int, fields: Sequence[str] = ()
+) -> list[dict[str, torch.Tensor]]:
     """Each run of samples (see :func:`by_count`, :func:`by_tokens`) as one micro-batch of model inputs, plus
     ``response_mask`` and the named per-token ``fields`` of the samples (see the module docstring for the
     alignment)."""
     return [_micro_batch(run, items, pad_id, fields) for run in runs]
 
 
-def _micro_batch(samples: Sequence[Sample], items: dict[int, PromptItem], pad_id: int,
-                 fields: Sequence[str]) -> dict[str, torch.Tensor]:
+def _micro_batch(
+    samples: Sequence[Sample], items: dict[int, PromptItem], pad_id: int, fields: Sequence[str]
+) -> dict[str, torch.Tensor]:
     width = max(len(s.prompt_ids) + s.response_len for s in samples)
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -170,9 +176,14 @@ def _micro_batch(samples: Sequence[Sample], items: dict[int, PromptItem], pad_id
         response_mask[row, span] = 1.0
         for name in fields:
             extra[name][row, span] = getattr(sample, name)
-    batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.roll(ids, -1, dims=1),
-             "response_mask": response_mask, **extra,
-             "image_index": torch.tensor([s.index for s in samples], dtype=torch.long)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": torch.roll(ids, -1, dims=1),
+        "response_mask": response_mask,
+        **extra,
+        "image_index": torch.tensor([s.index for s in samples], dtype=torch.long),
+    }
     grids = [items[s.index].image_grid_thw for s in samples]
     if any(grid.numel() for grid in grids):
         batch["image_grid_thw"] = torch.cat(grids)
@@ -182,8 +193,10 @@ def _micro_batch(samples: Sequence[Sample], items: dict[int, PromptItem], pad_id
 def step_images(samples: Sequence[Sample], items: dict[int, PromptItem]) -> StepImages:
     """The distinct prompts' pixel values and grids of the samples, by data-set index: handed to the ranks once per
     step, then named by the micro-batches' ``image_index`` (text-only prompts hold empty tensors)."""
-    return {index: (items[index].pixel_values, items[index].image_grid_thw)
-            for index in dict.fromkeys(s.index for s in samples)}
+    return {
+        index: (items[index].pixel_values, items[index].image_grid_thw)
+        for index in dict.fromkeys(s.index for s in samples)
+    }
 
 
 def payload_bytes(value: object) -> int:
@@ -204,7 +217,7 @@ def response_values(runs: Sequence[Sequence[Sample]], rows: Sequence[torch.Tenso
     for run, values in zip(runs, rows, strict=True):
         for sample, row in zip(run, values, strict=True):
             start = len(sample.prompt_ids) - 1
-            out.append(row[start:start + sample.response_len].float().clone())
+            out.append(row[start : start + sample.response_len].float().clone())
     return out
 
 
@@ -213,7 +226,7 @@ def padded(samples: Sequence[Sample], name: str) -> tuple[torch.Tensor, torch.Te
     mask = response_mask(samples)
     values = torch.zeros_like(mask)
     for row, sample in enumerate(samples):
-        values[row, :sample.response_len] = getattr(sample, name)
+        values[row, : sample.response_len] = getattr(sample, name)
     return values, mask
 
 

@@ -41,23 +41,52 @@ def pick(groups: Sequence[list[Sample]], k: int) -> list[list[Sample]]:
 
 def _response(sample: Sample) -> dict[str, Any]:
     advantage = sample.advantages
-    return {"text": sample.text, "reward": sample.reward, "accuracy": sample.components.get("accuracy"),
-            "length": sample.response_len, "finish": sample.finish_reason,
-            "advantage": float(advantage[0]) if advantage is not None and advantage.numel() else None}
+    return {
+        "text": sample.text,
+        "reward": sample.reward,
+        "accuracy": sample.components.get("accuracy"),
+        "length": sample.response_len,
+        "finish": sample.finish_reason,
+        "advantage": float(advantage[0]) if advantage is not None and advantage.numel() else None,
+    }
 
 
-def records(step: int, split: str, groups: Sequence[list[Sample]], row_of: Callable[[int], int],
-            prompt_of: Callable[[int], str]) -> list[dict[str, Any]]:
+def records(
+    step: int, split: str, groups: Sequence[list[Sample]], row_of: Callable[[int], int], prompt_of: Callable[[int], str]
+) -> list[dict[str, Any]]:
     """One record per prompt: the prompt (as the model sees it, chat template and image placeholder included)
     and its responses."""
-    return [{"step": step, "split": split, "row": row_of(group[0].index), "prompt": prompt_of(group[0].index),
-             "ground_truth": group[0].ground_truth, "responses": [_response(s) for s in group]} for group in groups]
+    return [
+        {
+            "step": step,
+            "split": split,
+            "row": row_of(group[0].index),
+            "prompt": prompt_of(group[0].index),
+            "ground_truth": group[0].ground_truth,
+            "responses": [_response(s) for s in group],
+        }
+        for group in groups
+    ]
 
 
 def table_rows(entries: Sequence[dict[str, Any]]) -> list[list[Any]]:
     """One row per response in :data:`COLUMNS` order (wandb / swanlab tables)."""
-    return [[e["step"], e["split"], e["row"], e["prompt"], e["ground_truth"], r["text"], r["reward"], r["accuracy"],
-             r["length"], r["finish"]] for e in entries for r in e["responses"]]
+    return [
+        [
+            e["step"],
+            e["split"],
+            e["row"],
+            e["prompt"],
+            e["ground_truth"],
+            r["text"],
+            r["reward"],
+            r["accuracy"],
+            r["length"],
+            r["finish"],
+        ]
+        for e in entries
+        for r in e["responses"]
+    ]
 
 
 def markdown(entries: Sequence[dict[str, Any]]) -> str:
@@ -88,8 +117,9 @@ class GenerationLog:
             return
         groups = groups_of(samples)
         chosen = pick(groups, self.per_step) if split == "train" else groups
-        entries = records(step, split, chosen, lambda i: self.prompts.row_id(i, split),
-                          lambda i: self.prompts.prompt_text(i, split))
+        entries = records(
+            step, split, chosen, lambda i: self.prompts.row_id(i, split), lambda i: self.prompts.prompt_text(i, split)
+        )
         for entry in entries:
             self._file.write(json.dumps(entry) + "\n")
         self._file.flush()

@@ -122,8 +122,9 @@ class GRPOTrainer:
     ``roles`` is the deployment (:class:`~mm_rl.trainer.roles.Roles`; :func:`build_trainer` starts the Ray one),
     ``prompts`` where the prompts come from; the trainer owns the KL controller and the checkpoints."""
 
-    def __init__(self, job: JobConfig, roles: Roles, prompts: PromptSource, *,
-                 report: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, job: JobConfig, roles: Roles, prompts: PromptSource, *, report: Callable[[str], None] = print
+    ) -> None:
         from mm_rl.algorithms.kl import make_kl_controller
         from mm_rl.checkpoint import CheckpointManager
 
@@ -148,9 +149,17 @@ class GRPOTrainer:
         save_every = self.job.backend_config.megatron_training.save_interval
         history: list[dict[str, float]] = []
         log = self.job.logger
-        with MetricsLogger(self.out_dir, tensorboard=log.tensorboard, wandb=log.wandb, swanlab=log.swanlab,
-                           run_name=self.job.exp_name, project=log.project) as sink, \
-                GenerationLog(self.out_dir, log.generations_per_step, self.prompts, sink) as self.generations:
+        with (
+            MetricsLogger(
+                self.out_dir,
+                tensorboard=log.tensorboard,
+                wandb=log.wandb,
+                swanlab=log.swanlab,
+                run_name=self.job.exp_name,
+                project=log.project,
+            ) as sink,
+            GenerationLog(self.out_dir, log.generations_per_step, self.prompts, sink) as self.generations,
+        ):
             if self.rl.val_before_train and self.step == 0:
                 metrics = self.validate(0)
                 sink.log(0, metrics)
@@ -194,7 +203,7 @@ class GRPOTrainer:
         if self.rl.rollout_correction.bypass_mode:  # the engine's log-probs serve as the old ones: no pass
             for sample in samples:
                 sample.old_log_probs = sample.engine_log_probs.float().clone()
-        elif before_update := samples[self._on_policy_count(len(samples)):]:
+        elif before_update := samples[self._on_policy_count(len(samples)) :]:
             with timer("old_logp"):
                 self._log_probs("actor", before_update, "old_log_probs")
         if roles.has_reference:
@@ -225,8 +234,9 @@ class GRPOTrainer:
             self.pending = self._start_batch(step + 1, 0)
         return ready
 
-    def collect(self, step: int, timer: PhaseTimer, first: PendingBatch | None = None) -> \
-            tuple[list[Sample], dict[str, float]]:
+    def collect(
+        self, step: int, timer: PhaseTimer, first: PendingBatch | None = None
+    ) -> tuple[list[Sample], dict[str, float]]:
         """Rollout + reward, with dynamic sampling (drop groups whose rewards are all equal, draw more batches,
         at most ``max_num_gen_batches``; short of groups, the dropped ones fill the batch back up). ``first``: the
         step's first batch when it was already started."""
@@ -248,8 +258,9 @@ class GRPOTrainer:
                 break
             scores = torch.tensor([s.reward for g in groups for s in g], dtype=torch.float64)
             ids = torch.tensor([i for i, g in enumerate(groups) for _ in g])
-            keep, _ = filter_zero_variance_groups(scores, ids) if len(scores) else (torch.zeros(0, dtype=torch.bool),
-                                                                                   {})
+            keep, _ = (
+                filter_zero_variance_groups(scores, ids) if len(scores) else (torch.zeros(0, dtype=torch.bool), {})
+            )
             start = 0
             for group in groups:
                 (kept if bool(keep[start]) else dropped).append(group)
@@ -262,8 +273,10 @@ class GRPOTrainer:
             kept = (kept + dropped)[:wanted]
         samples = [s for group in kept for s in group]
         if not samples:
-            raise TrainingStopped("every prompt of the step was skipped by the rollout bounds (see rollout/* "
-                                  "counts): check max_prompt_length, seq-length and the pixel bounds")
+            raise TrainingStopped(
+                "every prompt of the step was skipped by the rollout bounds (see rollout/* "
+                "counts): check max_prompt_length, seq-length and the pixel bounds"
+            )
         for position, group in enumerate(kept):
             for sample in group:
                 sample.group = position
@@ -279,18 +292,23 @@ class GRPOTrainer:
 
         indices = self.prompts.next_indices()
         requests = self.prompts.requests(indices)
-        rollout = self.roles.start_generate(requests, sampling_for(self.generate_cfg),
-                                            sampling_seed(self.seed, step, batch))
+        rollout = self.roles.start_generate(
+            requests, sampling_for(self.generate_cfg), sampling_seed(self.seed, step, batch)
+        )
         return PendingBatch(indices, self.step, rollout)
 
-    def _finish_batch(self, pending: PendingBatch, step: int, timer: PhaseTimer) -> \
-            tuple[list[list[Sample]], dict[str, float]]:
+    def _finish_batch(
+        self, pending: PendingBatch, step: int, timer: PhaseTimer
+    ) -> tuple[list[list[Sample]], dict[str, float]]:
         """A started rollout batch, waited for and scored: the groups (one per admitted prompt) and the batch's
         metrics. Each sample records how many weight versions its policy is behind the one that trains on it."""
         with timer("rollout"):
             outputs = pending.result()
-        groups = [[self.make_sample(index, out.prompt_ids, s.response_ids, s.finish_reason, s.logprobs)
-                   for s in out.samples] for index, out in zip(pending.indices, outputs, strict=True) if out.samples]
+        groups = [
+            [self.make_sample(index, out.prompt_ids, s.response_ids, s.finish_reason, s.logprobs) for s in out.samples]
+            for index, out in zip(pending.indices, outputs, strict=True)
+            if out.samples
+        ]
         for sample in (s for g in groups for s in g):
             sample.staleness = step - 1 - pending.version
         with timer("reward"):
@@ -298,9 +316,15 @@ class GRPOTrainer:
         cut = sum(s.finish_reason == "vision_token" for g in groups for s in g)
         return groups, outputs.metrics.as_dict() | reward_metrics | {"rollout/vision_token_cut": float(cut)}
 
-    def make_sample(self, index: int, prompt_ids: Sequence[int], response_ids: Sequence[int],
-                    finish_reason: FinishReason, engine_log_probs: torch.Tensor | None = None,
-                    split: str = "train") -> Sample:
+    def make_sample(
+        self,
+        index: int,
+        prompt_ids: Sequence[int],
+        response_ids: Sequence[int],
+        finish_reason: FinishReason,
+        engine_log_probs: torch.Tensor | None = None,
+        split: str = "train",
+    ) -> Sample:
         """A Sample, its response cut before the first vision special token (image pad, vision start / end).
 
         A response may sample those ids as text; the actor's model splices images wherever the image pad id
@@ -310,9 +334,16 @@ class GRPOTrainer:
         cut = next((i for i, token in enumerate(response) if token in self.prompts.vision_token_ids), None)
         if cut is not None:
             response, finish_reason = response[:cut], "vision_token"
-        logprobs = engine_log_probs[:len(response)] if engine_log_probs is not None else None
-        return Sample(index, 0, list(prompt_ids), response, finish_reason,
-                      ground_truth=self.prompts.ground_truth(index, split), engine_log_probs=logprobs)
+        logprobs = engine_log_probs[: len(response)] if engine_log_probs is not None else None
+        return Sample(
+            index,
+            0,
+            list(prompt_ids),
+            response,
+            finish_reason,
+            ground_truth=self.prompts.ground_truth(index, split),
+            engine_log_probs=logprobs,
+        )
 
     def score(self, samples: Sequence[Sample]) -> dict[str, float]:
         """Decode and score the samples (rewards written into them); the batch's reward metrics."""
@@ -367,8 +398,12 @@ class GRPOTrainer:
         scores = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         lengths = torch.tensor([s.response_len for s in samples])
         if rl.overlong_buffer.enable:
-            penalty = overlong_penalty(lengths, self.generate_cfg.sampling_config.max_tokens,
-                                       rl.overlong_buffer.len, rl.overlong_buffer.penalty_factor)
+            penalty = overlong_penalty(
+                lengths,
+                self.generate_cfg.sampling_config.max_tokens,
+                rl.overlong_buffer.len,
+                rl.overlong_buffer.penalty_factor,
+            )
             scores = scores + penalty
             metrics["reward/overlong_penalty"] = float(penalty.mean())
         mask = response_mask(samples)
@@ -377,16 +412,24 @@ class GRPOTrainer:
             old, _ = padded(samples, "old_log_probs")
             ref, _ = padded(samples, "ref_log_probs")
             kl_ctrl = self.kl_ctrl
-            rewards, kl_metrics = apply_kl_in_reward(scores_to_token_level(scores, mask), old, ref, mask,
-                                                     kl_ctrl.value, rl.kl_ctrl.kl_penalty)
+            rewards, kl_metrics = apply_kl_in_reward(
+                scores_to_token_level(scores, mask), old, ref, mask, kl_ctrl.value, rl.kl_ctrl.kl_penalty
+            )
             kl_ctrl.update(float(kl_metrics["kl"]), n_steps=len(samples))
             metrics.update({f"kl_in_reward/{k}": float(v) for k, v in kl_metrics.items()})
         group_ids = torch.tensor([s.group for s in samples])
-        advantages = compute_advantages(rl.adv_estimator, rewards, mask, group_ids, epsilon=rl.adv_epsilon,
-                                        norm_by_std=rl.norm_adv_by_std, gamma=rl.gamma,
-                                        unbiased_std=rl.grpo_std == "unbiased")
+        advantages = compute_advantages(
+            rl.adv_estimator,
+            rewards,
+            mask,
+            group_ids,
+            epsilon=rl.adv_epsilon,
+            norm_by_std=rl.norm_adv_by_std,
+            gamma=rl.gamma,
+            unbiased_std=rl.grpo_std == "unbiased",
+        )
         for row, sample in enumerate(samples):
-            sample.advantages = advantages[row, :sample.response_len].float().clone()
+            sample.advantages = advantages[row, : sample.response_len].float().clone()
         metrics.update({k: float(v) for k, v in advantage_stats(advantages, mask).items()})
         return metrics
 
@@ -399,19 +442,27 @@ class GRPOTrainer:
         roles = self.roles
         mini = self.rl.mini_batch_size
         usable = len(samples) - len(samples) % mini
-        loss = LossSpec(self.rl, self.generate_cfg.sampling_config.max_tokens,
-                        self.generate_cfg.sampling_config.temperature or 1.0)
+        loss = LossSpec(
+            self.rl, self.generate_cfg.sampling_config.max_tokens, self.generate_cfg.sampling_config.temperature or 1.0
+        )
         fields = ("advantages",) + (("ref_log_probs",) if roles.has_reference else ())
         fields += ("engine_log_probs",) if resolve_rollout_is(self.rl) != "off" else ()
         steps: list[dict[str, float]] = []
         micro: list[list[Sample]] = []
         for _ in range(self.rl.ppo_epochs):
             for start in range(0, usable, mini):
-                batch = samples[start:start + mini]
+                batch = samples[start : start + mini]
                 on_policy = batch[0].old_log_probs is None  # see _on_policy_count: the update's forward gives them
                 runs = self._cut(batch, roles.data_parallel_size("actor"), grad=True)
-                shards = [micro_batches(shard, self.prompts.cached, self.prompts.pad_id,
-                                        fields + (() if on_policy else ("old_log_probs",))) for shard in runs]
+                shards = [
+                    micro_batches(
+                        shard,
+                        self.prompts.cached,
+                        self.prompts.pad_id,
+                        fields + (() if on_policy else ("old_log_probs",)),
+                    )
+                    for shard in runs
+                ]
                 step_metrics, own = roles.train_mini_batch(shards, loss, self._denominator(batch))
                 steps.append(step_metrics)
                 micro += [run for shard in runs for run in shard]
@@ -435,15 +486,18 @@ class GRPOTrainer:
     def _track_nonfinite(self, bad: bool) -> None:
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if bad else 0
         if bad:
-            self.report(f"warning: non-finite loss or grad norm; the update was skipped (weights untouched), "
-                     f"{self.nonfinite_in_a_row} step(s) in a row")
+            self.report(
+                f"warning: non-finite loss or grad norm; the update was skipped (weights untouched), "
+                f"{self.nonfinite_in_a_row} step(s) in a row"
+            )
         limit = self.rl.max_consecutive_nonfinite
         if self.nonfinite_in_a_row >= limit:
             raise TrainingStopped(
                 f"{self.nonfinite_in_a_row} steps in a row had a NaN/inf loss or grad norm "
                 f"(rl_config.max_consecutive_nonfinite = {limit}); the run stops rather than train on garbage. "
                 "Lower backend_config.actor_config.lr, set backend_config.training.clip-grad, or check the "
-                "data; resume from the last checkpoint with the same command.")
+                "data; resume from the last checkpoint with the same command."
+            )
 
     # ------------------------------------------------------------------------------------------ validation
     def validate(self, step: int) -> dict[str, float]:
@@ -459,11 +513,15 @@ class GRPOTrainer:
         self.roles.before_rollout()  # the engine still holds the weights from before this step's update
         start = time.perf_counter()
         requests = self.prompts.requests(indices, split="val")
-        outputs = self.roles.start_generate(requests, sampling_for(self.generate_cfg, validation=True),
-                                            sampling_seed(self.seed, step, -1)).result()
+        outputs = self.roles.start_generate(
+            requests, sampling_for(self.generate_cfg, validation=True), sampling_seed(self.seed, step, -1)
+        ).result()
         self.roles.before_training()
-        samples = [self.make_sample(index, out.prompt_ids, s.response_ids, s.finish_reason, None, split="val")
-                   for index, out in zip(indices, outputs, strict=True) for s in out.samples]
+        samples = [
+            self.make_sample(index, out.prompt_ids, s.response_ids, s.finish_reason, None, split="val")
+            for index, out in zip(indices, outputs, strict=True)
+            for s in out.samples
+        ]
         metrics = self.score(samples)
         self._log_generations(step, "val", samples)
         metrics.update(_sample_metrics(samples, self.generate_cfg.val_sampling_config.max_tokens))
@@ -484,12 +542,17 @@ class GRPOTrainer:
         checkpoints, step = self.checkpoints, self.step
         with checkpoints.saving(step) as staging:  # a failed save is removed at once; the previous stays latest
             self.roles.save(staging)
-            state = {"step": step, "sampler": self.prompts.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                     "nonfinite_in_a_row": self.nonfinite_in_a_row, "seed": self.seed,
-                     "metrics_history": read_metrics(self.out_dir / METRICS_FILE),
-                     # the next step's batch, generated from weights older than these: a resume trains on it as
-                     # the uninterrupted run does (the sampler is already past its prompts)
-                     "pending": self.pending.state_dict() if self.pending is not None else None}
+            state = {
+                "step": step,
+                "sampler": self.prompts.state_dict(),
+                "kl_ctrl": self.kl_ctrl.state_dict(),
+                "nonfinite_in_a_row": self.nonfinite_in_a_row,
+                "seed": self.seed,
+                "metrics_history": read_metrics(self.out_dir / METRICS_FILE),
+                # the next step's batch, generated from weights older than these: a resume trains on it as
+                # the uninterrupted run does (the sampler is already past its prompts)
+                "pending": self.pending.state_dict() if self.pending is not None else None,
+            }
             checkpoints.write_trainer_state(staging, state)
             path = checkpoints.commit(staging, step, ep=self.job.backend_config.actor_config.expert_model_parallel_size)
         self.report(f"checkpoint: {path}")
@@ -528,11 +591,12 @@ def _split(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
     a group's samples side by side, so they share micro-batches and the ranks encode their image once per
     micro-batch rather than once per sample."""
     size = math.ceil(len(samples) / parts)
-    return [list(samples[i * size:(i + 1) * size]) for i in range(parts)]
+    return [list(samples[i * size : (i + 1) * size]) for i in range(parts)]
 
 
-def _store(shards: Sequence[Sequence[Sequence[Sample]]], results: Sequence[Sequence[torch.Tensor] | None],
-           name: str) -> None:
+def _store(
+    shards: Sequence[Sequence[Sequence[Sample]]], results: Sequence[Sequence[torch.Tensor] | None], name: str
+) -> None:
     """``name`` of every sample from its replica's per-micro-batch [B, S] log-probs (``shards``: each replica's
     runs of samples, one per micro-batch)."""
     for runs, rows in zip(shards, results, strict=True):
@@ -557,16 +621,24 @@ def _sample_metrics(samples: Sequence[Sample], max_tokens: int) -> dict[str, flo
     """Reward and response-length statistics over the samples actually trained on."""
     lengths = torch.tensor([s.response_len for s in samples], dtype=torch.float64)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    components = {f"reward/{name}": sum(s.components.get(name, 0.0) for s in samples) / len(samples)
-                  for name in samples[0].components}
-    return components | {"reward/score": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
-            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-            "response_length/clip_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
-            "batch/samples": float(len(samples)), "batch/groups": float(len({s.group for s in samples}))}
+    components = {
+        f"reward/{name}": sum(s.components.get(name, 0.0) for s in samples) / len(samples)
+        for name in samples[0].components
+    }
+    return components | {
+        "reward/score": float(rewards.mean()),
+        "reward/std": float(rewards.std(unbiased=False)),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "batch/samples": float(len(samples)),
+        "batch/groups": float(len({s.group for s in samples})),
+    }
 
 
-def _throughput(samples: Sequence[Sample], seconds: dict[str, float], sync_gb_per_s: float,
-                generating_s: float | None = None) -> dict[str, float]:
+def _throughput(
+    samples: Sequence[Sample], seconds: dict[str, float], sync_gb_per_s: float, generating_s: float | None = None
+) -> dict[str, float]:
     """Tokens per second of the step, the update and the rollout (over ``generating_s``, the engine's own time, when
     given; else the rollout phase's), and the sync's GB/s."""
     tokens = sum(len(s.prompt_ids) + s.response_len for s in samples)
@@ -576,15 +648,22 @@ def _throughput(samples: Sequence[Sample], seconds: dict[str, float], sync_gb_pe
         return count / seconds[phase] if seconds.get(phase) else 0.0
 
     rollout = rate(generated, "rollout") if generating_s is None else generated / generating_s if generating_s else 0.0
-    return {"throughput/tok_per_s": rate(tokens, "step"), "throughput/update_tok_per_s": rate(tokens, "update"),
-            "throughput/rollout_tok_per_s": rollout, "throughput/sync_gb_per_s": sync_gb_per_s}
+    return {
+        "throughput/tok_per_s": rate(tokens, "step"),
+        "throughput/update_tok_per_s": rate(tokens, "update"),
+        "throughput/rollout_tok_per_s": rollout,
+        "throughput/sync_gb_per_s": sync_gb_per_s,
+    }
 
 
 def _engine_gap(samples: Sequence[Sample]) -> dict[str, float]:
     """How far the engine's log-probs of the sampled tokens are from the actor's recomputation (a mismatch of
     weights, tokens or positions shows here first); mean and max absolute difference over response tokens."""
-    pairs = [(s.engine_log_probs, s.old_log_probs) for s in samples
-             if s.engine_log_probs is not None and s.old_log_probs is not None and s.response_len]
+    pairs = [
+        (s.engine_log_probs, s.old_log_probs)
+        for s in samples
+        if s.engine_log_probs is not None and s.old_log_probs is not None and s.response_len
+    ]
     if not pairs:
         return {}
     gaps = torch.cat([(engine - old).abs() for engine, old in pairs])

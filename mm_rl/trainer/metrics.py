@@ -114,8 +114,12 @@ def _rewind_events(tb_dir: Path, step: int | None) -> None:
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.summary.writer.record_writer import RecordWriter
 
-        kept = [record for path in files for record in RawEventFileLoader(str(path)).Load()  # a torn tail ends it
-                if Event.FromString(record).step <= step]
+        kept = [
+            record
+            for path in files
+            for record in RawEventFileLoader(str(path)).Load()  # a torn tail ends it
+            if Event.FromString(record).step <= step
+        ]
         with atomic_path(files[0], mode=0o644) as tmp, open(tmp, "wb") as f:
             writer = RecordWriter(f)
             for record in kept:
@@ -136,8 +140,9 @@ def _import_optional(name: str) -> Any:
     try:
         return __import__(name)
     except ImportError:
-        logger.warning("%s logging was requested but %s is not installed; skipping it (pip install %s)",
-                       name, name, name)
+        logger.warning(
+            "%s logging was requested but %s is not installed; skipping it (pip install %s)", name, name, name
+        )
         return None
 
 
@@ -281,7 +286,7 @@ def plot_metrics(
         ax.grid(alpha=0.3)
         if len(panel_keys) > 1:
             ax.legend(fontsize="small")
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.axis("off")
     if not panels:
         axes[0].text(0.5, 0.5, "no metrics yet", ha="center", va="center")

@@ -23,8 +23,15 @@ if TYPE_CHECKING:
 class PromptSource:
     """The job's prompts: ``next_indices`` draws a rollout batch, ``requests`` turns rows into engine requests."""
 
-    def __init__(self, processor: Any, train_set: Any, val_set: Any | None, sampler: Any, num_workers: int = 0,
-                 vision_tokens: tuple[str, ...] = QWEN_VISION_TOKENS) -> None:
+    def __init__(
+        self,
+        processor: Any,
+        train_set: Any,
+        val_set: Any | None,
+        sampler: Any,
+        num_workers: int = 0,
+        vision_tokens: tuple[str, ...] = QWEN_VISION_TOKENS,
+    ) -> None:
         self.processor, self.train_set, self.val_set, self.sampler = processor, train_set, val_set, sampler
         self.num_workers = num_workers
         self.pad_id = int(processor.tokenizer.pad_token_id or 0)
@@ -42,10 +49,10 @@ class PromptSource:
         processor = PromptProcessor(pre.model_name_or_path, pre.min_pixels, pre.max_pixels)
         train_set = PromptDataset.from_config(b.data, "train", processor)
         val_set = PromptDataset.from_config(b.data, "val", processor) if b.rl_config.validates else None
-        sampler = PromptSampler(len(train_set), b.rl_config.rollout_batch_size, int(b.training.seed),
-                                shuffle=b.data.shuffle)
-        return cls(processor, train_set, val_set, sampler, b.training.num_workers,
-                   family_of(b.model).vision_tokens)
+        sampler = PromptSampler(
+            len(train_set), b.rl_config.rollout_batch_size, int(b.training.seed), shuffle=b.data.shuffle
+        )
+        return cls(processor, train_set, val_set, sampler, b.training.num_workers, family_of(b.model).vision_tokens)
 
     def next_indices(self) -> list[int]:
         """The data-set indices of the next rollout batch (the sampler's order is a function of seed and epoch)."""

@@ -112,10 +112,19 @@ class RayRoles:
 
         b, topo = self.job.backend_config, topology(self.job)
         bf16 = b.training.bf16 and topo.device != "cpu"
-        return WorkerSpec(model=b.model, tp=topo.tp, pp=topo.pp, cp=topo.cp, dp=topo.dp,
-                          ep=b.actor_config.expert_model_parallel_size,
-                          actor=b.actor_config if trained else None, flags=b.training, seed=int(b.training.seed),
-                          bf16=bf16, remove_padding=b.actor_config.remove_padding)
+        return WorkerSpec(
+            model=b.model,
+            tp=topo.tp,
+            pp=topo.pp,
+            cp=topo.cp,
+            dp=topo.dp,
+            ep=b.actor_config.expert_model_parallel_size,
+            actor=b.actor_config if trained else None,
+            flags=b.training,
+            seed=int(b.training.seed),
+            bf16=bf16,
+            remove_padding=b.actor_config.remove_padding,
+        )
 
     def _start_actor(self) -> None:
         from mm_rl.workers.group import WorkerGroup
@@ -123,13 +132,22 @@ class RayRoles:
 
         res = self.resources
         spec = self.worker_spec(trained=True)
-        self.report(f"actor: TP {spec.tp} x PP {spec.pp} x DP {spec.dp}"
-                    + (f" x CP {spec.cp}" if spec.cp > 1 else "") + (f" (EP {spec.ep})" if spec.ep > 1 else "")
-                    + f" megatron ranks on {res.device}")
-        self.actor = WorkerGroup(spec, cpus_per_worker=res.actor_share, placement=self.placement,
-                                 bundles=self.plan.rank_bundles,
-                                 resources_per_worker=res.worker_resources(res.device_share_actor),
-                                 worker_cls=TrainingWorker, role="actor", num_threads=res.threads)
+        self.report(
+            f"actor: TP {spec.tp} x PP {spec.pp} x DP {spec.dp}"
+            + (f" x CP {spec.cp}" if spec.cp > 1 else "")
+            + (f" (EP {spec.ep})" if spec.ep > 1 else "")
+            + f" megatron ranks on {res.device}"
+        )
+        self.actor = WorkerGroup(
+            spec,
+            cpus_per_worker=res.actor_share,
+            placement=self.placement,
+            bundles=self.plan.rank_bundles,
+            resources_per_worker=res.worker_resources(res.device_share_actor),
+            worker_cls=TrainingWorker,
+            role="actor",
+            num_threads=res.threads,
+        )
 
     def _build_models(self, mm_dir: Path) -> None:
         """The actor's stages (with DDP and the optimizer) and the reference's, loaded from the converted shards."""
@@ -144,12 +162,20 @@ class RayRoles:
         b = self.job.backend_config
         t, rl = b.training, b.rl_config
         total = b.megatron_training.train_iters * rl.updates_per_step
-        return OptimizerSpec(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-                             adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, lr_decay_style=t.lr_decay_style,
-                             warmup_steps=int(t.lr_warmup_fraction * total), total_steps=total,
-                             vision_encoder_lr=b.actor_config.vision_encoder_lr
-                             if b.actor_config.unfreeze_vision_encoder else None,
-                             bf16=bf16, use_distributed_optimizer=t.use_distributed_optimizer)
+        return OptimizerSpec(
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            clip_grad=t.clip_grad,
+            lr_decay_style=t.lr_decay_style,
+            warmup_steps=int(t.lr_warmup_fraction * total),
+            total_steps=total,
+            vision_encoder_lr=b.actor_config.vision_encoder_lr if b.actor_config.unfreeze_vision_encoder else None,
+            bf16=bf16,
+            use_distributed_optimizer=t.use_distributed_optimizer,
+        )
 
     def _start_reference(self) -> None:
         from mm_rl.workers.group import WorkerGroup
@@ -158,10 +184,15 @@ class RayRoles:
         if not (rl.use_kl_loss or rl.use_kl_in_reward):
             return
         placement = self.placement if rl.colocate_ref else make_placement(res, report=self.report)
-        self.ref = WorkerGroup(self.worker_spec(trained=False), cpus_per_worker=res.ref_share, placement=placement,
-                               bundles=self.plan.rank_bundles if rl.colocate_ref else None,
-                               resources_per_worker=res.worker_resources(res.device_share_ref), role="reference",
-                               num_threads=res.threads)
+        self.ref = WorkerGroup(
+            self.worker_spec(trained=False),
+            cpus_per_worker=res.ref_share,
+            placement=placement,
+            bundles=self.plan.rank_bundles if rl.colocate_ref else None,
+            resources_per_worker=res.worker_resources(res.device_share_ref),
+            role="reference",
+            num_threads=res.threads,
+        )
         self.ref.owns_placement = not rl.colocate_ref
 
     def _start_engine(self) -> None:
@@ -177,23 +208,37 @@ class RayRoles:
         threads = topology(self.job).engine_threads()
         for replica, devices in enumerate(self._engine_devices()):  # they start side by side
             options = self._engine_placement(replica)
-            self.engines.actors.append(rollout_worker_actor(
-                num_cpus=ROLLOUT_CPUS if res.device == "cpu" else 0, **options).remote(
-                pre.model_name_or_path, b.generate_config, min_pixels=pre.min_pixels, max_pixels=pre.max_pixels,
-                num_threads=threads, seed=replica_seed(int(b.training.seed), replica), visible_devices=devices))
+            self.engines.actors.append(
+                rollout_worker_actor(num_cpus=ROLLOUT_CPUS if res.device == "cpu" else 0, **options).remote(
+                    pre.model_name_or_path,
+                    b.generate_config,
+                    min_pixels=pre.min_pixels,
+                    max_pixels=pre.max_pixels,
+                    num_threads=threads,
+                    seed=replica_seed(int(b.training.seed), replica),
+                    visible_devices=devices,
+                )
+            )
         for replica, engine in enumerate(self.engines.actors):
             with named(self.engines.name(replica)):  # a start-up failure surfaces here, named
                 ray.get(engine.ready.remote())
         # On CPU the engine and the actor share host memory: sleeping and offloading would free nothing.
         schedule = dataclasses.replace(b.generate_config, colocate=b.generate_config.colocate and res.device != "cpu")
-        self.schedule = RolloutSchedule(self.actor, self.engines.actors, schedule, b.actor_config,
-                                        reference=self.ref if b.rl_config.colocate_ref else None,
-                                        shared_bundles=self.plan.shared_bundles)
+        self.schedule = RolloutSchedule(
+            self.actor,
+            self.engines.actors,
+            schedule,
+            b.actor_config,
+            reference=self.ref if b.rl_config.colocate_ref else None,
+            shared_bundles=self.plan.shared_bundles,
+        )
         with named("rollout engines going to sleep"):
             self.schedule.engine_started()
         count = f"{len(self.engines.actors)} x " if len(self.engines.actors) > 1 else ""
-        self.report(f"rollout: {count}{b.generate_config.backend} engine ready"
-                    + (f" ({threads} threads each)" if count and threads else ""))
+        self.report(
+            f"rollout: {count}{b.generate_config.backend} engine ready"
+            + (f" ({threads} threads each)" if count and threads else "")
+        )
 
     def _engine_devices(self) -> list[dict[str, str]]:
         """Per replica, the visible-devices variable its process sets first (:func:`engine_visible_devices`)."""
@@ -223,9 +268,10 @@ class RayRoles:
         slot, res = self.plan.engines[replica], self.resources
         if slot.bundle is None:
             return {}
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, slot.bundle),
-                **({"num_gpus": slot.share} if res.device == "cuda" else
-                   {"resources": res.worker_resources(slot.share)})}
+        return {
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, slot.bundle),
+            **({"num_gpus": slot.share} if res.device == "cuda" else {"resources": res.worker_resources(slot.share)}),
+        }
 
     def _start_rewards(self) -> None:
         from mm_rl.rewards.worker import RewardPool
@@ -247,8 +293,7 @@ class RayRoles:
         with named("rollout engine going to sleep"):
             self.schedule.before_training()
 
-    def start_generate(self, requests: Sequence[RolloutRequest], sampling: SamplingSpec, seed: int) -> \
-            RayRollout:
+    def start_generate(self, requests: Sequence[RolloutRequest], sampling: SamplingSpec, seed: int) -> RayRollout:
         return self.engines.generate(requests, sampling, seed)
 
     def score(self, responses: Sequence[str], truths: Sequence[str]) -> RewardResult:
@@ -266,8 +311,9 @@ class RayRoles:
     def log_probs(self, role: Role, shards: Sequence[MicroBatches], temperature: float) -> list[list[torch.Tensor]]:
         return self._group(role).compute_log_probs_sharded(shards, temperature)
 
-    def train_mini_batch(self, shards: Sequence[MicroBatches], loss: LossSpec, denominator: float) -> \
-            tuple[dict[str, float], list[list[torch.Tensor] | None]]:
+    def train_mini_batch(
+        self, shards: Sequence[MicroBatches], loss: LossSpec, denominator: float
+    ) -> tuple[dict[str, float], list[list[torch.Tensor] | None]]:
         return self.actor.train_mini_batch(shards, loss, denominator)
 
     def schedule_lr_at(self, updates: int) -> None:
@@ -339,9 +385,15 @@ class RayEngines:
         from mm_rl.rollout.replicas import replica_seed, split_requests
 
         shares = split_requests(requests, sampling, len(self.actors))
-        calls = [(engine.reseed.remote(replica_seed(seed, replica)),
-                  engine.generate.remote([requests[i] for i in share], sampling)) if share else None
-                 for replica, (engine, share) in enumerate(zip(self.actors, shares, strict=True))]
+        calls = [
+            (
+                engine.reseed.remote(replica_seed(seed, replica)),
+                engine.generate.remote([requests[i] for i in share], sampling),
+            )
+            if share
+            else None
+            for replica, (engine, share) in enumerate(zip(self.actors, shares, strict=True))
+        ]
         return RayRollout(shares, calls, [self.name(r) for r in range(len(self.actors))])
 
 

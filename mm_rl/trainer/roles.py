@@ -64,14 +64,12 @@ class Roles(Protocol):
         """Colocated: the engine sleeps and the actor's state comes back; otherwise nothing."""
         ...
 
-    def start_generate(self, requests: Sequence[RolloutRequest], sampling: SamplingSpec, seed: int) -> \
-            PendingRollout:
+    def start_generate(self, requests: Sequence[RolloutRequest], sampling: SamplingSpec, seed: int) -> PendingRollout:
         """Start n samples per request, the engine's sampler seeded with ``seed`` first (a resumed run repeats);
         returns at once. Engine calls run in the order they were made (a sync after it waits for it)."""
         ...
 
-    def score(self, responses: Sequence[str], truths: Sequence[str]) -> RewardResult:
-        ...
+    def score(self, responses: Sequence[str], truths: Sequence[str]) -> RewardResult: ...
 
     def send_images(self, images: StepImages) -> None:
         """The step's distinct prompt images (data-set index -> pixel values, grid) to every rank of the actor and
@@ -82,8 +80,9 @@ class Roles(Protocol):
         """Log-probs of every micro-batch's labels, per replica (forward only)."""
         ...
 
-    def train_mini_batch(self, shards: Sequence[MicroBatches], loss: LossSpec, denominator: float) -> \
-            tuple[dict[str, float], list[list[torch.Tensor] | None]]:
+    def train_mini_batch(
+        self, shards: Sequence[MicroBatches], loss: LossSpec, denominator: float
+    ) -> tuple[dict[str, float], list[list[torch.Tensor] | None]]:
         """One optimizer step of the actor over a mini-batch: its metrics reduced over the replicas, and per
         replica the update forward's log-probs of every micro-batch where the shard came without old log-probs
         (exactly on-policy), else None."""
@@ -98,8 +97,6 @@ class Roles(Protocol):
         """Every actor rank writes its checkpoint files into the staging iteration directory."""
         ...
 
-    def load(self, save_dir: Path, step: int, load_optim: bool, load_rng: bool) -> None:
-        ...
+    def load(self, save_dir: Path, step: int, load_optim: bool, load_rng: bool) -> None: ...
 
-    def close(self, graceful: bool = True) -> None:
-        ...
+    def close(self, graceful: bool = True) -> None: ...

@@ -48,8 +48,14 @@ logger = logging.getLogger(__name__)
 DEVICE_RESOURCE = {"cuda": "GPU", "npu": "NPU", "cpu": None}
 ROLLOUT_CPUS = 1.0
 # Warnings every worker would repeat at start-up about optional kernels (none of them changes a result).
-QUIET_WARNINGS = ",".join(["ignore::FutureWarning", "ignore:Transformer Engine and Apex:UserWarning",
-                           "ignore:Apex is not installed:UserWarning", "ignore:full scope is deprecated:UserWarning"])
+QUIET_WARNINGS = ",".join(
+    [
+        "ignore::FutureWarning",
+        "ignore:Transformer Engine and Apex:UserWarning",
+        "ignore:Apex is not installed:UserWarning",
+        "ignore:full scope is deprecated:UserWarning",
+    ]
+)
 REWARD_CPUS = 0.25
 WORKER_LOG = Path("logs") / "workers.log"  # under af_output_dir
 LOG_ENV = "MM_RL_WORKER_LOG"  # in the workers' environment: the file setup_worker sends their output to
@@ -116,14 +122,15 @@ def plan_placement(resources: Resources, nodes: Sequence[str], inner: int, engin
     from mm_rl.workers.group import rank_bundles
 
     res = resources
-    bundles = tuple(rank_bundles(nodes[:res.world_size], inner))
+    bundles = tuple(rank_bundles(nodes[: res.world_size], inner))
     engines = []
     for replica in range(res.rollout_replicas):
         if res.device == "cpu":
             engines.append(EngineSlot(None, 0.0, range(0)))
         elif res.rollout_devices:
-            engines.append(EngineSlot(res.world_size + replica, float(res.rollout_devices // res.rollout_replicas),
-                                      range(0)))
+            engines.append(
+                EngineSlot(res.world_size + replica, float(res.rollout_devices // res.rollout_replicas), range(0))
+            )
         else:
             ranks = range(replica * engine_tp, (replica + 1) * engine_tp)
             engines.append(EngineSlot(bundles[ranks[0]], res.device_share_rollout, ranks))
@@ -132,8 +139,9 @@ def plan_placement(resources: Resources, nodes: Sequence[str], inner: int, engin
     return PlacementPlan(bundles, tuple(engines), shared)
 
 
-def engine_visible_devices(placements: Sequence[tuple[str, str]], slots: Sequence[EngineSlot],
-                           device: str) -> list[dict[str, str]]:
+def engine_visible_devices(
+    placements: Sequence[tuple[str, str]], slots: Sequence[EngineSlot], device: str
+) -> list[dict[str, str]]:
     """What each engine replica's process must see first: for a colocated replica with TP > 1, the devices of its
     actor ranks (``placements``: each rank's node and device id as Ray gave it), as the device's visible-devices
     variable; nothing for the others (Ray makes the device of the bundle a process sits in visible). vLLM's TP
@@ -148,8 +156,10 @@ def engine_visible_devices(placements: Sequence[tuple[str, str]], slots: Sequenc
             continue
         ranks = [placements[rank] for rank in slot.ranks]
         if len({node for node, _ in ranks}) > 1:
-            raise RuntimeError(f"engine replica {replica} would span actor ranks {slot.ranks[0]}..{slot.ranks[-1]} "
-                               "on different nodes: an engine's TP group sits in one node")
+            raise RuntimeError(
+                f"engine replica {replica} would span actor ranks {slot.ranks[0]}..{slot.ranks[-1]} "
+                "on different nodes: an engine's TP group sits in one node"
+            )
         variables.append({VISIBLE_DEVICES_ENV[device]: ",".join(ids for _, ids in ranks)})
     return variables
 
@@ -160,11 +170,19 @@ def plan_resources(job: JobConfig) -> Resources:
 
     topo = topology(job)
     colocated = job.backend_config.rl_config.colocate_ref
-    return Resources(device=topo.device, world_size=topo.world_size, bundle_cpus=1.0,
-                     actor_share=0.5 if colocated else 1.0, ref_share=0.5 if colocated else 1.0,
-                     device_share_actor=0.4 if colocated else 0.6, device_share_ref=0.2 if colocated else 0.4,
-                     device_share_rollout=0.4, threads=topo.rank_threads(), rollout_devices=topo.rollout_devices,
-                     rollout_replicas=topo.rollout_replicas)
+    return Resources(
+        device=topo.device,
+        world_size=topo.world_size,
+        bundle_cpus=1.0,
+        actor_share=0.5 if colocated else 1.0,
+        ref_share=0.5 if colocated else 1.0,
+        device_share_actor=0.4 if colocated else 0.6,
+        device_share_ref=0.2 if colocated else 0.4,
+        device_share_rollout=0.4,
+        threads=topo.rank_threads(),
+        rollout_devices=topo.rollout_devices,
+        rollout_replicas=topo.rollout_replicas,
+    )
 
 
 def show_worker_output(verbose: bool) -> None:
@@ -176,8 +194,11 @@ def show_worker_output(verbose: bool) -> None:
 
 def logical_cpus(resources: Resources, reward_workers: int) -> int:
     """Logical CPUs a local Ray cluster needs to place every role (at least the machine's cores)."""
-    needed = (resources.world_size * resources.bundle_cpus * 2 + ROLLOUT_CPUS * resources.rollout_replicas
-              + reward_workers * REWARD_CPUS)
+    needed = (
+        resources.world_size * resources.bundle_cpus * 2
+        + ROLLOUT_CPUS * resources.rollout_replicas
+        + reward_workers * REWARD_CPUS
+    )
     return max(os.cpu_count() or 1, int(needed + 0.999))
 
 
@@ -229,10 +250,13 @@ def connect(job: JobConfig, resources: Resources) -> Connection:
 def init_options(job: JobConfig, resources: Resources, log_file: Path | None) -> tuple[dict[str, Any], str]:
     """``ray.init``'s arguments, and where the job runs. With ``log_file`` every worker process sends its output
     there (:func:`setup_worker`) and Ray forwards none to this console."""
-    env_vars = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                # the per-step lines are the progress report; the engines' INFO lines would bury them
-                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-                "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", QUIET_WARNINGS)}
+    env_vars = {
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        # the per-step lines are the progress report; the engines' INFO lines would bury them
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", QUIET_WARNINGS),
+    }
     runtime_env: dict[str, Any] = {"env_vars": env_vars}
     if log_file is not None:
         env_vars[LOG_ENV] = str(log_file)
@@ -242,8 +266,11 @@ def init_options(job: JobConfig, resources: Resources, log_file: Path | None) ->
     if address:
         return options | {"address": address}, f"Ray cluster at {address}"
     cpus = logical_cpus(resources, job.backend_config.rl_config.reward.num_workers)
-    local = {"num_cpus": cpus, "include_dashboard": False,
-             "_system_config": {"worker_niceness": os.getpriority(os.PRIO_PROCESS, 0)}}
+    local = {
+        "num_cpus": cpus,
+        "include_dashboard": False,
+        "_system_config": {"worker_niceness": os.getpriority(os.PRIO_PROCESS, 0)},
+    }
     return options | local, f"a local Ray instance ({cpus} logical CPUs)"
 
 
@@ -253,8 +280,10 @@ def open_worker_log(out_dir: Path) -> Path:
     path = (out_dir / WORKER_LOG).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as log:
-        log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid {os.getpid()}: a run "
-                  "starts; its Ray workers' output follows\n")
+        log.write(
+            f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid {os.getpid()}: a run "
+            "starts; its Ray workers' output follows\n"
+        )
     return path
 
 
@@ -280,8 +309,10 @@ def setup_worker() -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    print(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid {os.getpid()}: Ray worker started",
-          flush=True)
+    print(
+        f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid {os.getpid()}: Ray worker started",
+        flush=True,
+    )
 
 
 def _route_ray_logger(handlers: list[logging.Handler]) -> list[logging.Handler]:
@@ -291,8 +322,9 @@ def _route_ray_logger(handlers: list[logging.Handler]) -> list[logging.Handler]:
     return previous
 
 
-def make_placement(resources: Resources, with_rollout: bool = False,
-                   report: Callable[[str], None] | None = None) -> Any:
+def make_placement(
+    resources: Resources, with_rollout: bool = False, report: Callable[[str], None] | None = None
+) -> Any:
     """The placement group of the training ranks (one bundle each; then, with ``with_rollout``, a bundle per
     separate engine replica), ready. A wait of more than a few seconds is reported: Ray's own "cannot be scheduled"
     warnings no longer reach the console."""
@@ -305,12 +337,16 @@ def make_placement(resources: Resources, with_rollout: bool = False,
     group = placement_group(bundles, strategy="PACK")
     ready = group.ready()
     if report is not None and not ray.wait([ready], timeout=PLACEMENT_NOTICE_S)[0]:
-        report(f"waiting for Ray to place {len(bundles)} bundles ({bundles[0]} each); `ray status` shows what the "
-               "cluster has free")
+        report(
+            f"waiting for Ray to place {len(bundles)} bundles ({bundles[0]} each); `ray status` shows what the "
+            "cluster has free"
+        )
     try:
         ray.get(ready, timeout=600)
     except ray.exceptions.GetTimeoutError as error:
-        raise RuntimeError(f"Ray could not place the bundles {bundles} within 10 "
-                           "minutes: does the cluster have that many devices (see `ray status`), and did each "
-                           "node start with its device resource (ray start --resources)?") from error
+        raise RuntimeError(
+            f"Ray could not place the bundles {bundles} within 10 "
+            "minutes: does the cluster have that many devices (see `ray status`), and did each "
+            "node start with its device resource (ray start --resources)?"
+        ) from error
     return group

@@ -33,9 +33,17 @@ if TYPE_CHECKING:
 class RolloutSchedule:
     """The order of the sync and the memory switches around each rollout (see the module docstring)."""
 
-    def __init__(self, group: WorkerGroup, rollouts: Sequence[Any], generate: GenerateConfig, actor: ActorConfig,
-                 sleep_level: int = 2, route: SyncRoute | None = None, reference: WorkerGroup | None = None,
-                 shared_bundles: Collection[int] | None = None) -> None:
+    def __init__(
+        self,
+        group: WorkerGroup,
+        rollouts: Sequence[Any],
+        generate: GenerateConfig,
+        actor: ActorConfig,
+        sleep_level: int = 2,
+        route: SyncRoute | None = None,
+        reference: WorkerGroup | None = None,
+        shared_bundles: Collection[int] | None = None,
+    ) -> None:
         self.group, self.rollouts, self.generate, self.actor = group, list(rollouts), generate, actor
         self.reference = reference  # a colocated reference model: its weights leave with the actor's parameters
         self.shared_bundles = shared_bundles  # the bundles (devices) that hold an engine replica; None: all
@@ -44,8 +52,11 @@ class RolloutSchedule:
 
     @property
     def offload_switches(self) -> dict[str, bool]:
-        return {"params": self.actor.offload_train_param, "grads": self.actor.offload_train_grad,
-                "optimizer": self.actor.offload_train_optimizer}
+        return {
+            "params": self.actor.offload_train_param,
+            "grads": self.actor.offload_train_grad,
+            "optimizer": self.actor.offload_train_optimizer,
+        }
 
     def engine_started(self) -> None:
         """Colocated: the freshly started engine replicas sleep before the actor's model takes the devices."""
@@ -63,8 +74,9 @@ class RolloutSchedule:
         KV cache back (see the module docstring). Separate: only the sync."""
         switches, freed, shared = self.offload_switches, 0, self.shared_bundles
         if self.generate.colocate:
-            freed += self.group.offload(params=False, grads=switches["grads"], optimizer=switches["optimizer"],
-                                        bundles=shared)
+            freed += self.group.offload(
+                params=False, grads=switches["grads"], optimizer=switches["optimizer"], bundles=shared
+            )
             if self.reference is not None and switches["params"]:
                 freed += self.reference.offload(params=True, grads=False, optimizer=False, bundles=shared)
             self._engines("wake_up", ["weights"])

@@ -40,10 +40,19 @@ class WorkerGroup:
     names the group in errors; ``num_threads`` overrides the thread budget (ranks whose phases never overlap may
     share cores)."""
 
-    def __init__(self, spec: WorkerSpec, *, cpus_per_worker: float = 1.0,
-                 resources_per_worker: dict[str, float] | None = None, strategy: str = "PACK",
-                 placement: Any = None, bundles: Sequence[int] | None = None, worker_cls: type = MegatronWorker,
-                 role: str = "actor", num_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        cpus_per_worker: float = 1.0,
+        resources_per_worker: dict[str, float] | None = None,
+        strategy: str = "PACK",
+        placement: Any = None,
+        bundles: Sequence[int] | None = None,
+        worker_cls: type = MegatronWorker,
+        role: str = "actor",
+        num_threads: int | None = None,
+    ) -> None:
         import dataclasses
 
         import ray
@@ -59,14 +68,20 @@ class WorkerGroup:
             placement = placement_group([{"CPU": cpus_per_worker, **extra}] * spec.world_size, strategy=strategy)
         self.placement = placement
         ray.get(self.placement.ready())
-        self.bundles = (list(bundles) if bundles is not None
-                        else rank_bundles(bundle_nodes(self.placement)[:spec.world_size], spec.tp * spec.cp))
+        self.bundles = (
+            list(bundles)
+            if bundles is not None
+            else rank_bundles(bundle_nodes(self.placement)[: spec.world_size], spec.tp * spec.cp)
+        )
         actor = ray.remote(worker_cls)
         gpus = extra.pop("GPU", 0)
         self.workers = [
-            actor.options(num_cpus=cpus_per_worker, num_gpus=gpus, resources=extra or None,
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, bundle)).remote(
-                self.spec, rank)
+            actor.options(
+                num_cpus=cpus_per_worker,
+                num_gpus=gpus,
+                resources=extra or None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, bundle),
+            ).remote(self.spec, rank)
             for rank, bundle in enumerate(self.bundles)
         ]
         # The ranks join their process group in the background (Ray hands rank 0's address and port to every
@@ -103,8 +118,9 @@ class WorkerGroup:
         """``method`` on every rank at once; the results in rank order."""
         return self._get(self.submit(method, *args, **kwargs), method.__name__)
 
-    def run_sharded(self, method: Callable[Concatenate[Any, S, P], R], shards: Sequence[S], *args: P.args,
-                    **kwargs: P.kwargs) -> list[R]:
+    def run_sharded(
+        self, method: Callable[Concatenate[Any, S, P], R], shards: Sequence[S], *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
         """``method(shards[dp], *args)`` on every rank, ``dp`` being the rank's data-parallel replica."""
         import ray
 
@@ -114,8 +130,10 @@ class WorkerGroup:
             raise ValueError(f"{len(shards)} shards for {self.spec.dp} data-parallel replicas")
         refs = [ray.put(shard) for shard in shards]
         shared = tuple(ray.put(a) if _large(a) else a for a in args)
-        futures = [getattr(worker, name).remote(refs[coords.dp_rank], *shared, **kwargs)
-                   for worker, coords in zip(self.workers, self.coords, strict=True)]
+        futures = [
+            getattr(worker, name).remote(refs[coords.dp_rank], *shared, **kwargs)
+            for worker, coords in zip(self.workers, self.coords, strict=True)
+        ]
         return self._get(futures, name)
 
     def _get(self, futures: Sequence[Any], method: str, ranks: Sequence[int] | None = None) -> list[Any]:
@@ -132,8 +150,9 @@ class WorkerGroup:
                 except ray.exceptions.GetTimeoutError:
                     continue
                 except ray.exceptions.RayError as error:
-                    raise WorkerError(f"{self.role} rank {rank}{self._where(rank)} failed in {method}: "
-                                      f"{error_line(error)}") from error
+                    raise WorkerError(
+                        f"{self.role} rank {rank}{self._where(rank)} failed in {method}: {error_line(error)}"
+                    ) from error
             raise
 
     def _where(self, rank: int) -> str:
@@ -142,11 +161,13 @@ class WorkerGroup:
         c = self.coords[rank]
         return f" (tp {c.tp_rank}, pp {c.pp_rank}, dp {c.dp_rank}" + (f", cp {c.cp_rank})" if self.spec.cp > 1 else ")")
 
-    def compute_log_probs_sharded(self, shards: Sequence[Sequence[dict[str, Any]]],
-                                  temperature: float = 1.0) -> list[Any]:
+    def compute_log_probs_sharded(
+        self, shards: Sequence[Sequence[dict[str, Any]]], temperature: float = 1.0
+    ) -> list[Any]:
         """Each DP replica scores its own shard of micro-batches; the last stage's results per replica."""
-        return self.per_replica(self.run_sharded(MegatronWorker.compute_log_probs, list(map(list, shards)),
-                                                 temperature))
+        return self.per_replica(
+            self.run_sharded(MegatronWorker.compute_log_probs, list(map(list, shards)), temperature)
+        )
 
     def per_replica(self, results: Sequence[Any]) -> list[Any]:
         """The last stage's TP-rank-0 result of every DP replica, in DP order."""
@@ -186,8 +207,9 @@ class WorkerGroup:
         """DDP, optimizer and LR schedule on every rank (``spec``: an ``OptimizerSpec``)."""
         self.run(TrainingWorker.setup_training, spec)
 
-    def train_mini_batch(self, shards: Sequence[Sequence[dict[str, Any]]], loss: Any,
-                         denominator: float) -> tuple[dict[str, float], list[Any]]:
+    def train_mini_batch(
+        self, shards: Sequence[Sequence[dict[str, Any]]], loss: Any, denominator: float
+    ) -> tuple[dict[str, float], list[Any]]:
         """One optimizer step, each DP replica on its shard of micro-batches: the mini-batch's metrics (the ranks
         reduce them over the replicas) and, per replica, the update forward's log-probs where its shard came
         without old ones (else None; see ``TrainingWorker.train_mini_batch``)."""
@@ -215,8 +237,9 @@ class WorkerGroup:
     def onload(self, params: bool, grads: bool, optimizer: bool, bundles: Collection[int] | None = None) -> None:
         self._run_in(MegatronWorker.onload, bundles, params, grads, optimizer)
 
-    def _run_in(self, method: RankMethod[P, R], bundles: Collection[int] | None, *args: P.args,
-                **kwargs: P.kwargs) -> list[R]:
+    def _run_in(
+        self, method: RankMethod[P, R], bundles: Collection[int] | None, *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
         """``method`` on the ranks placed in ``bundles`` (every rank when None); rank-local calls only."""
         if bundles is None:
             return self.run(method, *args, **kwargs)
@@ -258,12 +281,14 @@ def rank_bundles(nodes: Sequence[str], inner: int) -> list[int]:
         first.setdefault(node, index)
     order = sorted(range(len(nodes)), key=lambda index: (first[nodes[index]], index))
     for start in range(0, len(order), inner):
-        spread = {nodes[index] for index in order[start:start + inner]}
+        spread = {nodes[index] for index in order[start : start + inner]}
         if len(spread) > 1:
             per_node = {node: nodes.count(node) for node in first}
-            raise RuntimeError(f"ranks {start}..{start + inner - 1} form one TP x CP group but their bundles lie "
-                               f"on {len(spread)} nodes (bundles per node: {per_node}): a TP x CP group must sit "
-                               "inside one node; give every node a multiple of TP x CP free devices")
+            raise RuntimeError(
+                f"ranks {start}..{start + inner - 1} form one TP x CP group but their bundles lie "
+                f"on {len(spread)} nodes (bundles per node: {per_node}): a TP x CP group must sit "
+                "inside one node; give every node a multiple of TP x CP free devices"
+            )
     return order
 
 

@@ -135,19 +135,29 @@ class MegatronWorker:
 
         spec = self.spec
         torch.distributed.init_process_group(
-            dist_backend(), init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-            world_size=spec.world_size, timeout=timedelta(seconds=spec.init_timeout_s))
+            dist_backend(),
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=spec.init_timeout_s),
+        )
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
-            context_parallel_size=spec.cp, expert_model_parallel_size=spec.ep,
-            get_embedding_ranks=family_of(spec.model).embedding_ranks(spec.model))
+            tensor_model_parallel_size=spec.tp,
+            pipeline_model_parallel_size=spec.pp,
+            context_parallel_size=spec.cp,
+            expert_model_parallel_size=spec.ep,
+            get_embedding_ranks=family_of(spec.model).embedding_ranks(spec.model),
+        )
         model_parallel_cuda_manual_seed(spec.seed)
-        self.coords = RankCoords(self.rank, parallel_state.get_tensor_model_parallel_rank(),
-                                 parallel_state.get_pipeline_model_parallel_rank(),
-                                 parallel_state.get_data_parallel_rank(),
-                                 parallel_state.get_context_parallel_rank(),
-                                 parallel_state.get_expert_model_parallel_rank(),
-                                 parallel_state.get_expert_data_parallel_rank())
+        self.coords = RankCoords(
+            self.rank,
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_context_parallel_rank(),
+            parallel_state.get_expert_model_parallel_rank(),
+            parallel_state.get_expert_data_parallel_rank(),
+        )
         return self.coords
 
     def build(self, mm_dir: str | Path | None = None, iteration: int | str | None = None) -> None:
@@ -158,8 +168,13 @@ class MegatronWorker:
         from mm_rl.platform.device import current_device
 
         dtype = torch.bfloat16 if self.spec.bf16 else torch.float32
-        self.model = family_of(self.spec.model).build_model(self.spec.model, self.spec.flags, self.spec.actor,
-                                                            params_dtype=dtype, remove_padding=self.spec.remove_padding)
+        self.model = family_of(self.spec.model).build_model(
+            self.spec.model,
+            self.spec.flags,
+            self.spec.actor,
+            params_dtype=dtype,
+            remove_padding=self.spec.remove_padding,
+        )
         # megatron's layers create their weights on the current device, plain torch modules (the ViT's patch
         # embedding, the norms) on the CPU: the whole stage goes to this rank's device (megatron-LM's get_model
         # does the same with .cuda()). The same Parameter objects stay, with megatron's attributes.
@@ -172,8 +187,14 @@ class MegatronWorker:
         from mm_rl.convert.layout import rank_file, resolve_iteration
 
         coords = self._require_coords()
-        return rank_file(resolve_iteration(mm_dir, iteration), coords.tp_rank, coords.pp_rank, self.spec.pp,
-                         coords.ep_rank, self.spec.ep)
+        return rank_file(
+            resolve_iteration(mm_dir, iteration),
+            coords.tp_rank,
+            coords.pp_rank,
+            self.spec.pp,
+            coords.ep_rank,
+            self.spec.ep,
+        )
 
     def _require_coords(self) -> RankCoords:
         if self.coords is None:
@@ -199,8 +220,9 @@ class MegatronWorker:
         if encoder is not None:
             encoder.cache = cache
 
-    def compute_log_probs(self, micro_batches: Sequence[MicroBatch], temperature: float = 1.0) -> \
-            list[torch.Tensor] | None:
+    def compute_log_probs(
+        self, micro_batches: Sequence[MicroBatch], temperature: float = 1.0
+    ) -> list[torch.Tensor] | None:
         """Log-probs [B, S] of each micro-batch's ``labels`` (forward only, through the pipeline schedule).
 
         A micro-batch holds ``input_ids``, ``attention_mask``, ``labels`` (labels[b, s]: the token position s
@@ -265,8 +287,14 @@ class MegatronWorker:
         coords = self._require_coords()
         stats = None
         if coords.holds_unique_weights():  # other replicas and CP ranks hold the same weights
-            stats = push_stage(self._require_model(), self.spec.model, self.spec.tp, self.spec.ep,
-                               sink_factory if coords.is_sender() else None, bucket_bytes)
+            stats = push_stage(
+                self._require_model(),
+                self.spec.model,
+                self.spec.tp,
+                self.spec.ep,
+                sink_factory if coords.is_sender() else None,
+                bucket_bytes,
+            )
         return stats
 
     # ------------------------------------------------------------------- colocated memory switches
@@ -277,8 +305,11 @@ class MegatronWorker:
 
         switches = {"params": params, "grads": grads, "optimizer": optimizer}
         self._reset_image_cache(None)  # the step is over: its images' ViT outputs go too
-        freed = {kind: self._memory.offload(kind, self._memory_tensors(kind), keep=kind != "grads")
-                 for kind, on in switches.items() if on}
+        freed = {
+            kind: self._memory.offload(kind, self._memory_tensors(kind), keep=kind != "grads")
+            for kind, on in switches.items()
+            if on
+        }
         empty_cache()
         return freed
 
@@ -299,8 +330,9 @@ class MegatronWorker:
         if kind == "params":
             return model_params
         if kind == "grads":
-            return [g for p in model_params for g in (getattr(p, "main_grad", None), p.grad)
-                    if isinstance(g, torch.Tensor)]
+            return [
+                g for p in model_params for g in (getattr(p, "main_grad", None), p.grad) if isinstance(g, torch.Tensor)
+            ]
         owned = {p.untyped_storage()._cdata for p in model_params}
         tensors = []
         for inner in (part.optimizer for part in optimizer_parts(getattr(self, "optimizer", None))):
@@ -352,8 +384,14 @@ def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None) -> torch
     return on_device.cpu()
 
 
-def run_schedule(model: Any, micro_batches: Sequence[MicroBatch], loss_of: Callable[..., torch.Tensor],
-                 temperature: float, forward_only: bool, images: StepImages | None = None) -> None:
+def run_schedule(
+    model: Any,
+    micro_batches: Sequence[MicroBatch],
+    loss_of: Callable[..., torch.Tensor],
+    temperature: float,
+    forward_only: bool,
+    images: StepImages | None = None,
+) -> None:
     """megatron's pipeline schedule over ``micro_batches`` (every rank of the group calls it together).
 
     Every stage gets the whole micro-batch (its images from ``images``, the step's); on the last stage
@@ -363,24 +401,40 @@ def run_schedule(model: Any, micro_batches: Sequence[MicroBatch], loss_of: Calla
 
     get_forward_backward_func()(
         forward_step_func=functools.partial(_forward_step, loss_of, temperature, images),
-        data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
         seq_length=max(int(b["input_ids"].shape[1]) for b in micro_batches),
-        micro_batch_size=max(int(b["input_ids"].shape[0]) for b in micro_batches), forward_only=forward_only)
+        micro_batch_size=max(int(b["input_ids"].shape[0]) for b in micro_batches),
+        forward_only=forward_only,
+    )
 
 
-def _forward_step(loss_of: Callable[..., torch.Tensor], temperature: float, images: StepImages | None,
-                  data: Iterator[MicroBatch], model: Any) -> tuple[Any, Callable[[Any], Any]]:
+def _forward_step(
+    loss_of: Callable[..., torch.Tensor],
+    temperature: float,
+    images: StepImages | None,
+    data: Iterator[MicroBatch],
+    model: Any,
+) -> tuple[Any, Callable[[Any], Any]]:
     """megatron's forward step: the model on the next micro-batch (its images put together from the step's and
     moved to this rank's device here, the one driver -> rank boundary of every pass), and the loss function of its
     output."""
     from mm_rl.platform.device import current_device
 
     batch = to_device(next(data), current_device(), images)
-    output = model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                   pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
-                   labels=batch["labels"], temperature=temperature, encoded_grid_thw=batch.get("encoded_grid_thw"),
-                   image_slots=batch.get("image_slots"), image_keys=batch.get("image_keys"),
-                   output_mask=batch.get("response_mask"))
+    output = model(
+        batch["input_ids"],
+        attention_mask=batch.get("attention_mask"),
+        pixel_values=batch.get("pixel_values"),
+        image_grid_thw=batch.get("image_grid_thw"),
+        labels=batch["labels"],
+        temperature=temperature,
+        encoded_grid_thw=batch.get("encoded_grid_thw"),
+        image_slots=batch.get("image_slots"),
+        image_keys=batch.get("image_keys"),
+        output_mask=batch.get("response_mask"),
+    )
 
     def loss_func(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         return loss_of(batch, out), {}

@@ -93,26 +93,46 @@ class TrainingWorker(MegatronWorker):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         model = self._require_model()
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=spec.use_distributed_optimizer)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=spec.use_distributed_optimizer,
+        )
         self.ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
         model.config.finalize_model_grads_func = finalize_model_grads
         model.config.no_sync_func = self.ddp.no_sync
-        config = OptimizerConfig(optimizer="adam", lr=spec.lr, min_lr=spec.min_lr, weight_decay=spec.weight_decay,
-                                 adam_beta1=spec.adam_beta1, adam_beta2=spec.adam_beta2, clip_grad=spec.clip_grad,
-                                 bf16=spec.bf16, params_dtype=model.config.params_dtype,
-                                 use_distributed_optimizer=spec.use_distributed_optimizer)
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=spec.lr,
+            min_lr=spec.min_lr,
+            weight_decay=spec.weight_decay,
+            adam_beta1=spec.adam_beta1,
+            adam_beta2=spec.adam_beta2,
+            clip_grad=spec.clip_grad,
+            bf16=spec.bf16,
+            params_dtype=model.config.params_dtype,
+            use_distributed_optimizer=spec.use_distributed_optimizer,
+        )
         self.optimizer = get_megatron_optimizer(config, [self.ddp], config_overrides=_overrides(config, spec))
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if spec.warmup_steps else spec.lr, max_lr=spec.lr, min_lr=spec.min_lr,
-            lr_warmup_steps=spec.warmup_steps, lr_decay_steps=max(1, spec.total_steps),
-            lr_decay_style=spec.lr_decay_style, start_wd=spec.weight_decay, end_wd=spec.weight_decay,
-            wd_incr_steps=max(1, spec.total_steps), wd_incr_style="constant")
+            self.optimizer,
+            init_lr=0.0 if spec.warmup_steps else spec.lr,
+            max_lr=spec.lr,
+            min_lr=spec.min_lr,
+            lr_warmup_steps=spec.warmup_steps,
+            lr_decay_steps=max(1, spec.total_steps),
+            lr_decay_style=spec.lr_decay_style,
+            start_wd=spec.weight_decay,
+            end_wd=spec.weight_decay,
+            wd_incr_steps=max(1, spec.total_steps),
+            wd_incr_style="constant",
+        )
         self.spec_optim = spec
 
     # ------------------------------------------------------------------------------------------- update
-    def train_mini_batch(self, micro_batches: Sequence[MicroBatch], loss: LossSpec,
-                         denominator: float) -> UpdateResult | None:
+    def train_mini_batch(
+        self, micro_batches: Sequence[MicroBatch], loss: LossSpec, denominator: float
+    ) -> UpdateResult | None:
         """One optimizer step over this rank's micro-batches of a mini-batch (every rank calls it).
 
         A micro-batch holds the log-prob inputs (see ``compute_log_probs``) plus ``response_mask``,
@@ -144,10 +164,18 @@ class TrainingWorker(MegatronWorker):
             if old is None:
                 old = out["log_probs"].detach()
                 own_log_probs.append(old)
-            value, metrics = actor_loss(out["log_probs"], old, batch.get("ref_log_probs"),
-                                        batch["advantages"], batch["response_mask"], out["entropy"], loss.rl,
-                                        loss.max_response_len, denominator=denominator,
-                                        engine_logprob=batch.get("engine_log_probs"))
+            value, metrics = actor_loss(
+                out["log_probs"],
+                old,
+                batch.get("ref_log_probs"),
+                batch["advantages"],
+                batch["response_mask"],
+                out["entropy"],
+                loss.rl,
+                loss.max_response_len,
+                denominator=denominator,
+                engine_logprob=batch.get("engine_log_probs"),
+            )
             collected.append(metrics)
             return value * scale
 
@@ -168,8 +196,9 @@ class TrainingWorker(MegatronWorker):
 
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
-        bad = all_reduce(torch.tensor([0.0 if loss_finite and math.isfinite(grad_norm) else 1.0]),
-                         op=torch.distributed.ReduceOp.MAX)
+        bad = all_reduce(
+            torch.tensor([0.0 if loss_finite and math.isfinite(grad_norm) else 1.0]), op=torch.distributed.ReduceOp.MAX
+        )
         lr = self.optimizer.param_groups[0]["lr"]
         if bad.item() > 0:
             self.optimizer.zero_grad()
@@ -216,10 +245,21 @@ class TrainingWorker(MegatronWorker):
             shards = [part.optimizer.state_dict() for part in optimizer_parts(self.optimizer)]
             torch.save(shards, rank_dir / DISTRIB_OPTIM_FILE.format(dp=_optimizer_shard()))
         if coords.holds_unique_weights():
-            state = {"model": self._require_model().state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "opt_param_scheduler": self.scheduler.state_dict(), "rng_state": rng_state()}
-            CheckpointManager(path.parent, 0).write_rank(path, coords.tp_rank, coords.pp_rank, state,
-                                                         pp_size=self.spec.pp, ep_rank=coords.ep_rank, ep=self.spec.ep)
+            state = {
+                "model": self._require_model().state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "opt_param_scheduler": self.scheduler.state_dict(),
+                "rng_state": rng_state(),
+            }
+            CheckpointManager(path.parent, 0).write_rank(
+                path,
+                coords.tp_rank,
+                coords.pp_rank,
+                state,
+                pp_size=self.spec.pp,
+                ep_rank=coords.ep_rank,
+                ep=self.spec.ep,
+            )
 
     def load_checkpoint(self, save_dir: str, step: int, load_optim: bool, load_rng: bool) -> None:
         """Load iteration ``step`` of ``save_dir`` into this rank (``no-load-optim`` / ``no-load-rng`` honoured)."""
@@ -229,8 +269,9 @@ class TrainingWorker(MegatronWorker):
         from mm_rl.convert.layout import iteration_name
 
         coords = self._require_coords()
-        state = CheckpointManager(save_dir, 0).load(step, coords.tp_rank, coords.pp_rank, load_optim, load_rng,
-                                                    coords.ep_rank)
+        state = CheckpointManager(save_dir, 0).load(
+            step, coords.tp_rank, coords.pp_rank, load_optim, load_rng, coords.ep_rank
+        )
         self._require_model().load_state_dict(state["model"])
         if "optimizer" in state:
             with torch.no_grad():  # the distributed optimizer copies into views of parameters that require grad
@@ -251,9 +292,11 @@ class TrainingWorker(MegatronWorker):
 
         path = rank_dir / DISTRIB_OPTIM_FILE.format(dp=_optimizer_shard())
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: the checkpoint was saved with another DP (x CP) size "
-                                    "or without the distributed optimizer; resume with the same layout, or set "
-                                    "no-load-optim")
+            raise FileNotFoundError(
+                f"{path} is missing: the checkpoint was saved with another DP (x CP) size "
+                "or without the distributed optimizer; resume with the same layout, or set "
+                "no-load-optim"
+            )
         shards = torch.load(path, map_location="cpu", weights_only=False)
         for part, shard in zip(optimizer_parts(self.optimizer), shards, strict=True):
             part.optimizer.load_state_dict(shard)
@@ -264,8 +307,9 @@ class TrainingWorker(MegatronWorker):
         from mm_rl.convert.layout import rank_file
 
         coords = self._require_coords()
-        return rank_file(iteration_dir, coords.tp_rank, coords.pp_rank, self.spec.pp, coords.ep_rank,
-                         self.spec.ep).parent
+        return rank_file(
+            iteration_dir, coords.tp_rank, coords.pp_rank, self.spec.pp, coords.ep_rank, self.spec.ep
+        ).parent
 
 
 def _optimizer_shard() -> int:
@@ -281,8 +325,10 @@ def _overrides(config: Any, spec: OptimizerSpec) -> dict[Any, Any]:
 
     overrides = get_standard_config_overrides(config)
     if spec.vision_encoder_lr is not None:
-        overrides[ParamKey(name=VISION_ENCODER_PARAMS)] = {"max_lr": spec.vision_encoder_lr,
-                                                         "min_lr": min(spec.min_lr, spec.vision_encoder_lr)}
+        overrides[ParamKey(name=VISION_ENCODER_PARAMS)] = {
+            "max_lr": spec.vision_encoder_lr,
+            "min_lr": min(spec.min_lr, spec.vision_encoder_lr),
+        }
     return overrides
 
 
@@ -303,8 +349,12 @@ def routing_metrics(counts: torch.Tensor, text: Any) -> dict[str, float]:
         return {}
     load = experts[used] / (experts[used].sum(1, keepdim=True) / experts.shape[1]).clamp_min(1e-12)
     assigned = tokens[used].sum() * text.moe_router_topk
-    return {"moe/load_max": float(load.max(1).values.mean()), "moe/load_min": float(load.min(1).values.mean()),
-            "moe/load_max_layer": float(load.max()), "moe/dropped_tokens": float(1 - experts[used].sum() / assigned)}
+    return {
+        "moe/load_max": float(load.max(1).values.mean()),
+        "moe/load_min": float(load.min(1).values.mean()),
+        "moe/load_max_layer": float(load.max()),
+        "moe/dropped_tokens": float(1 - experts[used].sum() / assigned),
+    }
 
 
 def reduce_over_replicas(collected: list[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -319,8 +369,9 @@ def reduce_over_replicas(collected: list[dict[str, torch.Tensor]]) -> dict[str, 
 
     keys = [key for key in collected[0] if not key.endswith(MAXED_SUFFIX)]
     maxed = [key for key in collected[0] if key.endswith(MAXED_SUFFIX)]
-    totals = torch.tensor([sum(float(m[key]) for m in collected) for key in keys] + [float(len(collected))],
-                          dtype=torch.float64)
+    totals = torch.tensor(
+        [sum(float(m[key]) for m in collected) for key in keys] + [float(len(collected))], dtype=torch.float64
+    )
     peaks = torch.tensor([max(float(m[key]) for m in collected) for key in maxed], dtype=torch.float64)
     group = parallel_state.get_data_parallel_group(with_context_parallel=False)
     if torch.distributed.get_world_size(group) > 1:
@@ -341,8 +392,13 @@ def rng_state() -> dict[str, Any]:
 
     from mm_rl.platform.device import device_rng_state
 
-    return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "device": device_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "device": device_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

@@ -39,10 +39,20 @@ pytestmark = pytest.mark.skipif(device_kind() == "cpu", reason="needs a CUDA GPU
 GAP_MEAN_BF16 = 5e-2
 STEPS = 3
 QWEN2_5_VL_3B_WIDTHS = {
-    "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2, "intermediate_size": 11008,
-    "num_hidden_layers": 2, "mrope_section": [16, 24, 24],
-    "vision_config": {"hidden_size": 1280, "num_heads": 16, "intermediate_size": 3420, "depth": 2,
-                      "fullatt_block_indexes": [1], "out_hidden_size": 2048},
+    "hidden_size": 2048,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 2,
+    "mrope_section": [16, 24, 24],
+    "vision_config": {
+        "hidden_size": 1280,
+        "num_heads": 16,
+        "intermediate_size": 3420,
+        "depth": 2,
+        "fullatt_block_indexes": [1],
+        "out_hidden_size": 2048,
+    },
 }
 
 
@@ -65,16 +75,27 @@ def _job(out: Path, hf_dir: Path, data_dir: Path, devices: int = 1, extra: tuple
     from mm_rl.job.create import ClusterSpec, create_job
 
     actor = "backend_config.actor_config"
-    node, _, _ = create_job("tiny", "device_smoke", ClusterSpec(1, devices, device_kind()), overrides=[
-        f"af_output_dir={out}", f"backend_config.megatron_training.tokenizer_name_or_path={hf_dir}",
-        f"backend_config.data.dataset_param.basic_parameters.dataset_dir={data_dir}",
-        f"backend_config.megatron_training.train_iters={STEPS}",
-        f"backend_config.megatron_training.save_interval={STEPS}",
-        "backend_config.rl_config.val_freq=0", "backend_config.rl_config.val_before_train=false",
-        "backend_config.training.bf16=true",
-        "backend_config.generate_config.colocate=true", "backend_config.generate_config.gpu_memory_utilization=0.3",
-        f"{actor}.offload_train_param=true", f"{actor}.offload_train_grad=true",
-        f"{actor}.offload_train_optimizer=true", *extra])
+    node, _, _ = create_job(
+        "tiny",
+        "device_smoke",
+        ClusterSpec(1, devices, device_kind()),
+        overrides=[
+            f"af_output_dir={out}",
+            f"backend_config.megatron_training.tokenizer_name_or_path={hf_dir}",
+            f"backend_config.data.dataset_param.basic_parameters.dataset_dir={data_dir}",
+            f"backend_config.megatron_training.train_iters={STEPS}",
+            f"backend_config.megatron_training.save_interval={STEPS}",
+            "backend_config.rl_config.val_freq=0",
+            "backend_config.rl_config.val_before_train=false",
+            "backend_config.training.bf16=true",
+            "backend_config.generate_config.colocate=true",
+            "backend_config.generate_config.gpu_memory_utilization=0.3",
+            f"{actor}.offload_train_param=true",
+            f"{actor}.offload_train_grad=true",
+            f"{actor}.offload_train_optimizer=true",
+            *extra,
+        ],
+    )
     model = dataclasses.asdict(model_config_from_hf(hf_dir / "config.json"))
     OmegaConf.update(node, "backend_config.model", model, merge=False)
     return to_job(node)
@@ -106,7 +127,9 @@ def _run(job: JobConfig) -> tuple[list[dict[str, float]], list[tuple[int, int, i
 
 
 CHECKPOINTS: dict[str, dict[str, Any]] = {  # name: the tiny builder's keywords
-    "tiny": {}, "qwen2_5_vl_3b": QWEN2_5_VL_3B_WIDTHS, "tiny_qwen3_vl": {"family": "qwen3_vl"},
+    "tiny": {},
+    "qwen2_5_vl_3b": QWEN2_5_VL_3B_WIDTHS,
+    "tiny_qwen3_vl": {"family": "qwen3_vl"},
     "tiny_qwen3_vl_moe": {"family": "qwen3_vl", "num_experts": 4},
 }
 
@@ -127,9 +150,11 @@ def test_colocated_bf16_grpo_steps(widths: str, data_dir: Path, tmp_path: Path) 
     for before, after, freed in parameter_offloads:  # the allocator really gave the bytes up
         assert before - after >= 0.9 * freed, (before, after, freed)
     rate = sum(step["throughput/tok_per_s"] for step in history[1:]) / (STEPS - 1)
-    print(f"device smoke {widths} on {device_kind()}: {rate:,.0f} tok/s per step (steps 2-{STEPS}), "
-          f"gap mean {max(gaps):.2e}, offloaded {history[-1]['memory/offloaded_gb']:.2f} GB, "
-          f"allocated {max(b for b, _, _ in memory) / 2**30:.2f} -> {min(a for _, a, _ in memory) / 2**30:.2f} GiB")
+    print(
+        f"device smoke {widths} on {device_kind()}: {rate:,.0f} tok/s per step (steps 2-{STEPS}), "
+        f"gap mean {max(gaps):.2e}, offloaded {history[-1]['memory/offloaded_gb']:.2f} GB, "
+        f"allocated {max(b for b, _, _ in memory) / 2**30:.2f} -> {min(a for _, a, _ in memory) / 2**30:.2f} GiB"
+    )
 
 
 @pytest.mark.skipif(device_count() < 2, reason="needs 2 or more devices of one kind")
@@ -146,8 +171,10 @@ def test_two_colocated_engine_replicas_share_the_rollout(data_dir: Path, tmp_pat
     for step in history:
         assert step["rollout/replicas"] == 2 and step["rollout/replica_prompts_min"] >= 1
         assert step["rollout/logprob_gap_mean"] < GAP_MEAN_BF16
-    print(f"device smoke 2 replicas on {device_kind()}: rollout {history[-1]['throughput/rollout_tok_per_s']:,.0f} "
-          f"tok/s, slowest / fastest replica {history[-1]['rollout/replica_wall_spread']:.2f}x")
+    print(
+        f"device smoke 2 replicas on {device_kind()}: rollout {history[-1]['throughput/rollout_tok_per_s']:,.0f} "
+        f"tok/s, slowest / fastest replica {history[-1]['rollout/replica_wall_spread']:.2f}x"
+    )
 
 
 @pytest.mark.skipif(device_count() < 2, reason="needs 2 or more devices of one kind")
@@ -176,8 +203,10 @@ def test_moe_trains_at_tp2_under_sequence_parallelism(data_dir: Path, tmp_path: 
     assert len(history) == STEPS
     for step in history:
         assert step["rollout/logprob_gap_mean"] < GAP_MEAN_BF16 and step["actor/moe/load_min"] > 0
-    print(f"device smoke MoE TP2 on {device_kind()}: gap mean {max(s['rollout/logprob_gap_mean'] for s in history):.2e}"
-          f", expert load max {history[-1]['actor/moe/load_max']:.2f}")
+    print(
+        f"device smoke MoE TP2 on {device_kind()}: gap mean {max(s['rollout/logprob_gap_mean'] for s in history):.2e}"
+        f", expert load max {history[-1]['actor/moe/load_max']:.2f}"
+    )
 
 
 def test_micro_batch_reaches_the_rank_device_and_results_come_back() -> None:
@@ -223,9 +252,17 @@ def test_llm_core_attention_on_the_device_matches_the_same_attention_in_fp32() -
 
     setup_process()
     device = current_device()
-    config = TransformerConfig(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2,
-                               kv_channels=64, ffn_hidden_size=1024, activation_func=F.silu, hidden_dropout=0.0,
-                               attention_dropout=0.0)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=512,
+        num_attention_heads=8,
+        num_query_groups=2,
+        kv_channels=64,
+        ffn_hidden_size=1024,
+        activation_func=F.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     core = LLMCoreAttention(config, 1, None, "self")
     bounds = [0, 300, 310, 1100]
     segments = CausalSegments.build(torch.tensor(bounds, dtype=torch.int32, device=device))

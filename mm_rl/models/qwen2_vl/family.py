@@ -62,27 +62,52 @@ def model_json(config: Mapping[str, Any]) -> dict[str, Any]:
     decoder = text_decoder_json(config, LABEL)
     heads = need(vision, "num_heads", LABEL)
     encoder = {
-        "num_layers": depth, "pipeline_num_layers": [depth], "hidden_size": width,
-        "ffn_hidden_size": int(width * vision.get("mlp_ratio", 4)), "num_attention_heads": heads,
-        "num_query_groups": heads, "in_channels": vision.get("in_channels", vision.get("in_chans", 3)),
-        "patch_size": vision.get("patch_size", 14), "temporal_patch_size": vision.get("temporal_patch_size", 2),
-        "spatial_merge_size": merge, **_VISION_FIXED,
+        "num_layers": depth,
+        "pipeline_num_layers": [depth],
+        "hidden_size": width,
+        "ffn_hidden_size": int(width * vision.get("mlp_ratio", 4)),
+        "num_attention_heads": heads,
+        "num_query_groups": heads,
+        "in_channels": vision.get("in_channels", vision.get("in_chans", 3)),
+        "patch_size": vision.get("patch_size", 14),
+        "temporal_patch_size": vision.get("temporal_patch_size", 2),
+        "spatial_merge_size": merge,
+        **_VISION_FIXED,
     }
-    projector = {"model_id": "lnmlp", "input_size": width,
-                 "hidden_size": vision.get("hidden_size", decoder["hidden_size"]),
-                 "ffn_hidden_size": width * merge ** 2, "normalization": "LayerNorm"}
-    return {"model_id": MODEL_ID, **token_ids_json(config),
-            "image_encoder": {"vision_encoder": encoder, "vision_projector": projector}, "text_decoder": decoder}
+    projector = {
+        "model_id": "lnmlp",
+        "input_size": width,
+        "hidden_size": vision.get("hidden_size", decoder["hidden_size"]),
+        "ffn_hidden_size": width * merge**2,
+        "normalization": "LayerNorm",
+    }
+    return {
+        "model_id": MODEL_ID,
+        **token_ids_json(config),
+        "image_encoder": {"vision_encoder": encoder, "vision_projector": projector},
+        "text_decoder": decoder,
+    }
 
 
 # The ViT's structure: no windows, LayerNorm, plain quick-GELU MLP, biases everywhere.
 _VISION_FIXED: dict[str, Any] = {
-    "window_size": 0, "fullatt_block_indexes": [], "normalization": "LayerNorm", "activation_func": "quick_gelu",
-    "swiglu": False, "add_qkv_bias": True, "add_bias_linear": True,
+    "window_size": 0,
+    "fullatt_block_indexes": [],
+    "normalization": "LayerNorm",
+    "activation_func": "quick_gelu",
+    "swiglu": False,
+    "add_qkv_bias": True,
+    "add_bias_linear": True,
 }
-_FIXED = {**{f"image_encoder.vision_encoder.{key}": value for key, value in _VISION_FIXED.items()
-             if key != "fullatt_block_indexes"},
-          "image_encoder.vision_projector.normalization": "LayerNorm", "text_decoder.swiglu": True}
+_FIXED = {
+    **{
+        f"image_encoder.vision_encoder.{key}": value
+        for key, value in _VISION_FIXED.items()
+        if key != "fullatt_block_indexes"
+    },
+    "image_encoder.vision_projector.normalization": "LayerNorm",
+    "text_decoder.swiglu": True,
+}
 
 
 def rules(model: ModelConfig) -> Iterator[ModelFinding]:
@@ -90,8 +115,18 @@ def rules(model: ModelConfig) -> Iterator[ModelFinding]:
 
 
 FAMILY = ModelFamily(
-    name="qwen2_vl", label=LABEL, model_id=MODEL_ID, hf_model_types=("qwen2_vl",),
-    hf_architecture="Qwen2VLForConditionalGeneration", tensors=TENSORS, model_dims=model_dims,
-    model_flags=model_flags, model_json=model_json, stage=qwen_vl.stage, decoder_layer=decoder_layer,
-    tiny=tiny, rules=rules, hf_aliases=HF_ALIASES,
+    name="qwen2_vl",
+    label=LABEL,
+    model_id=MODEL_ID,
+    hf_model_types=("qwen2_vl",),
+    hf_architecture="Qwen2VLForConditionalGeneration",
+    tensors=TENSORS,
+    model_dims=model_dims,
+    model_flags=model_flags,
+    model_json=model_json,
+    stage=qwen_vl.stage,
+    decoder_layer=decoder_layer,
+    tiny=tiny,
+    rules=rules,
+    hf_aliases=HF_ALIASES,
 )

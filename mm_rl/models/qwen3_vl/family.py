@@ -40,8 +40,10 @@ VH, PH, DH = "model.visual.blocks.{i}.", "model.visual.merger.", "model.visual.d
 L, LH = "text_decoder.decoder.layers.{i}.", "model.language_model.layers.{i}."
 D = V + "deepstack_layer."
 EH = LH + "mlp.experts.{e}."  # one expert's tensors (stored fused, see FUSED)
-FUSED = (Fused(LH + "mlp.experts.gate_up_proj", (EH + "gate_proj.weight", EH + "up_proj.weight")),
-         Fused(LH + "mlp.experts.down_proj", (EH + "down_proj.weight",)))
+FUSED = (
+    Fused(LH + "mlp.experts.gate_up_proj", (EH + "gate_proj.weight", EH + "up_proj.weight")),
+    Fused(LH + "mlp.experts.down_proj", (EH + "down_proj.weight",)),
+)
 
 
 def _merger(scope: Scope, mg: str, hf: str, norm: str) -> tuple[Entry, ...]:
@@ -55,19 +57,44 @@ def _merger(scope: Scope, mg: str, hf: str, norm: str) -> tuple[Entry, ...]:
 
 
 TENSORS: tuple[Entry, ...] = (
-    Entry("patch_embed", "image_encoder.encoder.patch_embed.proj.weight", ("model.visual.patch_embed.proj.weight",),
-          (("vh", "cin", "tps", "ps", "ps"),)),
-    Entry("patch_embed", "image_encoder.encoder.patch_embed.proj.bias", ("model.visual.patch_embed.proj.bias",),
-          (("vh",),)),
-    Entry("patch_embed", "image_encoder.encoder.pos_embed.weight", ("model.visual.pos_embed.weight",),
-          (("vpos", "vh"),)),
+    Entry(
+        "patch_embed",
+        "image_encoder.encoder.patch_embed.proj.weight",
+        ("model.visual.patch_embed.proj.weight",),
+        (("vh", "cin", "tps", "ps", "ps"),),
+    ),
+    Entry(
+        "patch_embed",
+        "image_encoder.encoder.patch_embed.proj.bias",
+        ("model.visual.patch_embed.proj.bias",),
+        (("vh",),),
+    ),
+    Entry(
+        "patch_embed", "image_encoder.encoder.pos_embed.weight", ("model.visual.pos_embed.weight",), (("vpos", "vh"),)
+    ),
     *pair("vit_layer", V + "input_layernorm", VH + "norm1", "vh"),
-    Entry("vit_layer", V + "self_attention.linear_qkv.weight", (VH + "attn.qkv.weight",), (("vqkv", "vh"),),
-          "fused_qkv", 0, VIT_HEADS),
-    Entry("vit_layer", V + "self_attention.linear_qkv.bias", (VH + "attn.qkv.bias",), (("vqkv",),),
-          "fused_qkv", 0, VIT_HEADS, when=VQKV),
-    Entry("vit_layer", V + "self_attention.linear_proj.weight", (VH + "attn.proj.weight",), (("vh", "vattn"),),
-          split=1),
+    Entry(
+        "vit_layer",
+        V + "self_attention.linear_qkv.weight",
+        (VH + "attn.qkv.weight",),
+        (("vqkv", "vh"),),
+        "fused_qkv",
+        0,
+        VIT_HEADS,
+    ),
+    Entry(
+        "vit_layer",
+        V + "self_attention.linear_qkv.bias",
+        (VH + "attn.qkv.bias",),
+        (("vqkv",),),
+        "fused_qkv",
+        0,
+        VIT_HEADS,
+        when=VQKV,
+    ),
+    Entry(
+        "vit_layer", V + "self_attention.linear_proj.weight", (VH + "attn.proj.weight",), (("vh", "vattn"),), split=1
+    ),
     Entry("vit_layer", V + "self_attention.linear_proj.bias", (VH + "attn.proj.bias",), (("vh",),), when=VLIN),
     *pair("vit_layer", V + "pre_mlp_layernorm", VH + "norm2", "vh"),
     Entry("vit_layer", V + "mlp.linear_fc1.weight", (VH + "mlp.linear_fc1.weight",), (("vffn", "vh"),), split=0),
@@ -76,46 +103,105 @@ TENSORS: tuple[Entry, ...] = (
     Entry("vit_layer", V + "mlp.linear_fc2.bias", (VH + "mlp.linear_fc2.bias",), (("vh",),), when=VLIN),
     *_merger("merger", P, PH, "pin"),
     *_merger("deepstack", D, DH, "pcat"),
-    Entry("embedding", "text_decoder.embedding.word_embeddings.weight", ("model.language_model.embed_tokens.weight",),
-          (("vocab", "h"),), split=0),
+    Entry(
+        "embedding",
+        "text_decoder.embedding.word_embeddings.weight",
+        ("model.language_model.embed_tokens.weight",),
+        (("vocab", "h"),),
+        split=0,
+    ),
     Entry("llm_layer", L + "input_layernorm.weight", (LH + "input_layernorm.weight",), (("h",),)),
-    Entry("llm_layer", L + "self_attention.linear_qkv.weight",
-          (LH + "self_attn.q_proj.weight", LH + "self_attn.k_proj.weight", LH + "self_attn.v_proj.weight"),
-          (("q", "h"), ("kv", "h"), ("kv", "h")), "qkv", 0, LLM_HEADS),
+    Entry(
+        "llm_layer",
+        L + "self_attention.linear_qkv.weight",
+        (LH + "self_attn.q_proj.weight", LH + "self_attn.k_proj.weight", LH + "self_attn.v_proj.weight"),
+        (("q", "h"), ("kv", "h"), ("kv", "h")),
+        "qkv",
+        0,
+        LLM_HEADS,
+    ),
     Entry("llm_layer", L + "self_attention.q_layernorm.weight", (LH + "self_attn.q_norm.weight",), (("hd",),)),
     Entry("llm_layer", L + "self_attention.k_layernorm.weight", (LH + "self_attn.k_norm.weight",), (("hd",),)),
-    Entry("llm_layer", L + "self_attention.linear_proj.weight", (LH + "self_attn.o_proj.weight",), (("h", "q"),),
-          split=1),
+    Entry(
+        "llm_layer", L + "self_attention.linear_proj.weight", (LH + "self_attn.o_proj.weight",), (("h", "q"),), split=1
+    ),
     Entry("llm_layer", L + "pre_mlp_layernorm.weight", (LH + "post_attention_layernorm.weight",), (("h",),)),
-    Entry("llm_layer", L + "mlp.linear_fc1.weight", (LH + "mlp.gate_proj.weight", LH + "mlp.up_proj.weight"),
-          (("ffn", "h"), ("ffn", "h")), "glu", 0, when="dense"),
-    Entry("llm_layer", L + "mlp.linear_fc2.weight", (LH + "mlp.down_proj.weight",), (("h", "ffn"),), split=1,
-          when="dense"),
+    Entry(
+        "llm_layer",
+        L + "mlp.linear_fc1.weight",
+        (LH + "mlp.gate_proj.weight", LH + "mlp.up_proj.weight"),
+        (("ffn", "h"), ("ffn", "h")),
+        "glu",
+        0,
+        when="dense",
+    ),
+    Entry(
+        "llm_layer", L + "mlp.linear_fc2.weight", (LH + "mlp.down_proj.weight",), (("h", "ffn"),), split=1, when="dense"
+    ),
     Entry("llm_layer", L + "mlp.router.weight", (LH + "mlp.gate.weight",), (("experts", "h"),), when="moe"),
-    Entry("llm_layer", L + "mlp.experts.local_experts.{e}.linear_fc1.weight", (EH + "gate_proj.weight",
-          EH + "up_proj.weight"), (("eff", "h"), ("eff", "h")), "glu", 0, when="moe", expert=True),
-    Entry("llm_layer", L + "mlp.experts.local_experts.{e}.linear_fc2.weight", (EH + "down_proj.weight",),
-          (("h", "eff"),), split=1, when="moe", expert=True),
-    Entry("final_norm", "text_decoder.decoder.final_layernorm.weight", ("model.language_model.norm.weight",),
-          (("h",),)),
-    Entry("output_layer", "text_decoder.output_layer.weight", ("lm_head.weight",), (("vocab", "h"),), split=0,
-          when="untied"),
-    Entry("output_layer", "text_decoder.output_layer.weight", ("model.language_model.embed_tokens.weight",),
-          (("vocab", "h"),), split=0, when="tied", duplicate=True),
+    Entry(
+        "llm_layer",
+        L + "mlp.experts.local_experts.{e}.linear_fc1.weight",
+        (EH + "gate_proj.weight", EH + "up_proj.weight"),
+        (("eff", "h"), ("eff", "h")),
+        "glu",
+        0,
+        when="moe",
+        expert=True,
+    ),
+    Entry(
+        "llm_layer",
+        L + "mlp.experts.local_experts.{e}.linear_fc2.weight",
+        (EH + "down_proj.weight",),
+        (("h", "eff"),),
+        split=1,
+        when="moe",
+        expert=True,
+    ),
+    Entry(
+        "final_norm", "text_decoder.decoder.final_layernorm.weight", ("model.language_model.norm.weight",), (("h",),)
+    ),
+    Entry(
+        "output_layer",
+        "text_decoder.output_layer.weight",
+        ("lm_head.weight",),
+        (("vocab", "h"),),
+        split=0,
+        when="untied",
+    ),
+    Entry(
+        "output_layer",
+        "text_decoder.output_layer.weight",
+        ("model.language_model.embed_tokens.weight",),
+        (("vocab", "h"),),
+        split=0,
+        when="tied",
+        duplicate=True,
+    ),
 )
 
 
 def qwen3_dims(model: ModelConfig) -> dict[str, int]:
     text = model.text_decoder
-    return {**model_dims(model), "vpos": model.image_encoder.vision_encoder.num_position_embeddings,
-            "experts": text.num_moe_experts or 0, "eff": text.moe_intermediate_size or 0}
+    return {
+        **model_dims(model),
+        "vpos": model.image_encoder.vision_encoder.num_position_embeddings,
+        "experts": text.num_moe_experts or 0,
+        "eff": text.moe_intermediate_size or 0,
+    }
 
 
 def qwen3_flags(model: ModelConfig) -> dict[str, bool]:
     text, vit = model.text_decoder, model.image_encoder.vision_encoder
     moe = bool(text.num_moe_experts)
-    return {VQKV: vit.add_qkv_bias, VLIN: vit.add_bias_linear, "untied": text.untie_embeddings_and_output_weights,
-            "tied": not text.untie_embeddings_and_output_weights, "moe": moe, "dense": not moe}
+    return {
+        VQKV: vit.add_qkv_bias,
+        VLIN: vit.add_bias_linear,
+        "untied": text.untie_embeddings_and_output_weights,
+        "tied": not text.untie_embeddings_and_output_weights,
+        "moe": moe,
+        "dense": not moe,
+    }
 
 
 def moe_json(text: Mapping[str, Any]) -> dict[str, Any]:
@@ -126,12 +212,17 @@ def moe_json(text: Mapping[str, Any]) -> dict[str, Any]:
     if not experts:
         return {}
     if text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1:
-        raise HfConfigError(f"config.json mixes dense and MoE layers (mlp_only_layers {text.get('mlp_only_layers')}, "
-                            f"decoder_sparse_step {text.get('decoder_sparse_step')}): mm_rl builds every layer "
-                            "as MoE, as the published Qwen3-VL-MoE checkpoints have")
-    return {"num_moe_experts": experts, "moe_router_topk": need(text, "num_experts_per_tok", LABEL),
-            "moe_intermediate_size": need(text, "moe_intermediate_size", LABEL),
-            "norm_topk_prob": True}  # transformers' Qwen3-VL-MoE router always renormalises the top k
+        raise HfConfigError(
+            f"config.json mixes dense and MoE layers (mlp_only_layers {text.get('mlp_only_layers')}, "
+            f"decoder_sparse_step {text.get('decoder_sparse_step')}): mm_rl builds every layer "
+            "as MoE, as the published Qwen3-VL-MoE checkpoints have"
+        )
+    return {
+        "num_moe_experts": experts,
+        "moe_router_topk": need(text, "num_experts_per_tok", LABEL),
+        "moe_intermediate_size": need(text, "moe_intermediate_size", LABEL),
+        "norm_topk_prob": True,
+    }  # transformers' Qwen3-VL-MoE router always renormalises the top k
 
 
 def model_json(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -146,42 +237,76 @@ def model_json(config: Mapping[str, Any]) -> dict[str, Any]:
     decoder["mrope_section"] = list(rope.get("mrope_section", [24, 20, 20]))
     decoder["mrope_interleaved"] = bool(rope.get("mrope_interleaved", True))
     encoder = {
-        "model_id": "qwen3vit", "num_layers": depth, "pipeline_num_layers": [depth], "hidden_size": width,
-        "ffn_hidden_size": need(vision, "intermediate_size", LABEL), "num_attention_heads": heads,
-        "num_query_groups": heads, "in_channels": vision.get("in_channels", 3),
-        "patch_size": vision.get("patch_size", 16), "temporal_patch_size": vision.get("temporal_patch_size", 2),
-        "spatial_merge_size": merge, "num_position_embeddings": vision.get("num_position_embeddings", 2304),
+        "model_id": "qwen3vit",
+        "num_layers": depth,
+        "pipeline_num_layers": [depth],
+        "hidden_size": width,
+        "ffn_hidden_size": need(vision, "intermediate_size", LABEL),
+        "num_attention_heads": heads,
+        "num_query_groups": heads,
+        "in_channels": vision.get("in_channels", 3),
+        "patch_size": vision.get("patch_size", 16),
+        "temporal_patch_size": vision.get("temporal_patch_size", 2),
+        "spatial_merge_size": merge,
+        "num_position_embeddings": vision.get("num_position_embeddings", 2304),
         "deepstack_visual_indexes": list(vision.get("deepstack_visual_indexes", [8, 16, 24])),
-        "activation_func": vision.get("hidden_act", "gelu_pytorch_tanh"), **_VISION_FIXED,
+        "activation_func": vision.get("hidden_act", "gelu_pytorch_tanh"),
+        **_VISION_FIXED,
     }
-    projector = {"model_id": "lnmlp", "input_size": width,
-                 "hidden_size": vision.get("out_hidden_size", decoder["hidden_size"]),
-                 "ffn_hidden_size": width * merge ** 2, "normalization": "LayerNorm"}
-    return {"model_id": MODEL_ID, **token_ids_json(config),
-            "image_encoder": {"vision_encoder": encoder, "vision_projector": projector}, "text_decoder": decoder}
+    projector = {
+        "model_id": "lnmlp",
+        "input_size": width,
+        "hidden_size": vision.get("out_hidden_size", decoder["hidden_size"]),
+        "ffn_hidden_size": width * merge**2,
+        "normalization": "LayerNorm",
+    }
+    return {
+        "model_id": MODEL_ID,
+        **token_ids_json(config),
+        "image_encoder": {"vision_encoder": encoder, "vision_projector": projector},
+        "text_decoder": decoder,
+    }
 
 
 _VISION_FIXED: dict[str, Any] = {
-    "window_size": 0, "fullatt_block_indexes": [], "normalization": "LayerNorm", "swiglu": False,
-    "add_qkv_bias": True, "add_bias_linear": True, "patch_embed_bias": True,
+    "window_size": 0,
+    "fullatt_block_indexes": [],
+    "normalization": "LayerNorm",
+    "swiglu": False,
+    "add_qkv_bias": True,
+    "add_bias_linear": True,
+    "patch_embed_bias": True,
 }
 _TEXT_FIXED: dict[str, Any] = {"qk_layernorm": True, "add_qkv_bias": False}
-_FIXED = {**{f"image_encoder.vision_encoder.{key}": value for key, value in _VISION_FIXED.items()
-             if key != "fullatt_block_indexes"},
-          **{f"text_decoder.{key}": value for key, value in _TEXT_FIXED.items()},
-          "image_encoder.vision_projector.normalization": "LayerNorm", "text_decoder.swiglu": True}
+_FIXED = {
+    **{
+        f"image_encoder.vision_encoder.{key}": value
+        for key, value in _VISION_FIXED.items()
+        if key != "fullatt_block_indexes"
+    },
+    **{f"text_decoder.{key}": value for key, value in _TEXT_FIXED.items()},
+    "image_encoder.vision_projector.normalization": "LayerNorm",
+    "text_decoder.swiglu": True,
+}
 
 
 def moe_rules(text: Any) -> Iterator[ModelFinding]:
     if not text.num_moe_experts:
         return
     if not text.moe_intermediate_size:
-        yield "text_decoder.moe_intermediate_size", text.moe_intermediate_size, "an MoE model needs the experts' " \
-            "width", "set it from config.json's moe_intermediate_size"
+        yield (
+            "text_decoder.moe_intermediate_size",
+            text.moe_intermediate_size,
+            "an MoE model needs the experts' width",
+            "set it from config.json's moe_intermediate_size",
+        )
     if not 1 <= text.moe_router_topk <= text.num_moe_experts:
-        yield "text_decoder.moe_router_topk", text.moe_router_topk, \
-            f"must lie in [1, num_moe_experts = {text.num_moe_experts}]", \
-            "set it from config.json's num_experts_per_tok"
+        yield (
+            "text_decoder.moe_router_topk",
+            text.moe_router_topk,
+            f"must lie in [1, num_moe_experts = {text.num_moe_experts}]",
+            "set it from config.json's num_experts_per_tok",
+        )
 
 
 def rules(model: ModelConfig) -> Iterator[ModelFinding]:
@@ -193,21 +318,42 @@ def rules(model: ModelConfig) -> Iterator[ModelFinding]:
     if any(not 0 <= i < vit.num_layers for i in deepstack):
         yield key, deepstack, f"indexes must lie in [0, num_layers = {vit.num_layers})", "drop the ones past the end"
     if len(deepstack) > text.num_layers:
-        yield key, deepstack, f"each feeds one of the first LLM layers; there are {text.num_layers}", \
-            f"keep at most {text.num_layers}"
+        yield (
+            key,
+            deepstack,
+            f"each feeds one of the first LLM layers; there are {text.num_layers}",
+            f"keep at most {text.num_layers}",
+        )
     if deepstack and len([n for n in vit.pipeline_num_layers if n]) > 1:
-        yield "image_encoder.vision_encoder.pipeline_num_layers", vit.pipeline_num_layers, \
-            "DeepStack needs the whole ViT on one pipeline stage", f"put all {vit.num_layers} blocks on one stage"
+        yield (
+            "image_encoder.vision_encoder.pipeline_num_layers",
+            vit.pipeline_num_layers,
+            "DeepStack needs the whole ViT on one pipeline stage",
+            f"put all {vit.num_layers} blocks on one stage",
+        )
     first_llm = next((n for n in text.pipeline_num_layers if n), 0)
     if len(text.pipeline_num_layers) > 1 and first_llm < len(deepstack):
-        yield "text_decoder.pipeline_num_layers", text.pipeline_num_layers, \
-            f"the first {len(deepstack)} LLM layers take DeepStack features: they must be on the first LLM stage", \
-            f"give the first LLM stage at least {len(deepstack)} layers"
+        yield (
+            "text_decoder.pipeline_num_layers",
+            text.pipeline_num_layers,
+            f"the first {len(deepstack)} LLM layers take DeepStack features: they must be on the first LLM stage",
+            f"give the first LLM stage at least {len(deepstack)} layers",
+        )
 
 
 FAMILY = ModelFamily(
-    name="qwen3_vl", label=LABEL, model_id=MODEL_ID, hf_model_types=("qwen3_vl", "qwen3_vl_moe"),
-    hf_architecture="Qwen3VLForConditionalGeneration", tensors=TENSORS, model_dims=qwen3_dims,
-    model_flags=qwen3_flags, model_json=model_json, stage=qwen_vl.stage, decoder_layer=decoder_layer,
-    tiny=tiny, rules=rules, hf_fused=FUSED,
+    name="qwen3_vl",
+    label=LABEL,
+    model_id=MODEL_ID,
+    hf_model_types=("qwen3_vl", "qwen3_vl_moe"),
+    hf_architecture="Qwen3VLForConditionalGeneration",
+    tensors=TENSORS,
+    model_dims=qwen3_dims,
+    model_flags=qwen3_flags,
+    model_json=model_json,
+    stage=qwen_vl.stage,
+    decoder_layer=decoder_layer,
+    tiny=tiny,
+    rules=rules,
+    hf_fused=FUSED,
 )

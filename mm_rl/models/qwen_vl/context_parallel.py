@@ -58,9 +58,17 @@ class UlyssesAttention(torch.nn.Module):
     Built by megatron's layer spec with the arguments of any core attention.
     """
 
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
         import dataclasses
 
         from megatron.core import parallel_state
@@ -75,19 +83,37 @@ class UlyssesAttention(torch.nn.Module):
         if heads % self.size:
             raise ValueError(f"Ulysses CP {self.size} must divide the attention heads per TP rank ({heads})")
         self.repeat_kv = 1 if groups % self.size == 0 else heads // groups
-        inner = dataclasses.replace(config, num_attention_heads=config.num_attention_heads // self.size,
-                                    num_query_groups=config.num_query_groups * self.repeat_kv // self.size)
-        self.attention = LLMCoreAttention(inner, layer_number, attn_mask_type, attention_type,
-                                          attention_dropout, softmax_scale, None, pg_collection)
+        inner = dataclasses.replace(
+            config,
+            num_attention_heads=config.num_attention_heads // self.size,
+            num_query_groups=config.num_query_groups * self.repeat_kv // self.size,
+        )
+        self.attention = LLMCoreAttention(
+            inner, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale, None, pg_collection
+        )
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                attn_mask_type: Any = None, attention_bias: Tensor | None = None,
-                packed_seq_params: Any = None) -> Tensor:
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> Tensor:
         if self.repeat_kv > 1:
             key, value = (t.repeat_interleave(self.repeat_kv, dim=2) for t in (key, value))
         q, k, v = (sequence_to_heads(t, self.group, self.size) for t in (query, key, value))
-        out = self.attention(q, k, v, attention_mask, attn_mask_type=attn_mask_type,
-                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        out = self.attention(
+            q,
+            k,
+            v,
+            attention_mask,
+            attn_mask_type=attn_mask_type,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+        )
         return heads_to_sequence(out, self.group, self.size)
 
 
@@ -126,7 +152,6 @@ class ContextParallel:
         return _GatherSequence.apply(x, self.group, self.rank, self.size)  # type: ignore[no-any-return]
 
 
-
 def context_parallel() -> ContextParallel | None:
     """This process's CP group from megatron's parallel state (None without context parallelism)."""
     from megatron.core import parallel_state
@@ -134,5 +159,6 @@ def context_parallel() -> ContextParallel | None:
     size = parallel_state.get_context_parallel_world_size()
     if size == 1:
         return None
-    return ContextParallel(parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_rank(),
-                           size)
+    return ContextParallel(
+        parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_rank(), size
+    )

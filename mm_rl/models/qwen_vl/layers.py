@@ -36,8 +36,9 @@ class TorchNorm:
         return norm
 
 
-def llm_layer_spec(normalization: str, ulysses: bool, qk_layernorm: bool = False,
-                   num_experts: int | None = None) -> Any:
+def llm_layer_spec(
+    normalization: str, ulysses: bool, qk_layernorm: bool = False, num_experts: int | None = None
+) -> Any:
     """The LLM layer: megatron's local spec with :class:`LLMCoreAttention` (fused attention without S x S scores,
     packed rows per sequence), wrapped for Ulysses CP, and torch's norms as :class:`TorchNorm` (sequence
     parallelism); ``qk_layernorm``: megatron's per-head query / key norm (applied before the rotary, as Qwen3's
@@ -50,12 +51,17 @@ def llm_layer_spec(normalization: str, ulysses: bool, qk_layernorm: bool = False
     from mm_rl.models.qwen_vl.context_parallel import UlyssesAttention
     from mm_rl.models.qwen_vl.llm_attention import LLMCoreAttention
 
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization=megatron_normalization(normalization),
-                                    qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts, normalization=megatron_normalization(normalization), qk_layernorm=qk_layernorm
+    )
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     attention.core_attention = UlyssesAttention if ulysses else LLMCoreAttention
-    for parent, slot in ((layer, "input_layernorm"), (layer, "pre_mlp_layernorm"), (attention, "q_layernorm"),
-                         (attention, "k_layernorm")):
+    for parent, slot in (
+        (layer, "input_layernorm"),
+        (layer, "pre_mlp_layernorm"),
+        (attention, "q_layernorm"),
+        (attention, "k_layernorm"),
+    ):
         if getattr(parent, slot) is WrappedTorchNorm:
             setattr(parent, slot, TorchNorm)
     return spec
@@ -64,5 +70,4 @@ def llm_layer_spec(normalization: str, ulysses: bool, qk_layernorm: bool = False
 def decoder_layer(text: TextDecoderConfig, index: int, ulysses: bool) -> Any:
     """Every LLM layer of the Qwen-VL families (``index``, the layer's global number, does not matter to them):
     attention with mRoPE and a dense or MoE MLP, as model.json's ``text_decoder`` describes it."""
-    return llm_layer_spec(text.normalization, ulysses, qk_layernorm=text.qk_layernorm,
-                          num_experts=text.num_moe_experts)
+    return llm_layer_spec(text.normalization, ulysses, qk_layernorm=text.qk_layernorm, num_experts=text.num_moe_experts)

@@ -56,7 +56,7 @@ class PackedRows:
         """[1, T, ...] -> [B, S, ...] with zeros at the padding (out of place: gradients reach ``x``)."""
         rows, cols = self.valid.nonzero(as_tuple=True)
         out = x.new_zeros(*self.valid.shape, *x.shape[2:])
-        return out.index_put((rows, cols), x[0, :rows.numel()])
+        return out.index_put((rows, cols), x[0, : rows.numel()])
 
     def segments(self, total: int) -> CausalSegments:
         """The attention segments of the packed row padded to ``total`` tokens (the padding its own segment)."""
@@ -78,8 +78,14 @@ class CausalSegments(PackedSeqParams):
         bounds = cu_seqlens.tolist()
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
         longest = max((b - a for a, b in spans), default=0)
-        return cls(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
-                   max_seqlen_kv=longest, spans=spans)
+        return cls(
+            qkv_format="sbhd",
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+            spans=spans,
+        )
 
 
 class LLMCoreAttention(MegatronModule):
@@ -88,17 +94,32 @@ class LLMCoreAttention(MegatronModule):
     ``SelfAttention`` gives any core attention; q, k, v are [s, b, heads, head_dim] (k, v with the query groups), the
     output [s, b, heads * head_dim]."""
 
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
         super().__init__(config=config)
         if config.apply_query_key_layer_scaling or config.attention_dropout:
             raise ValueError("the LLM's core attention takes neither query-key layer scaling nor attention dropout")
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                attn_mask_type: Any = None, attention_bias: Tensor | None = None,
-                packed_seq_params: PackedSeqParams | None = None) -> Tensor:
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
         if attention_bias is not None:
             raise ValueError("the LLM's core attention takes no attention bias")
         if isinstance(packed_seq_params, CausalSegments):
@@ -119,9 +140,13 @@ class LLMCoreAttention(MegatronModule):
         k, v = _expand_groups(k, v, heads, dim=1)
         # The sequences are contiguous spans: slices (views, whose backward is a plain copy) rather than a gather
         # of equally long ones, whose backward would be an accumulating scatter (slow on the CPU).
-        outputs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
-                                                  scale=self.softmax_scale)
-                   for a, b in segments.spans if b > a]
+        outputs = [
+            F.scaled_dot_product_attention(
+                q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=self.softmax_scale
+            )
+            for a, b in segments.spans
+            if b > a
+        ]
         return torch.cat(outputs, dim=2).permute(2, 0, 1, 3).reshape(-1, 1, heads * head_dim)
 
     def _npu_varlen(self, query: Tensor, key: Tensor, value: Tensor, segments: CausalSegments) -> Tensor:
@@ -133,9 +158,18 @@ class LLMCoreAttention(MegatronModule):
 
         q, k, v = (t.squeeze(1) for t in (query, key, value))  # [T, heads, d]
         ends = [b for _, b in segments.spans]
-        out = torch_npu.npu_fusion_attention(q, k, v, q.shape[1], "TND", atten_mask=_npu_causal_mask(q.device),
-                                             scale=self.softmax_scale, sparse_mode=3, actual_seq_qlen=ends,
-                                             actual_seq_kvlen=ends)[0]
+        out = torch_npu.npu_fusion_attention(
+            q,
+            k,
+            v,
+            q.shape[1],
+            "TND",
+            atten_mask=_npu_causal_mask(q.device),
+            scale=self.softmax_scale,
+            sparse_mode=3,
+            actual_seq_qlen=ends,
+            actual_seq_kvlen=ends,
+        )[0]
         return out.reshape(-1, 1, q.shape[1] * q.shape[2])
 
     def _cuda_varlen(self, query: Tensor, key: Tensor, value: Tensor, segments: CausalSegments) -> Tensor:
@@ -146,8 +180,18 @@ class LLMCoreAttention(MegatronModule):
 
         q, k, v = (t.squeeze(1) for t in (query, key, value))  # [T, heads, d]
         bounds = segments.cu_seqlens_q.to(device=q.device, dtype=torch.int32)
-        out = varlen_attn(q, k, v, bounds, bounds, segments.max_seqlen_q, segments.max_seqlen_kv,
-                          scale=self.softmax_scale, window_size=(-1, 0), enable_gqa=k.shape[1] != q.shape[1])
+        out = varlen_attn(
+            q,
+            k,
+            v,
+            bounds,
+            bounds,
+            segments.max_seqlen_q,
+            segments.max_seqlen_kv,
+            scale=self.softmax_scale,
+            window_size=(-1, 0),
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
         return out.reshape(-1, 1, q.shape[1] * q.shape[2])
 
     def _padded(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -156,8 +200,9 @@ class LLMCoreAttention(MegatronModule):
         seq, rows, heads, head_dim = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         k, v = _expand_groups(k, v, heads, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None,
-                                             scale=self.softmax_scale)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None, scale=self.softmax_scale
+        )
         return out.permute(2, 0, 1, 3).reshape(seq, rows, heads * head_dim)
 
 
@@ -175,8 +220,9 @@ def _cuda_flash_varlen(query: Tensor) -> bool:
         return False
     import importlib.util
 
-    return (importlib.util.find_spec("torch.nn.attention.varlen") is not None
-            and torch.cuda.get_device_capability(query.device) >= (8, 0))
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None and torch.cuda.get_device_capability(
+        query.device
+    ) >= (8, 0)
 
 
 @functools.cache

@@ -52,8 +52,12 @@ def _scaled(logits: torch.Tensor, temperature: float, vocab_start: int, vocab_si
 
 
 def _shifted_logits(
-    logits: torch.Tensor, temperature: float, vocab_start: int, vocab_size: int | None,
-    group: dist.ProcessGroup | None, size: int
+    logits: torch.Tensor,
+    temperature: float,
+    vocab_start: int,
+    vocab_size: int | None,
+    group: dist.ProcessGroup | None,
+    size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 logits / temperature minus the global per-token max (padded vocab rows masked), and that max."""
     z = _scaled(logits, temperature, vocab_start, vocab_size)

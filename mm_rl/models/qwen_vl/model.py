@@ -112,13 +112,12 @@ def image_token_rows(encoded_grid_thw: Tensor, image_slots: Tensor, merge: int) 
     counts = tokens[image_slots]
     starts = (tokens.cumsum(0) - tokens)[image_slots]
     within = torch.arange(int(counts.sum()), device=counts.device) - (counts.cumsum(0) - counts).repeat_interleave(
-        counts)
+        counts
+    )
     return starts.repeat_interleave(counts) + within
 
 
-def splice_image_embeddings(
-    embeddings: Tensor, input_ids: Tensor, image_embeds: Tensor, image_token_id: int
-) -> Tensor:
+def splice_image_embeddings(embeddings: Tensor, input_ids: Tensor, image_embeds: Tensor, image_token_id: int) -> Tensor:
     """Word embeddings [S, B, H] with the image-token positions replaced by ``image_embeds`` [N, H].
 
     Image tokens are filled sample by sample, left to right (transformers' masked_scatter over [B, S]),
@@ -130,7 +129,6 @@ def splice_image_embeddings(
     return embeddings.index_put((seq_index, batch_index), image_embeds.to(embeddings.dtype))
 
 
-
 def _pad_sequence(x: Tensor | None, length: int, value: int, dim: int = -1) -> Tensor | None:
     """``x`` right-padded with ``value`` to ``length`` along ``dim`` (CP needs a multiple of its size)."""
     if x is None or x.shape[dim] == length:
@@ -138,7 +136,6 @@ def _pad_sequence(x: Tensor | None, length: int, value: int, dim: int = -1) -> T
     pad = list(x.shape)
     pad[dim] = length - x.shape[dim]
     return torch.cat([x, x.new_full(pad, value)], dim=dim)
-
 
 
 class QwenVLModel(torch.nn.Module):
@@ -189,8 +186,9 @@ class QwenVLModel(torch.nn.Module):
         specs = [decoder_layer(text, index, self.cp is not None) for index in self.layout.llm_layers]
         decoder = GPTModel(
             config=self.config,
-            transformer_layer_spec=TransformerBlockSubmodules(layer_specs=specs,
-                                                              layer_norm=specs[0].submodules.input_layernorm),
+            transformer_layer_spec=TransformerBlockSubmodules(
+                layer_specs=specs, layer_norm=specs[0].submodules.input_layernorm
+            ),
             vocab_size=padded_vocab,
             max_sequence_length=text.max_position_embeddings,
             pre_process=self.layout.has_embedding,
@@ -205,7 +203,8 @@ class QwenVLModel(torch.nn.Module):
             from mm_rl.models.qwen_vl.rotary import InterleavedMultimodalRotaryEmbedding
 
             decoder.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(
-                kv_channels=self.config.kv_channels, rotary_percent=1.0, rotary_base=text.rope_theta)
+                kv_channels=self.config.kv_channels, rotary_percent=1.0, rotary_base=text.rope_theta
+            )
         if self.cp is not None:
             # positions arrive already cut to this rank's contiguous chunk: megatron must not re-slice the
             # rotary table for its own (load-balanced) CP layout
@@ -218,8 +217,10 @@ class QwenVLModel(torch.nn.Module):
                 layer.mlp.router.register_forward_hook(functools.partial(self.routing.add, index))
             if index < self.deepstack_layers:
                 if not self.layout.has_embedding:
-                    raise ValueError(f"LLM layer {index} takes DeepStack features: it must be on the stage holding "
-                                     "the word embeddings (the first LLM stage)")
+                    raise ValueError(
+                        f"LLM layer {index} takes DeepStack features: it must be on the stage holding "
+                        "the word embeddings (the first LLM stage)"
+                    )
                 layer.register_forward_hook(functools.partial(self._add_deepstack, index))
         return decoder
 
@@ -305,8 +306,9 @@ class QwenVLModel(torch.nn.Module):
         )
         return positions
 
-    def image_embeddings(self, pixel_values: Tensor | None, image_grid_thw: Tensor,
-                         image_keys: Tensor | None = None) -> Tensor:
+    def image_embeddings(
+        self, pixel_values: Tensor | None, image_grid_thw: Tensor, image_keys: Tensor | None = None
+    ) -> Tensor:
         """This stage's part of the image encoder: image embeddings [N_tokens, H_llm] when it holds the
         merger, else ViT hidden states for the next stage. Without an autograd graph when nothing in it trains.
         ``image_keys``: the images' keys in the step (the frozen ViT's per-step cache)."""
@@ -314,22 +316,31 @@ class QwenVLModel(torch.nn.Module):
         trains = any(p.requires_grad for p in encoder.parameters())
         hidden = None if self.layout.has_patch_embed else self.received
         with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
-            return encoder(pixel_values if self.layout.has_patch_embed else None, image_grid_thw, hidden,
-                           image_keys=image_keys)
+            return encoder(
+                pixel_values if self.layout.has_patch_embed else None, image_grid_thw, hidden, image_keys=image_keys
+            )
 
     def _vision_stage_output(self, images: Tensor | None) -> Tensor:
         """What a stage holding only ViT blocks sends on: ViT hidden states or image embeddings [N, 1, H];
         a one-row zero placeholder for a micro-batch without images (the schedule sends something every time)."""
         if images is None:
-            width = self.model_cfg.text_decoder.hidden_size * (1 + self.deepstack_layers) if self.layout.has_merger \
+            width = (
+                self.model_cfg.text_decoder.hidden_size * (1 + self.deepstack_layers)
+                if self.layout.has_merger
                 else self.model_cfg.image_encoder.vision_encoder.hidden_size
+            )
             images = torch.zeros(1, 1, width, dtype=self.config.params_dtype, device=current_device())
         elif self.layout.has_merger:
             images = images.unsqueeze(1)
         return keep_in_graph(images, self.received)
 
-    def decoder_input(self, input_ids: Tensor, images: Tensor | None, encoded_grid_thw: Tensor | None = None,
-                      image_slots: Tensor | None = None) -> Tensor:
+    def decoder_input(
+        self,
+        input_ids: Tensor,
+        images: Tensor | None,
+        encoded_grid_thw: Tensor | None = None,
+        image_slots: Tensor | None = None,
+    ) -> Tensor:
         """Word embeddings [S, B, H] with the image embeddings [N_tokens, H] spliced in (first LLM stage); with
         ``image_slots``, ``images`` are those of the encoded images (``encoded_grid_thw``), copied into every slot
         they fill first."""
@@ -342,13 +353,16 @@ class QwenVLModel(torch.nn.Module):
                 images = images.index_select(0, image_token_rows(encoded_grid_thw, image_slots, merge))
             image_token = self.model_cfg.img_context_token_id
             images, *deepstack = images.split(embeddings.size(-1), dim=-1)
-            self.deepstack = [splice_image_embeddings(torch.zeros_like(embeddings), input_ids, features, image_token)
-                              for features in deepstack]
+            self.deepstack = [
+                splice_image_embeddings(torch.zeros_like(embeddings), input_ids, features, image_token)
+                for features in deepstack
+            ]
             embeddings = splice_image_embeddings(embeddings, input_ids, images, image_token)
         return keep_in_graph(embeddings, self.received) if self.layout.received != "none" else embeddings
 
-    def _images(self, pixel_values: Tensor | None, image_grid_thw: Tensor | None,
-                image_keys: Tensor | None = None) -> Tensor | None:
+    def _images(
+        self, pixel_values: Tensor | None, image_grid_thw: Tensor | None, image_keys: Tensor | None = None
+    ) -> Tensor | None:
         """This stage's image result (see image_embeddings) or the received image embeddings; None without
         images in the micro-batch or nothing image-related on this stage."""
         if pixel_values is None or pixel_values.numel() == 0:
@@ -396,8 +410,11 @@ class QwenVLModel(torch.nn.Module):
         set. ``temperature`` divides the logits before the log-probs and the entropy, as the sampler did.
         """
         encoded = image_grid_thw if image_slots is None else encoded_grid_thw
-        images = (self._images(pixel_values, encoded, image_keys) if self.layout.has_vit or self.layout.has_embedding
-                  else None)
+        images = (
+            self._images(pixel_values, encoded, image_keys)
+            if self.layout.has_vit or self.layout.has_embedding
+            else None
+        )
         if not self.layout.has_llm:
             return self._vision_stage_output(images)
         packed = PackedRows.of(input_ids, attention_mask) if self.remove_padding else None
@@ -412,13 +429,15 @@ class QwenVLModel(torch.nn.Module):
             if attention_mask is None and packed is None:
                 attention_mask = torch.ones_like(input_ids)
             input_ids, attention_mask, labels, output_mask = (
-                _pad_sequence(t, length, 0) for t in (input_ids, attention_mask, labels, output_mask))
+                _pad_sequence(t, length, 0) for t in (input_ids, attention_mask, labels, output_mask)
+            )
             position_ids = _pad_sequence(position_ids, length, 0)
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask)
         segments = packed.segments(input_ids.shape[1]) if packed is not None else None
-        decoder_input = self.decoder_input(input_ids, images, encoded, image_slots) if self.layout.has_embedding \
-            else None
+        decoder_input = (
+            self.decoder_input(input_ids, images, encoded, image_slots) if self.layout.has_embedding else None
+        )
         if self.cp is not None:  # this rank's tokens; the attention mask stays whole (Ulysses sees all tokens)
             position_ids = self.cp.local(position_ids, dim=2)
             decoder_input = self.cp.local(decoder_input, dim=0) if decoder_input is not None else None
@@ -453,15 +472,18 @@ class QwenVLModel(torch.nn.Module):
         result: dict[str, Tensor] = {}
         rows = self.output_rows
         if labels is not None:
-            values = log_probs_and_entropy(logits, labels if rows is None else rows.labels(labels),
-                                           vocab_size=self.vocab_size, temperature=temperature)
+            values = log_probs_and_entropy(
+                logits,
+                labels if rows is None else rows.labels(labels),
+                vocab_size=self.vocab_size,
+                temperature=temperature,
+            )
             result["log_probs"], result["entropy"] = values if rows is None else map(rows.place, values)
         if labels is None or return_logits:
             result["logits"] = logits
         if self.cp is not None:
             result = {key: self.cp.gather(value) for key, value in result.items()}
         return {key: value[:, :seq] for key, value in result.items()}  # without the CP / SP padding
-
 
 
 def _build_image_encoder(
@@ -487,7 +509,6 @@ def _build_image_encoder(
         freeze_encoder=not (actor and actor.unfreeze_vision_encoder),
         freeze_projector=bool(actor and actor.freeze_vision_projector),
     )
-
 
 
 def build_model(
@@ -516,10 +537,16 @@ def build_model(
         raise NotImplementedError(f"context-parallel-algo {flags.context_parallel_algo!r}: only ulysses_cp_algo")
     layout = stage_layout(model_cfg, parallel_state.get_pipeline_model_parallel_rank(), pp)
     ep = parallel_state.get_expert_model_parallel_world_size()
-    config = text_decoder_config(model_cfg, flags, tp=tp, pp=pp, ep=ep, params_dtype=params_dtype,
-                                 **config_overrides)
+    config = text_decoder_config(model_cfg, flags, tp=tp, pp=pp, ep=ep, params_dtype=params_dtype, **config_overrides)
     divisible_by = flags.make_vocab_size_divisible_by if flags is not None else 1
     padded = padded_vocab_size(model_cfg.text_decoder.vocab_size, divisible_by, tp)
     encoder = _build_image_encoder(model_cfg, config, layout, actor) if layout.has_vit else None
-    return QwenVLModel(model_cfg, config, layout, padded_vocab=padded, image_encoder=encoder,
-                       decoder_layer=decoder_layer, remove_padding=remove_padding)
+    return QwenVLModel(
+        model_cfg,
+        config,
+        layout,
+        padded_vocab=padded,
+        image_encoder=encoder,
+        decoder_layer=decoder_layer,
+        remove_padding=remove_padding,
+    )

@@ -77,8 +77,9 @@ def _per_stage(layers: Sequence[int], total: int, pp_size: int, what: str) -> li
     if pp_size == 1:
         return [total]
     if len(layers) != pp_size or min(layers) < 0 or sum(layers) != total:
-        raise ValueError(f"{what}.pipeline_num_layers {list(layers)} must have {pp_size} entries >= 0 summing to "
-                         f"{total}")
+        raise ValueError(
+            f"{what}.pipeline_num_layers {list(layers)} must have {pp_size} entries >= 0 summing to {total}"
+        )
     return list(layers)
 
 
@@ -87,8 +88,7 @@ def _split(model: ModelConfig, pp_size: int) -> tuple[list[int], list[int], int,
     pipeline cannot run (a stage holding nothing, a gap, or LLM stages before the ViT ends)."""
     vision = model.image_encoder.vision_encoder
     vit = _per_stage(vision.pipeline_num_layers, vision.num_layers, pp_size, "image_encoder.vision_encoder")
-    llm = _per_stage(model.text_decoder.pipeline_num_layers, model.text_decoder.num_layers, pp_size,
-                     "text_decoder")
+    llm = _per_stage(model.text_decoder.pipeline_num_layers, model.text_decoder.num_layers, pp_size, "text_decoder")
     last_vit = max(i for i, n in enumerate(vit) if n)
     first_llm = min(i for i, n in enumerate(llm) if n)
     contiguous = all(vit[: last_vit + 1]) and all(llm[first_llm:])
@@ -124,7 +124,6 @@ def embedding_ranks(model: ModelConfig) -> Callable[..., list[int]]:
         return sorted({pp_ranks[first_llm], pp_ranks[-1]})
 
     return ranks
-
 
 
 def keep_in_graph(output: Tensor, received: Tensor | None) -> Tensor:

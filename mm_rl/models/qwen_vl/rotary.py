@@ -28,8 +28,12 @@ def interleaved_axes(frequencies: int, sections: list[int]) -> Tensor:
 
 
 class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
-    def forward(self, position_ids: Tensor, mrope_section: list[int],  # type: ignore[override]
-                cp_group: torch.distributed.ProcessGroup | None = None) -> Tensor:
+    def forward(
+        self,
+        position_ids: Tensor,
+        mrope_section: list[int],  # type: ignore[override]
+        cp_group: torch.distributed.ProcessGroup | None = None,
+    ) -> Tensor:
         """Angles [S, B, 1, dim] of 3D positions ``position_ids`` [3, B, S]."""
         positions = position_ids.to(device=self.inv_freq.device, dtype=torch.float32)
         freqs = positions[..., None] * self.inv_freq.float()  # [3, B, S, dim / 2]

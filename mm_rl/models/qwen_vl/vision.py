@@ -321,8 +321,14 @@ class PatchEmbed(torch.nn.Module):
     def __init__(self, encoder: VisionEncoderConfig, dtype: torch.dtype) -> None:
         super().__init__()
         kernel = (encoder.temporal_patch_size, encoder.patch_size, encoder.patch_size)
-        self.proj = torch.nn.Conv3d(encoder.in_channels, encoder.hidden_size, kernel_size=kernel, stride=kernel,
-                                    bias=encoder.patch_embed_bias, dtype=dtype)
+        self.proj = torch.nn.Conv3d(
+            encoder.in_channels,
+            encoder.hidden_size,
+            kernel_size=kernel,
+            stride=kernel,
+            bias=encoder.patch_embed_bias,
+            dtype=dtype,
+        )
 
     def forward(self, pixel_values: Tensor) -> Tensor:
         weight = self.proj.weight
@@ -357,8 +363,9 @@ class VisionEncoder(MegatronModule):
         super().__init__(config=config)
         self.patch_embed = PatchEmbed(encoder, config.params_dtype) if pre_process else None
         if pre_process and encoder.num_position_embeddings:
-            self.pos_embed = torch.nn.Embedding(encoder.num_position_embeddings, encoder.hidden_size,
-                                                dtype=config.params_dtype)
+            self.pos_embed = torch.nn.Embedding(
+                encoder.num_position_embeddings, encoder.hidden_size, dtype=config.params_dtype
+            )
         full = set(encoder.fullatt_block_indexes)
         specs = [vision_layer_spec(not encoder.window_size or layer_offset + i in full) for i in range(num_layers)]
         self.blocks = (
@@ -388,8 +395,13 @@ class VisionEncoder(MegatronModule):
 class VisionProjector(MegatronModule):
     """The patch merger: norm each patch, concatenate each merge unit's patches, MLP into the LLM width."""
 
-    def __init__(self, projector: VisionProjectorConfig, encoder: VisionEncoderConfig, config: TransformerConfig,
-                 postshuffle: bool = False):
+    def __init__(
+        self,
+        projector: VisionProjectorConfig,
+        encoder: VisionEncoderConfig,
+        config: TransformerConfig,
+        postshuffle: bool = False,
+    ):
         super().__init__(config=config)
         self.unit = encoder.spatial_merge_size**2
         self.postshuffle = postshuffle  # norm the concatenated unit (Qwen3-VL's DeepStack mergers), not each patch
@@ -488,11 +500,20 @@ class QwenVisionModel(MegatronModule):
     @property
     def caches(self) -> bool:
         """Whether this stage keeps its ViT output per image: the whole ViT here, frozen, and a cache set."""
-        return (self.cache is not None and self.freeze_encoder and self.pre_process and self.post_process
-                and self.encoder is not None and not self.deepstack)
+        return (
+            self.cache is not None
+            and self.freeze_encoder
+            and self.pre_process
+            and self.post_process
+            and self.encoder is not None
+            and not self.deepstack
+        )
 
     def forward(
-        self, pixel_values: Tensor | None, grid_thw: Tensor, hidden_states: Tensor | None = None,
+        self,
+        pixel_values: Tensor | None,
+        grid_thw: Tensor,
+        hidden_states: Tensor | None = None,
         image_keys: Tensor | None = None,
     ) -> Tensor:
         """Run this stage's part of the image encoder.
@@ -520,16 +541,19 @@ class QwenVisionModel(MegatronModule):
         embeddings = self.projector(self._original_order(hidden, batch))
         if not self.deepstack:
             return embeddings
-        features = [merger(self._original_order(block_output, batch))
-                    for merger, block_output in zip(self.deepstack, self._captured, strict=True)]
+        features = [
+            merger(self._original_order(block_output, batch))
+            for merger, block_output in zip(self.deepstack, self._captured, strict=True)
+        ]
         return torch.cat([embeddings, *features], dim=-1)
 
     def _capture(self, module: torch.nn.Module, args: object, output: Tensor | tuple[Tensor, ...]) -> None:
         """A DeepStack block's output (window order), for its merger after the stage's blocks ran."""
         self._captured.append(output[0] if isinstance(output, tuple) else output)
 
-    def _encode(self, pixel_values: Tensor | None, grid_thw: Tensor,
-                hidden_states: Tensor | None) -> tuple[Tensor, VisionBatch]:
+    def _encode(
+        self, pixel_values: Tensor | None, grid_thw: Tensor, hidden_states: Tensor | None
+    ) -> tuple[Tensor, VisionBatch]:
         """This stage's ViT blocks (after the patch embedding on the first): hidden states [N_patches, 1,
         vit_hidden] in window order, and the batch layout they follow."""
         device = pixel_values.device if pixel_values is not None else self._stage_input(hidden_states).device
@@ -542,8 +566,9 @@ class QwenVisionModel(MegatronModule):
                 assert self.encoder is not None and self.encoder.patch_embed is not None
                 embedded = self.encoder.patch_embed(pixel_values)
                 if self.encoder_config.num_position_embeddings:
-                    embedded = embedded + interpolated_positions(self.encoder.pos_embed.weight, grid_thw.cpu(),
-                                                                 self.encoder_config.spatial_merge_size)
+                    embedded = embedded + interpolated_positions(
+                        self.encoder.pos_embed.weight, grid_thw.cpu(), self.encoder_config.spatial_merge_size
+                    )
                 hidden = _to_window_order(embedded, batch.unit_order, self._unit).unsqueeze(1)
             else:
                 hidden = self._stage_input(hidden_states)
