@@ -22,87 +22,58 @@ from mm_rl.models.qwen_vl.tensors import (
     VLIN,
     P,
     V,
+    encoder_json,
     fixed_fields,
+    fixed_keys,
     model_dims,
     model_flags,
     need,
     text_decoder_json,
-    token_ids_json,
     vision_json,
+    vl_json,
 )
 
 if TYPE_CHECKING:
     from mm_rl.config.schema import ModelConfig
 
+# fmt: off
 TENSORS: tuple[Entry, ...] = (
     PATCH_EMBED,
     Entry("vit_layer", V + "input_layernorm.weight", (VH + "norm1.weight",), (("vh",),)),
     *VIT_ATTENTION,
     Entry("vit_layer", V + "pre_mlp_layernorm.weight", (VH + "norm2.weight",), (("vh",),)),
-    Entry(
-        "vit_layer",
-        V + "mlp.linear_fc1.weight",
-        (VH + "mlp.gate_proj.weight", VH + "mlp.up_proj.weight"),
-        (("vffn", "vh"), ("vffn", "vh")),
-        "glu",
-        0,
-    ),
-    Entry(
-        "vit_layer",
-        V + "mlp.linear_fc1.bias",
-        (VH + "mlp.gate_proj.bias", VH + "mlp.up_proj.bias"),
-        (("vffn",), ("vffn",)),
-        "glu",
-        0,
-        when=VLIN,
-    ),
+    Entry("vit_layer", V + "mlp.linear_fc1.weight", (VH + "mlp.gate_proj.weight", VH + "mlp.up_proj.weight"),
+          (("vffn", "vh"), ("vffn", "vh")), "glu", 0),
+    Entry("vit_layer", V + "mlp.linear_fc1.bias", (VH + "mlp.gate_proj.bias", VH + "mlp.up_proj.bias"),
+          (("vffn",), ("vffn",)), "glu", 0, when=VLIN),
     Entry("vit_layer", V + "mlp.linear_fc2.weight", (VH + "mlp.down_proj.weight",), (("vh", "vffn"),), split=1),
     Entry("vit_layer", V + "mlp.linear_fc2.bias", (VH + "mlp.down_proj.bias",), (("vh",),), when=VLIN),
     Entry("merger", P + "layernorm.weight", (PH + "ln_q.weight",), (("pin",),)),
     *MERGER_MLP,
     *TEXT,
 )
+# fmt: on
 
 
 def model_json(config: Mapping[str, Any]) -> dict[str, Any]:
     """model.json content from a Qwen2.5-VL config.json (everything on one pipeline stage)."""
     vision = vision_json(config, LABEL)
-    depth, vit_hidden = need(vision, "depth", LABEL), need(vision, "hidden_size", LABEL)
-    merge = vision.get("spatial_merge_size", 2)
+    width, merge = need(vision, "hidden_size", LABEL), vision.get("spatial_merge_size", 2)
     decoder = text_decoder_json(config, LABEL)
     encoder = {
-        "num_layers": depth,
-        "pipeline_num_layers": [depth],
-        "hidden_size": vit_hidden,
-        "ffn_hidden_size": need(vision, "intermediate_size", LABEL),
-        "num_attention_heads": need(vision, "num_heads", LABEL),
-        "num_query_groups": need(vision, "num_heads", LABEL),
-        "in_channels": vision.get("in_channels", vision.get("in_chans", 3)),
-        "patch_size": vision.get("patch_size", 14),
-        "temporal_patch_size": vision.get("temporal_patch_size", 2),
-        "spatial_merge_size": merge,
+        **encoder_json(vision, width, need(vision, "intermediate_size", LABEL), LABEL),
         "window_size": vision.get("window_size", 112),
         "fullatt_block_indexes": list(vision.get("fullatt_block_indexes", [])),
     }
     projector = {
-        "input_size": vit_hidden,
+        "input_size": width,
         "hidden_size": vision.get("out_hidden_size", decoder["hidden_size"]),
-        "ffn_hidden_size": vit_hidden * merge**2,
+        "ffn_hidden_size": width * merge**2,
     }
-    return {
-        "model_id": MODEL_ID,
-        **token_ids_json(config),
-        "image_encoder": {"vision_encoder": encoder, "vision_projector": projector},
-        "text_decoder": decoder,
-    }
+    return vl_json(MODEL_ID, config, encoder, projector, decoder)
 
 
-_FIXED = {
-    "image_encoder.vision_encoder.swiglu": True,
-    "image_encoder.vision_encoder.normalization": "RMSNorm",
-    "image_encoder.vision_projector.normalization": "RMSNorm",
-    "text_decoder.swiglu": True,
-}
+_FIXED = fixed_keys({"swiglu": True, "normalization": "RMSNorm"}, {}, "RMSNorm")
 
 
 def rules(model: ModelConfig) -> Iterator[ModelFinding]:

@@ -19,17 +19,20 @@ from mm_rl.models.qwen_vl.tensors import (
     TEXT,
     VH,
     VIT_ATTENTION,
-    VLIN,
     P,
     V,
+    encoder_json,
     fixed_fields,
+    fixed_keys,
+    layernorm_projector,
     model_dims,
     model_flags,
     need,
     pair,
     text_decoder_json,
-    token_ids_json,
     vision_json,
+    vit_plain_mlp,
+    vl_json,
 )
 
 if TYPE_CHECKING:
@@ -43,10 +46,7 @@ TENSORS: tuple[Entry, ...] = (
     *pair("vit_layer", V + "input_layernorm", VH + "norm1", "vh"),
     *VIT_ATTENTION,
     *pair("vit_layer", V + "pre_mlp_layernorm", VH + "norm2", "vh"),
-    Entry("vit_layer", V + "mlp.linear_fc1.weight", (VH + "mlp.fc1.weight",), (("vffn", "vh"),), split=0),
-    Entry("vit_layer", V + "mlp.linear_fc1.bias", (VH + "mlp.fc1.bias",), (("vffn",),), split=0, when=VLIN),
-    Entry("vit_layer", V + "mlp.linear_fc2.weight", (VH + "mlp.fc2.weight",), (("vh", "vffn"),), split=1),
-    Entry("vit_layer", V + "mlp.linear_fc2.bias", (VH + "mlp.fc2.bias",), (("vh",),), when=VLIN),
+    *vit_plain_mlp(VH, "fc1", "fc2"),
     *pair("merger", P + "layernorm", PH + "ln_q", "pin"),
     *MERGER_MLP,
     *TEXT,
@@ -57,36 +57,11 @@ def model_json(config: Mapping[str, Any]) -> dict[str, Any]:
     """model.json content from a Qwen2-VL config.json (``embed_dim`` is the ViT width, ``hidden_size`` the
     merger's output)."""
     vision = vision_json(config, LABEL)
-    depth, width = need(vision, "depth", LABEL), need(vision, "embed_dim", LABEL)
-    merge = vision.get("spatial_merge_size", 2)
+    width, merge = need(vision, "embed_dim", LABEL), vision.get("spatial_merge_size", 2)
     decoder = text_decoder_json(config, LABEL)
-    heads = need(vision, "num_heads", LABEL)
-    encoder = {
-        "num_layers": depth,
-        "pipeline_num_layers": [depth],
-        "hidden_size": width,
-        "ffn_hidden_size": int(width * vision.get("mlp_ratio", 4)),
-        "num_attention_heads": heads,
-        "num_query_groups": heads,
-        "in_channels": vision.get("in_channels", vision.get("in_chans", 3)),
-        "patch_size": vision.get("patch_size", 14),
-        "temporal_patch_size": vision.get("temporal_patch_size", 2),
-        "spatial_merge_size": merge,
-        **_VISION_FIXED,
-    }
-    projector = {
-        "model_id": "lnmlp",
-        "input_size": width,
-        "hidden_size": vision.get("hidden_size", decoder["hidden_size"]),
-        "ffn_hidden_size": width * merge**2,
-        "normalization": "LayerNorm",
-    }
-    return {
-        "model_id": MODEL_ID,
-        **token_ids_json(config),
-        "image_encoder": {"vision_encoder": encoder, "vision_projector": projector},
-        "text_decoder": decoder,
-    }
+    encoder = {**encoder_json(vision, width, int(width * vision.get("mlp_ratio", 4)), LABEL), **_VISION_FIXED}
+    projector = layernorm_projector(width, vision.get("hidden_size", decoder["hidden_size"]), merge)
+    return vl_json(MODEL_ID, config, encoder, projector, decoder)
 
 
 # The ViT's structure: no windows, LayerNorm, plain quick-GELU MLP, biases everywhere.
@@ -99,15 +74,7 @@ _VISION_FIXED: dict[str, Any] = {
     "add_qkv_bias": True,
     "add_bias_linear": True,
 }
-_FIXED = {
-    **{
-        f"image_encoder.vision_encoder.{key}": value
-        for key, value in _VISION_FIXED.items()
-        if key != "fullatt_block_indexes"
-    },
-    "image_encoder.vision_projector.normalization": "LayerNorm",
-    "text_decoder.swiglu": True,
-}
+_FIXED = fixed_keys(_VISION_FIXED, {}, "LayerNorm")
 
 
 def rules(model: ModelConfig) -> Iterator[ModelFinding]:

@@ -17,19 +17,24 @@ from mm_rl.models.family import Entry, Fused, HfConfigError, ModelFamily, ModelF
 from mm_rl.models.qwen3_vl import tiny
 from mm_rl.models.qwen_vl.layers import decoder_layer
 from mm_rl.models.qwen_vl.tensors import (
-    LLM_HEADS,
-    VIT_HEADS,
     VLIN,
     VQKV,
     P,
     V,
+    dense_mlp,
+    encoder_json,
     fixed_fields,
+    fixed_keys,
+    layernorm_projector,
     model_dims,
     need,
     pair,
     text_decoder_json,
-    token_ids_json,
+    text_table,
     vision_json,
+    vit_attention,
+    vit_plain_mlp,
+    vl_json,
 )
 
 if TYPE_CHECKING:
@@ -56,129 +61,30 @@ def _merger(scope: Scope, mg: str, hf: str, norm: str) -> tuple[Entry, ...]:
     )
 
 
+# fmt: off
 TENSORS: tuple[Entry, ...] = (
-    Entry(
-        "patch_embed",
-        "image_encoder.encoder.patch_embed.proj.weight",
-        ("model.visual.patch_embed.proj.weight",),
-        (("vh", "cin", "tps", "ps", "ps"),),
-    ),
-    Entry(
-        "patch_embed",
-        "image_encoder.encoder.patch_embed.proj.bias",
-        ("model.visual.patch_embed.proj.bias",),
-        (("vh",),),
-    ),
-    Entry(
-        "patch_embed", "image_encoder.encoder.pos_embed.weight", ("model.visual.pos_embed.weight",), (("vpos", "vh"),)
-    ),
+    Entry("patch_embed", "image_encoder.encoder.patch_embed.proj.weight", ("model.visual.patch_embed.proj.weight",),
+          (("vh", "cin", "tps", "ps", "ps"),)),
+    Entry("patch_embed", "image_encoder.encoder.patch_embed.proj.bias", ("model.visual.patch_embed.proj.bias",),
+          (("vh",),)),
+    Entry("patch_embed", "image_encoder.encoder.pos_embed.weight", ("model.visual.pos_embed.weight",),
+          (("vpos", "vh"),)),
     *pair("vit_layer", V + "input_layernorm", VH + "norm1", "vh"),
-    Entry(
-        "vit_layer",
-        V + "self_attention.linear_qkv.weight",
-        (VH + "attn.qkv.weight",),
-        (("vqkv", "vh"),),
-        "fused_qkv",
-        0,
-        VIT_HEADS,
-    ),
-    Entry(
-        "vit_layer",
-        V + "self_attention.linear_qkv.bias",
-        (VH + "attn.qkv.bias",),
-        (("vqkv",),),
-        "fused_qkv",
-        0,
-        VIT_HEADS,
-        when=VQKV,
-    ),
-    Entry(
-        "vit_layer", V + "self_attention.linear_proj.weight", (VH + "attn.proj.weight",), (("vh", "vattn"),), split=1
-    ),
-    Entry("vit_layer", V + "self_attention.linear_proj.bias", (VH + "attn.proj.bias",), (("vh",),), when=VLIN),
+    *vit_attention(VH),
     *pair("vit_layer", V + "pre_mlp_layernorm", VH + "norm2", "vh"),
-    Entry("vit_layer", V + "mlp.linear_fc1.weight", (VH + "mlp.linear_fc1.weight",), (("vffn", "vh"),), split=0),
-    Entry("vit_layer", V + "mlp.linear_fc1.bias", (VH + "mlp.linear_fc1.bias",), (("vffn",),), split=0, when=VLIN),
-    Entry("vit_layer", V + "mlp.linear_fc2.weight", (VH + "mlp.linear_fc2.weight",), (("vh", "vffn"),), split=1),
-    Entry("vit_layer", V + "mlp.linear_fc2.bias", (VH + "mlp.linear_fc2.bias",), (("vh",),), when=VLIN),
+    *vit_plain_mlp(VH, "linear_fc1", "linear_fc2"),
     *_merger("merger", P, PH, "pin"),
     *_merger("deepstack", D, DH, "pcat"),
-    Entry(
-        "embedding",
-        "text_decoder.embedding.word_embeddings.weight",
-        ("model.language_model.embed_tokens.weight",),
-        (("vocab", "h"),),
-        split=0,
-    ),
-    Entry("llm_layer", L + "input_layernorm.weight", (LH + "input_layernorm.weight",), (("h",),)),
-    Entry(
-        "llm_layer",
-        L + "self_attention.linear_qkv.weight",
-        (LH + "self_attn.q_proj.weight", LH + "self_attn.k_proj.weight", LH + "self_attn.v_proj.weight"),
-        (("q", "h"), ("kv", "h"), ("kv", "h")),
-        "qkv",
-        0,
-        LLM_HEADS,
-    ),
-    Entry("llm_layer", L + "self_attention.q_layernorm.weight", (LH + "self_attn.q_norm.weight",), (("hd",),)),
-    Entry("llm_layer", L + "self_attention.k_layernorm.weight", (LH + "self_attn.k_norm.weight",), (("hd",),)),
-    Entry(
-        "llm_layer", L + "self_attention.linear_proj.weight", (LH + "self_attn.o_proj.weight",), (("h", "q"),), split=1
-    ),
-    Entry("llm_layer", L + "pre_mlp_layernorm.weight", (LH + "post_attention_layernorm.weight",), (("h",),)),
-    Entry(
-        "llm_layer",
-        L + "mlp.linear_fc1.weight",
-        (LH + "mlp.gate_proj.weight", LH + "mlp.up_proj.weight"),
-        (("ffn", "h"), ("ffn", "h")),
-        "glu",
-        0,
-        when="dense",
-    ),
-    Entry(
-        "llm_layer", L + "mlp.linear_fc2.weight", (LH + "mlp.down_proj.weight",), (("h", "ffn"),), split=1, when="dense"
-    ),
-    Entry("llm_layer", L + "mlp.router.weight", (LH + "mlp.gate.weight",), (("experts", "h"),), when="moe"),
-    Entry(
-        "llm_layer",
-        L + "mlp.experts.local_experts.{e}.linear_fc1.weight",
-        (EH + "gate_proj.weight", EH + "up_proj.weight"),
-        (("eff", "h"), ("eff", "h")),
-        "glu",
-        0,
-        when="moe",
-        expert=True,
-    ),
-    Entry(
-        "llm_layer",
-        L + "mlp.experts.local_experts.{e}.linear_fc2.weight",
-        (EH + "down_proj.weight",),
-        (("h", "eff"),),
-        split=1,
-        when="moe",
-        expert=True,
-    ),
-    Entry(
-        "final_norm", "text_decoder.decoder.final_layernorm.weight", ("model.language_model.norm.weight",), (("h",),)
-    ),
-    Entry(
-        "output_layer",
-        "text_decoder.output_layer.weight",
-        ("lm_head.weight",),
-        (("vocab", "h"),),
-        split=0,
-        when="untied",
-    ),
-    Entry(
-        "output_layer",
-        "text_decoder.output_layer.weight",
-        ("model.language_model.embed_tokens.weight",),
-        (("vocab", "h"),),
-        split=0,
-        when="tied",
-        duplicate=True,
-    ),
+    *text_table("model.language_model.", qkv_bias=False, qk_norm=True, mlp=(
+        *dense_mlp(LH, when="dense"),
+        Entry("llm_layer", L + "mlp.router.weight", (LH + "mlp.gate.weight",), (("experts", "h"),), when="moe"),
+        Entry("llm_layer", L + "mlp.experts.local_experts.{e}.linear_fc1.weight", (EH + "gate_proj.weight",
+              EH + "up_proj.weight"), (("eff", "h"), ("eff", "h")), "glu", 0, when="moe", expert=True),
+        Entry("llm_layer", L + "mlp.experts.local_experts.{e}.linear_fc2.weight", (EH + "down_proj.weight",),
+              (("h", "eff"),), split=1, when="moe", expert=True),
+    )),
 )
+# fmt: on
 
 
 def qwen3_dims(model: ModelConfig) -> dict[str, int]:
@@ -229,8 +135,7 @@ def model_json(config: Mapping[str, Any]) -> dict[str, Any]:
     """model.json content from a Qwen3-VL config.json (transformers' spelling: ``text_config`` with
     ``rope_parameters``; ``tie_word_embeddings`` at the top level or in ``text_config``)."""
     vision = vision_json(config, LABEL)
-    depth, width = need(vision, "depth", LABEL), need(vision, "hidden_size", LABEL)
-    heads, merge = need(vision, "num_heads", LABEL), vision.get("spatial_merge_size", 2)
+    width, merge = need(vision, "hidden_size", LABEL), vision.get("spatial_merge_size", 2)
     text = config.get("text_config") or config
     decoder = {**text_decoder_json(config, LABEL), **_TEXT_FIXED, "model_id": "qwen3_lm", **moe_json(text)}
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
@@ -238,34 +143,14 @@ def model_json(config: Mapping[str, Any]) -> dict[str, Any]:
     decoder["mrope_interleaved"] = bool(rope.get("mrope_interleaved", True))
     encoder = {
         "model_id": "qwen3vit",
-        "num_layers": depth,
-        "pipeline_num_layers": [depth],
-        "hidden_size": width,
-        "ffn_hidden_size": need(vision, "intermediate_size", LABEL),
-        "num_attention_heads": heads,
-        "num_query_groups": heads,
-        "in_channels": vision.get("in_channels", 3),
-        "patch_size": vision.get("patch_size", 16),
-        "temporal_patch_size": vision.get("temporal_patch_size", 2),
-        "spatial_merge_size": merge,
+        **encoder_json(vision, width, need(vision, "intermediate_size", LABEL), LABEL, patch_size=16),
         "num_position_embeddings": vision.get("num_position_embeddings", 2304),
         "deepstack_visual_indexes": list(vision.get("deepstack_visual_indexes", [8, 16, 24])),
         "activation_func": vision.get("hidden_act", "gelu_pytorch_tanh"),
         **_VISION_FIXED,
     }
-    projector = {
-        "model_id": "lnmlp",
-        "input_size": width,
-        "hidden_size": vision.get("out_hidden_size", decoder["hidden_size"]),
-        "ffn_hidden_size": width * merge**2,
-        "normalization": "LayerNorm",
-    }
-    return {
-        "model_id": MODEL_ID,
-        **token_ids_json(config),
-        "image_encoder": {"vision_encoder": encoder, "vision_projector": projector},
-        "text_decoder": decoder,
-    }
+    projector = layernorm_projector(width, vision.get("out_hidden_size", decoder["hidden_size"]), merge)
+    return vl_json(MODEL_ID, config, encoder, projector, decoder)
 
 
 _VISION_FIXED: dict[str, Any] = {
@@ -278,16 +163,7 @@ _VISION_FIXED: dict[str, Any] = {
     "patch_embed_bias": True,
 }
 _TEXT_FIXED: dict[str, Any] = {"qk_layernorm": True, "add_qkv_bias": False}
-_FIXED = {
-    **{
-        f"image_encoder.vision_encoder.{key}": value
-        for key, value in _VISION_FIXED.items()
-        if key != "fullatt_block_indexes"
-    },
-    **{f"text_decoder.{key}": value for key, value in _TEXT_FIXED.items()},
-    "image_encoder.vision_projector.normalization": "LayerNorm",
-    "text_decoder.swiglu": True,
-}
+_FIXED = fixed_keys(_VISION_FIXED, _TEXT_FIXED, "LayerNorm")
 
 
 def moe_rules(text: Any) -> Iterator[ModelFinding]:

@@ -29,38 +29,39 @@ VIT_HEADS = ("vheads", "vheads", "vhd")
 LLM_HEADS = ("heads", "groups", "hd")
 VLIN, VQKV, LQKV = "vit_linear_bias", "vit_qkv_bias", "llm_qkv_bias"
 
-PATCH_EMBED = Entry(
-    "patch_embed",
-    "image_encoder.encoder.patch_embed.proj.weight",
-    ("visual.patch_embed.proj.weight",),
-    (("vh", "cin", "tps", "ps", "ps"),),
-)
+# fmt: off
+PATCH_EMBED = Entry("patch_embed", "image_encoder.encoder.patch_embed.proj.weight", ("visual.patch_embed.proj.weight",),
+                    (("vh", "cin", "tps", "ps", "ps"),))
 
-VIT_ATTENTION: tuple[Entry, ...] = (
-    Entry(
-        "vit_layer",
-        V + "self_attention.linear_qkv.weight",
-        (VH + "attn.qkv.weight",),
-        (("vqkv", "vh"),),
-        "fused_qkv",
-        0,
-        VIT_HEADS,
-    ),
-    Entry(
-        "vit_layer",
-        V + "self_attention.linear_qkv.bias",
-        (VH + "attn.qkv.bias",),
-        (("vqkv",),),
-        "fused_qkv",
-        0,
-        VIT_HEADS,
-        when=VQKV,
-    ),
-    Entry(
-        "vit_layer", V + "self_attention.linear_proj.weight", (VH + "attn.proj.weight",), (("vh", "vattn"),), split=1
-    ),
-    Entry("vit_layer", V + "self_attention.linear_proj.bias", (VH + "attn.proj.bias",), (("vh",),), when=VLIN),
-)
+
+def pair(scope: Scope, mg: str, hf: str, dim: str, split: int | None = None) -> tuple[Entry, Entry]:
+    """A weight-and-bias pair of 1D tensors: a LayerNorm, or a linear layer's bias with its weight elsewhere."""
+    return (Entry(scope, mg + ".weight", (hf + ".weight",), ((dim,),), split=split),
+            Entry(scope, mg + ".bias", (hf + ".bias",), ((dim,),), split=split))
+
+
+def vit_attention(vh: str) -> tuple[Entry, ...]:
+    """A ViT block's fused qkv and output projection (HF block prefix ``vh``)."""
+    return (
+        Entry("vit_layer", V + "self_attention.linear_qkv.weight", (vh + "attn.qkv.weight",), (("vqkv", "vh"),),
+              "fused_qkv", 0, VIT_HEADS),
+        Entry("vit_layer", V + "self_attention.linear_qkv.bias", (vh + "attn.qkv.bias",), (("vqkv",),),
+              "fused_qkv", 0, VIT_HEADS, when=VQKV),
+        Entry("vit_layer", V + "self_attention.linear_proj.weight", (vh + "attn.proj.weight",), (("vh", "vattn"),),
+              split=1),
+        Entry("vit_layer", V + "self_attention.linear_proj.bias", (vh + "attn.proj.bias",), (("vh",),), when=VLIN),
+    )
+
+
+def vit_plain_mlp(vh: str, fc1: str, fc2: str) -> tuple[Entry, ...]:
+    """A ViT block's two-layer MLP with biases (Qwen2-VL's ``fc1`` / ``fc2``, Qwen3-VL's ``linear_fc1`` / ...)."""
+    return (
+        Entry("vit_layer", V + "mlp.linear_fc1.weight", (vh + f"mlp.{fc1}.weight",), (("vffn", "vh"),), split=0),
+        Entry("vit_layer", V + "mlp.linear_fc1.bias", (vh + f"mlp.{fc1}.bias",), (("vffn",),), split=0, when=VLIN),
+        Entry("vit_layer", V + "mlp.linear_fc2.weight", (vh + f"mlp.{fc2}.weight",), (("vh", "vffn"),), split=1),
+        Entry("vit_layer", V + "mlp.linear_fc2.bias", (vh + f"mlp.{fc2}.bias",), (("vh",),), when=VLIN),
+    )
+
 
 MERGER_MLP: tuple[Entry, ...] = (
     Entry("merger", P + "encoder.linear_fc1.weight", (PH + "mlp.0.weight",), (("pffn", "pcat"),), split=0),
@@ -69,74 +70,50 @@ MERGER_MLP: tuple[Entry, ...] = (
     Entry("merger", P + "encoder.linear_fc2.bias", (PH + "mlp.2.bias",), (("ph",),)),
 )
 
-TEXT: tuple[Entry, ...] = (
-    Entry(
-        "embedding",
-        "text_decoder.embedding.word_embeddings.weight",
-        ("model.embed_tokens.weight",),
-        (("vocab", "h"),),
-        split=0,
-    ),
-    Entry("llm_layer", L + "input_layernorm.weight", (LH + "input_layernorm.weight",), (("h",),)),
-    Entry(
-        "llm_layer",
-        L + "self_attention.linear_qkv.weight",
-        (LH + "self_attn.q_proj.weight", LH + "self_attn.k_proj.weight", LH + "self_attn.v_proj.weight"),
-        (("q", "h"), ("kv", "h"), ("kv", "h")),
-        "qkv",
-        0,
-        LLM_HEADS,
-    ),
-    Entry(
-        "llm_layer",
-        L + "self_attention.linear_qkv.bias",
-        (LH + "self_attn.q_proj.bias", LH + "self_attn.k_proj.bias", LH + "self_attn.v_proj.bias"),
-        (("q",), ("kv",), ("kv",)),
-        "qkv",
-        0,
-        LLM_HEADS,
-        when=LQKV,
-    ),
-    Entry(
-        "llm_layer", L + "self_attention.linear_proj.weight", (LH + "self_attn.o_proj.weight",), (("h", "q"),), split=1
-    ),
-    Entry("llm_layer", L + "pre_mlp_layernorm.weight", (LH + "post_attention_layernorm.weight",), (("h",),)),
-    Entry(
-        "llm_layer",
-        L + "mlp.linear_fc1.weight",
-        (LH + "mlp.gate_proj.weight", LH + "mlp.up_proj.weight"),
-        (("ffn", "h"), ("ffn", "h")),
-        "glu",
-        0,
-    ),
-    Entry("llm_layer", L + "mlp.linear_fc2.weight", (LH + "mlp.down_proj.weight",), (("h", "ffn"),), split=1),
-    Entry("final_norm", "text_decoder.decoder.final_layernorm.weight", ("model.norm.weight",), (("h",),)),
-    Entry(
-        "output_layer",
-        "text_decoder.output_layer.weight",
-        ("lm_head.weight",),
-        (("vocab", "h"),),
-        split=0,
-        when="untied",
-    ),
-    Entry(
-        "output_layer",
-        "text_decoder.output_layer.weight",
-        ("model.embed_tokens.weight",),
-        (("vocab", "h"),),
-        split=0,
-        when="tied",
-        duplicate=True,
-    ),
-)
 
-
-def pair(scope: Scope, mg: str, hf: str, dim: str, split: int | None = None) -> tuple[Entry, Entry]:
-    """A weight-and-bias pair of 1D tensors: a LayerNorm, or a linear layer's bias with its weight elsewhere."""
+def dense_mlp(lh: str, when: str | None = None) -> tuple[Entry, ...]:
+    """An LLM layer's SwiGLU MLP (HF layer prefix ``lh``): gate and up fused into ``linear_fc1``."""
     return (
-        Entry(scope, mg + ".weight", (hf + ".weight",), ((dim,),), split=split),
-        Entry(scope, mg + ".bias", (hf + ".bias",), ((dim,),), split=split),
+        Entry("llm_layer", L + "mlp.linear_fc1.weight", (lh + "mlp.gate_proj.weight", lh + "mlp.up_proj.weight"),
+              (("ffn", "h"), ("ffn", "h")), "glu", 0, when=when),
+        Entry("llm_layer", L + "mlp.linear_fc2.weight", (lh + "mlp.down_proj.weight",), (("h", "ffn"),), split=1,
+              when=when),
     )
+
+
+def text_table(hf: str, mlp: tuple[Entry, ...], qkv_bias: bool = True, qk_norm: bool = False) -> tuple[Entry, ...]:
+    """The text decoder (HF prefix ``hf``: ``model.`` or ``model.language_model.``): embeddings, per layer the
+    attention (q / k / v fused per query group; a qkv bias switched by model.json, Qwen3's per-head q / k norms)
+    and ``mlp``, the final norm and the output layer (or, tied, a copy of the embeddings)."""
+    lh = hf + "layers.{i}."
+    qkv = tuple(lh + f"self_attn.{x}_proj." for x in "qkv")
+    bias = (Entry("llm_layer", L + "self_attention.linear_qkv.bias", tuple(x + "bias" for x in qkv),
+                  (("q",), ("kv",), ("kv",)), "qkv", 0, LLM_HEADS, when=LQKV),) if qkv_bias else ()
+    norms = tuple(Entry("llm_layer", L + f"self_attention.{x}_layernorm.weight", (lh + f"self_attn.{x}_norm.weight",),
+                        (("hd",),)) for x in "qk") if qk_norm else ()
+    return (
+        Entry("embedding", "text_decoder.embedding.word_embeddings.weight", (hf + "embed_tokens.weight",),
+              (("vocab", "h"),), split=0),
+        Entry("llm_layer", L + "input_layernorm.weight", (lh + "input_layernorm.weight",), (("h",),)),
+        Entry("llm_layer", L + "self_attention.linear_qkv.weight", tuple(x + "weight" for x in qkv),
+              (("q", "h"), ("kv", "h"), ("kv", "h")), "qkv", 0, LLM_HEADS),
+        *bias,
+        *norms,
+        Entry("llm_layer", L + "self_attention.linear_proj.weight", (lh + "self_attn.o_proj.weight",), (("h", "q"),),
+              split=1),
+        Entry("llm_layer", L + "pre_mlp_layernorm.weight", (lh + "post_attention_layernorm.weight",), (("h",),)),
+        *mlp,
+        Entry("final_norm", "text_decoder.decoder.final_layernorm.weight", (hf + "norm.weight",), (("h",),)),
+        Entry("output_layer", "text_decoder.output_layer.weight", ("lm_head.weight",), (("vocab", "h"),), split=0,
+              when="untied"),
+        Entry("output_layer", "text_decoder.output_layer.weight", (hf + "embed_tokens.weight",), (("vocab", "h"),),
+              split=0, when="tied", duplicate=True),
+    )
+# fmt: on
+
+
+VIT_ATTENTION = vit_attention(VH)
+TEXT = text_table("model.", dense_mlp(LH))
 
 
 # Newer transformers releases nest the LLM and the ViT under ``model.``; output keeps the published names.
@@ -240,7 +217,61 @@ def vision_json(config: Mapping[str, Any], label: str) -> Mapping[str, Any]:
     return vision
 
 
+def encoder_json(vision: Mapping[str, Any], width: int, ffn: int, label: str, patch_size: int = 14) -> dict[str, Any]:
+    """model.json's ``vision_encoder`` fields every Qwen-VL ViT has (its width and MLP width as the family reads
+    them)."""
+    depth, heads = need(vision, "depth", label), need(vision, "num_heads", label)
+    return {
+        "num_layers": depth,
+        "pipeline_num_layers": [depth],
+        "hidden_size": width,
+        "ffn_hidden_size": ffn,
+        "num_attention_heads": heads,
+        "num_query_groups": heads,
+        "in_channels": vision.get("in_channels", vision.get("in_chans", 3)),
+        "patch_size": vision.get("patch_size", patch_size),
+        "temporal_patch_size": vision.get("temporal_patch_size", 2),
+        "spatial_merge_size": vision.get("spatial_merge_size", 2),
+    }
+
+
+def layernorm_projector(width: int, hidden: int, merge: int) -> dict[str, Any]:
+    """model.json's ``vision_projector`` of a merger with a LayerNorm (Qwen2-VL, Qwen3-VL): ``width`` in,
+    ``hidden`` (the LLM's) out, over ``merge`` x ``merge`` patches."""
+    return {
+        "model_id": "lnmlp",
+        "input_size": width,
+        "hidden_size": hidden,
+        "ffn_hidden_size": width * merge**2,
+        "normalization": "LayerNorm",
+    }
+
+
+def vl_json(model_id: str, config: Mapping[str, Any], encoder: dict[str, Any], projector: dict[str, Any],
+            decoder: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """model.json content: the family's ``model_id``, the special tokens' ids and the three parts."""
+    return {
+        "model_id": model_id,
+        **token_ids_json(config),
+        "image_encoder": {"vision_encoder": encoder, "vision_projector": projector},
+        "text_decoder": decoder,
+    }
+
+
 # ---------------------------------------------------------------------------------------- model rules
+def fixed_keys(vision: Mapping[str, Any], text: Mapping[str, Any], projector_norm: str) -> dict[str, Any]:
+    """The model.json keys a family's checkpoints fix, from the ViT and text fields its model.json sets (a list of
+    indexes is data, not structure) and its merger's norm; every Qwen-VL LLM has a SwiGLU MLP."""
+    return {
+        **{
+            f"image_encoder.vision_encoder.{key}": value for key, value in vision.items() if not isinstance(value, list)
+        },
+        **{f"text_decoder.{key}": value for key, value in text.items()},
+        "image_encoder.vision_projector.normalization": projector_norm,
+        "text_decoder.swiglu": True,
+    }
+
+
 def fixed_fields(model: ModelConfig, fixed: Mapping[str, Any], label: str) -> Iterator[ModelFinding]:
     """Fields the family's checkpoints fix (a different value builds a model no checkpoint of it fills)."""
     for key, want in fixed.items():
