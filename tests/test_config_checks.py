@@ -116,6 +116,31 @@ def test_valid_top_p_and_top_k_are_accepted(check, overrides):
     assert check(*overrides) == []
 
 
+@pytest.mark.parametrize(
+    ("override", "key", "rule"),
+    [
+        (f"{RL}.reward.num_workers=0", f"{RL}.reward.num_workers", "at least 1"),
+        (f"{GEN}.max_num_seqs=0", f"{GEN}.max_num_seqs", "at least 1"),
+        (f"{RL}.dynamic_sampling.max_num_gen_batches=0", f"{RL}.dynamic_sampling.max_num_gen_batches", "at least 1"),
+        (f"{TRAIN}.seed=-1", f"{TRAIN}.seed", "2^32 - 1"),
+        (f"{TRAIN}.seed=4294967296", f"{TRAIN}.seed", "2^32 - 1"),
+        (f"{RL}.val_freq=-1", f"{RL}.val_freq", "0 (off)"),
+        (f"{RL}.gamma=2", f"{RL}.gamma", "(0, 1]"),
+        (f"{RL}.gamma=0", f"{RL}.gamma", "(0, 1]"),
+        (f"{SAMPLING}.logprobs=-1", f"{SAMPLING}.logprobs", "0 or a count"),
+        ("env.RAY_CONNECT_TIMEOUT_S=0", "env.RAY_CONNECT_TIMEOUT_S", "positive"),
+    ],
+)
+def test_values_no_run_can_use_are_rejected_with_their_key(check, override, key, rule):
+    assert rule in rejected(check(override), key).rule
+
+
+def test_the_edges_of_those_ranges_are_accepted(check):
+    edges = [f"{TRAIN}.seed=4294967295", f"{RL}.gamma=1", f"{RL}.val_freq=0", f"{SAMPLING}.logprobs=2"]
+    assert check(*edges, f"{RL}.reward.num_workers=2", "env.RAY_CONNECT_TIMEOUT_S=0.5") == []
+    assert check(f"{TRAIN}.seed=0") == []
+
+
 # ------------------------------------------------------------------------------------------- optimisation
 def test_non_positive_lr_is_reported_on_lr(check):
     problem = rejected(check(f"{ACTOR}.lr=-1e-6"), f"{ACTOR}.lr")

@@ -249,3 +249,33 @@ def test_an_interrupt_in_start_up_stops_the_local_ray(tiny_base, tmp_path, monke
     output = "".join(capfd.readouterr())
     assert "Traceback" not in output and "Ray" not in output, output
     assert lines[-1] == f"the engine's and workers' output: {(tmp_path / 'out').resolve() / WORKER_LOG}"
+
+
+def test_a_cluster_address_where_nothing_answers_fails_fast_naming_its_source(tmp_path, fake_ray, monkeypatch):
+    """A wrong RAY_ADDRESS (yaml key or environment variable) fails after env.RAY_CONNECT_TIMEOUT_S, not after minutes
+    of Ray's retries, naming where the address came from; ray.init is never called. A live address passes."""
+    import socket
+    import time
+
+    from mm_rl.config.loader import ConfigError
+
+    fake = fake_ray()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    for address, env in ((f"127.0.0.1:{port}", None), (None, f"127.0.0.1:{port}")):
+        if env:
+            monkeypatch.setenv("RAY_ADDRESS", env)
+        job = _job(tmp_path, address)
+        job.env.RAY_CONNECT_TIMEOUT_S = 1.5
+        started = time.monotonic()
+        with pytest.raises(ConfigError) as err:
+            runtime.connect(job, RESOURCES)
+        (problem,) = err.value.violations
+        assert problem.key == ("env.RAY_ADDRESS" if address else "RAY_ADDRESS (environment variable)")
+        assert problem.value == f"127.0.0.1:{port}" and "no Ray cluster answers" in problem.rule
+        assert "unset" in problem.fix and 1.5 <= time.monotonic() - started < 10
+    assert fake.init_options is None
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        runtime.wait_for_cluster(f"ray://127.0.0.1:{server.getsockname()[1]}", "env.RAY_ADDRESS", 5.0)

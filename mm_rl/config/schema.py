@@ -46,14 +46,13 @@ def yaml_key(f: dataclasses.Field) -> str:
 # ----------------------------------------------------------------------------------------------- env
 @dataclass
 class EnvConfig:
-    MASTER_ADDR: str = opt("localhost", "address of the rank-0 node; all nodes connect to it")
-    MASTER_PORT: int = opt(6005, "port for torch.distributed initialisation on MASTER_ADDR")
     NNODES: int = opt(1, "number of machines in the cluster")
     NODE_RANK: int = opt(0, "rank of this machine; the head node is 0")
     NPROC_PER_NODE: int = opt(1, "devices (NPU / GPU) per machine; on CPU, training processes per machine")
     DEVICE: Literal["npu", "cuda", "cpu"] = opt("cpu", "accelerator kind: npu (torch_npu), cuda or cpu")
     DEVICE_MEMORY_GB: float | None = opt(None, "memory of one device in GiB (default: 64 npu, 80 cuda, 24 cpu)")
     RAY_ADDRESS: str | None = opt(None, "existing Ray cluster to join (else RAY_ADDRESS or a local one)")
+    RAY_CONNECT_TIMEOUT_S: float = opt(30.0, "seconds to wait for the Ray cluster at RAY_ADDRESS to answer")
 
 
 # ------------------------------------------------------------------------------------ model (model.json)

@@ -78,10 +78,36 @@ def positive_sizes(cfg: JobConfig) -> Iterator[Violation]:
         f"{GEN}.max_images_per_prompt": b.generate_config.max_images_per_prompt,
         f"{TEXT}.num_layers": b.model.text_decoder.num_layers,
         f"{TRAIN}.make-vocab-size-divisible-by": b.training.make_vocab_size_divisible_by,
+        f"{RL}.reward.num_workers": b.rl_config.reward.num_workers,
+        f"{GEN}.max_num_seqs": b.generate_config.max_num_seqs,
+        f"{RL}.dynamic_sampling.max_num_gen_batches": b.rl_config.dynamic_sampling.max_num_gen_batches,
     }
     for key, value in sizes.items():
         if value < 1:
             yield Violation(key, value, "must be at least 1", "use a positive integer")
+
+
+@rule
+def value_ranges(cfg: JobConfig) -> Iterator[Violation]:
+    """Values of the right type that no run can use: each found by a first try, then a traceback or a wrong run."""
+    b = cfg.backend_config
+    seed = b.training.seed
+    if not 0 <= seed <= 2**32 - 1:
+        yield Violation(f"{TRAIN}.seed", seed, "must lie in [0, 2^32 - 1] (numpy's and the engine's seed range)",
+                        "use a non-negative seed below 4294967296, e.g. 42")  # fmt: skip
+    if b.rl_config.val_freq < 0:
+        yield Violation(f"{RL}.val_freq", b.rl_config.val_freq, "must be 0 (off) or a step count",
+                        "use 0 to validate never, or N to validate every N steps")  # fmt: skip
+    gamma = b.rl_config.gamma
+    if not 0 < gamma <= 1:
+        yield Violation(f"{RL}.gamma", gamma, "a discount lies in (0, 1]", "use 1.0 (no discount) or e.g. 0.99")
+    logprobs = b.generate_config.sampling_config.logprobs
+    if logprobs < 0:
+        yield Violation(f"{GEN}.sampling_config.logprobs", logprobs, "must be 0 or a count of alternatives",
+                        "use 0 (the sampled token's log-prob only)")  # fmt: skip
+    if not cfg.env.RAY_CONNECT_TIMEOUT_S > 0:
+        yield Violation("env.RAY_CONNECT_TIMEOUT_S", cfg.env.RAY_CONNECT_TIMEOUT_S, "must be a positive time",
+                        "use e.g. 30 (seconds)")  # fmt: skip
     if not 0 <= cfg.env.NODE_RANK < max(1, cfg.env.NNODES):
         yield Violation(
             "env.NODE_RANK",

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mm_rl.config.loader import ConfigError, Violation
 from mm_rl.config.schema import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -234,6 +235,9 @@ def connect(job: JobConfig, resources: Resources) -> Connection:
 
     if ray.is_initialized():
         return Connection("the Ray cluster this process already joined", owned=False)
+    cluster = cluster_address(job)
+    if cluster is not None:
+        wait_for_cluster(*cluster, timeout_s=job.env.RAY_CONNECT_TIMEOUT_S)
     log_file = None if os.environ.get(VERBOSE_ENV) == "1" else open_worker_log(Path(job.af_output_dir))
     options, where = init_options(job, resources, log_file)
     connection = Connection(where, owned=True, log_file=log_file)
@@ -245,6 +249,46 @@ def connect(job: JobConfig, resources: Resources) -> Connection:
         connection.close()
         raise
     return connection
+
+
+def cluster_address(job: JobConfig) -> tuple[str, str] | None:
+    """The Ray cluster the job joins and the key that named it (the yaml's, else the environment variable's); None:
+    a local Ray instance."""
+    if job.env.RAY_ADDRESS:
+        return job.env.RAY_ADDRESS, "env.RAY_ADDRESS"
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"], "RAY_ADDRESS (environment variable)"
+    return None
+
+
+def wait_for_cluster(address: str, key: str, timeout_s: float) -> None:
+    """Return once something answers at a ``host:port`` (or ``ray://host:port``) address, or fail after
+    ``timeout_s`` in ``check``'s format: ``ray.init`` would retry its GCS connection for minutes, a warning every
+    few seconds, without naming the address's source. Other forms (``auto``) are Ray's own lookup, which fails
+    fast."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    [
+                        Violation(
+                            key,
+                            address,
+                            f"no Ray cluster answers there ({error.strerror or error}; waited "
+                            f"{timeout_s:g} s, env.RAY_CONNECT_TIMEOUT_S)",
+                            "start the cluster first (ray start --head on that node), correct the address, or leave it "
+                            "unset (the yaml key and the environment variable) for a local run",
+                        )
+                    ]
+                ) from None
+            time.sleep(1.0)
 
 
 def init_options(job: JobConfig, resources: Resources, log_file: Path | None) -> tuple[dict[str, Any], str]:
@@ -262,9 +306,9 @@ def init_options(job: JobConfig, resources: Resources, log_file: Path | None) ->
         env_vars[LOG_ENV] = str(log_file)
         runtime_env["worker_process_setup_hook"] = f"{__name__}.{setup_worker.__name__}"
     options = {"runtime_env": runtime_env, "log_to_driver": log_file is None}
-    address = job.env.RAY_ADDRESS or os.environ.get("RAY_ADDRESS")
-    if address:
-        return options | {"address": address}, f"Ray cluster at {address}"
+    cluster = cluster_address(job)
+    if cluster is not None:
+        return options | {"address": cluster[0]}, f"Ray cluster at {cluster[0]}"
     cpus = logical_cpus(resources, job.backend_config.rl_config.reward.num_workers)
     local = {
         "num_cpus": cpus,
