@@ -102,6 +102,7 @@ def test_a_job_trains_converts_back_and_repeats_itself_after_sigkill(assets, tmp
     log, _ = again.communicate(timeout=900)
     assert again.returncode == 0, log[-4000:]
     assert "already holds this conversion" in log and "resumed from step 2" in log
+    assert "taking it over" in log  # the killed run's directory lock, left behind, is taken over with a notice
     resumed = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(straight, resumed, strict=True):

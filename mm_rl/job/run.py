@@ -10,9 +10,10 @@ format, should the directory change in between.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -123,13 +124,30 @@ def _resume_error(job: JobConfig, rule: str, fix: str) -> ConfigError:
 
 def run_job(job: JobConfig, report: Callable[[str], None] = print) -> JobResult:
     """The whole job; a worker failure or a stop raises after the roles are torn down (resume with the same
-    command)."""
+    command). The run holds its directories' locks throughout: a second run on them is refused at once."""
+    start = time.perf_counter()
+    out_dir = Path(job.af_output_dir)
+    with run_locks(job, report):
+        return _run(job, out_dir, start, report)
+
+
+@contextlib.contextmanager
+def run_locks(job: JobConfig, report: Callable[[str], None]) -> Iterator[None]:
+    """The run directory's lock and, when the checkpoints are written elsewhere, theirs (``mm_rl.job.lock``)."""
+    from mm_rl.job.lock import run_lock
+
+    out_dir, save = Path(job.af_output_dir), Path(job.backend_config.megatron_training.save)
+    with contextlib.ExitStack() as locks:
+        locks.enter_context(run_lock(out_dir, "af_output_dir", report))
+        if job.backend_config.megatron_training.save and not save.resolve().is_relative_to(out_dir.resolve()):
+            locks.enter_context(run_lock(save, "backend_config.megatron_training.save", report))
+        yield
+
+
+def _run(job: JobConfig, out_dir: Path, start: float, report: Callable[[str], None]) -> JobResult:
     from mm_rl.trainer.grpo import build_trainer
     from mm_rl.trainer.metrics import METRICS_FILE, plot_metrics
 
-    start = time.perf_counter()
-    out_dir = Path(job.af_output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     mm_dir = convert_in(job, report)
     total = job.backend_config.megatron_training.train_iters
     report(f"[2/3] GRPO: {total} steps, metrics in {out_dir / METRICS_FILE}")
