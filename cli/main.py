@@ -212,9 +212,10 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
 
 def _run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from mm_rl.job.run import failure_message, run_job, summary
-    from mm_rl.trainer.runtime import show_worker_output
+    from mm_rl.trainer.runtime import Terminated, show_worker_output, stop_cleanly_on_sigterm
 
     show_worker_output(args.verbose)
+    stop_cleanly_on_sigterm()
     job = _validated_job(args.job, overrides)
     try:
         result = run_job(job)
@@ -224,9 +225,11 @@ def _run_train(args: argparse.Namespace, overrides: list[str]) -> int:
             raise
         print(f"error: {message}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted; run the same command again to resume from the last checkpoint", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (Terminated): the roles are torn down already
+        terminated = isinstance(stop, Terminated)
+        print(f"{'terminated (SIGTERM)' if terminated else 'interrupted'}; run the same command again to resume from "
+              "the last checkpoint", file=sys.stderr)  # fmt: skip
+        return 143 if terminated else 130
     print(summary(result, args.job))
     return 0
 

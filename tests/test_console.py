@@ -11,9 +11,12 @@ checked in ``test_trainer.py`` (the resumed run of its SIGKILL test).
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -217,7 +220,8 @@ def test_the_engines_thread_binding_warning_is_dropped():
 # --------------------------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_an_interrupt_in_start_up_stops_the_local_ray(tiny_base, tmp_path, monkeypatch, capfd):
-    """Ctrl-C while the engine starts (after Ray, the placement and the ranks): no Ray left, no traceback."""
+    """SIGTERM (as Ctrl-C) while the engine starts (after Ray, the placement and the ranks): no Ray left, no
+    traceback. ray.init has installed its own SIGTERM handler by then; the job's own replaces it."""
     import psutil
     import ray
 
@@ -232,7 +236,8 @@ def test_an_interrupt_in_start_up_stops_the_local_ray(tiny_base, tmp_path, monke
         # the local instance (raylet, GCS, the ranks): what this process started since, not earlier tests' helpers
         started.extend(p for p in psutil.Process().children(recursive=True) if p.pid not in earlier)
         names.update(process.name() for process in started)
-        raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
 
     names: set[str] = set()
     earlier = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -240,8 +245,11 @@ def test_an_interrupt_in_start_up_stops_the_local_ray(tiny_base, tmp_path, monke
     monkeypatch.setattr(ray_roles.RayRoles, "_start_engine", interrupted)
     job = job_for(tiny_base / "job.yaml", tiny_base, tmp_path / "out")
     lines: list[str] = []
-    with pytest.raises(KeyboardInterrupt):
-        ray_roles.RayRoles(job, tmp_path / "not_built", lines.append)
+    try:
+        with pytest.raises(runtime.Terminated):
+            ray_roles.RayRoles(job, tmp_path / "not_built", lines.append)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     assert not ray.is_initialized()
     assert {"raylet", "gcs_server"} <= names
     _, alive = psutil.wait_procs(started, timeout=30)
@@ -279,3 +287,30 @@ def test_a_cluster_address_where_nothing_answers_fails_fast_naming_its_source(tm
     assert fake.init_options is None
     with socket.create_server(("127.0.0.1", 0)) as server:
         runtime.wait_for_cluster(f"ray://127.0.0.1:{server.getsockname()[1]}", "env.RAY_ADDRESS", 5.0)
+
+
+TRAIN_THAT_WAITS = textwrap.dedent("""
+    import sys, time
+    import mm_rl.job.run as run
+    import mm_rl_cli.main as cli
+
+    def waits(job, report=print):
+        print("running", flush=True)
+        time.sleep(60)
+
+    cli._validated_job = lambda path, overrides: None
+    run.run_job = waits
+    sys.exit(cli.main(["train", "job.yaml"]))
+""")
+
+
+def test_sigterm_to_train_stops_it_like_ctrl_c_with_exit_143():
+    """``kill`` / a scheduler's SIGTERM to ``train`` (a real process): the job's teardown runs as for Ctrl-C, it exits
+    143 with the resume hint and no traceback."""
+    process = subprocess.Popen([sys.executable, "-c", TRAIN_THAT_WAITS], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert process.stdout is not None and process.stdout.readline().strip() == "running"
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 143, err
+    assert "terminated (SIGTERM); run the same command again to resume" in err and "Traceback" not in err

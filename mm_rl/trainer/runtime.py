@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -228,6 +230,23 @@ class Connection:
                 self.ray_handlers = None
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what schedulers and ``kill`` send) in the driver: raised in its main thread as Ctrl-C raises
+    ``KeyboardInterrupt``, so the same clean shutdown runs (roles closed, Ray stopped, a resume hint)."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+def stop_cleanly_on_sigterm() -> None:
+    """SIGTERM raises :class:`Terminated` from now on. ``ray.init`` installs a handler of its own that exits from
+    whatever the main thread runs (``sys.exit``, ray/_private/worker.py), which ended a run with a C++ abort (exit
+    134); :func:`connect` puts this one back after it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+
+
 def connect(job: JobConfig, resources: Resources) -> Connection:
     """Join the configured Ray cluster or start a local one, its workers' output in the worker log (unless verbose).
     Interrupted or failed, what it started is stopped before the error goes on."""
@@ -245,6 +264,7 @@ def connect(job: JobConfig, resources: Resources) -> Connection:
         connection.ray_handlers = _route_ray_logger([logging.FileHandler(log_file)])
     try:
         ray.init(**options)
+        stop_cleanly_on_sigterm()
     except BaseException:
         connection.close()
         raise
