@@ -1,6 +1,7 @@
 """`check` catches what needs only the yaml, the data files and the HF checkpoint's files: one bad case (rejected
 with its key and a fix) and one good case per rule, on the tiny job with fake, fast inputs (no model is built)."""
 
+import base64
 import json
 
 import pytest
@@ -65,6 +66,17 @@ def test_mini_batch_larger_than_a_step_is_rejected(check):
     assert "use 64" in problem.fix and f"{RL}.rollout_batch_size to a multiple of 16" in problem.fix
     problem = rejected(check(f"{MT}.global_batch_size=128"), f"{MT}.global_batch_size")  # the key it follows
     assert "use 64" in problem.fix
+
+
+def test_the_gbs_fix_also_fills_whole_mini_batches(check):
+    """MBS 2 with 3 prompts x 4 samples = 12 per step: GBS 7 is not a multiple of 2, and of the nearest multiples 6 and
+    8 only 6 divides the step (the mini-batch follows GBS): the fix proposes 6 or 12, each of which passes."""
+    step = (f"{ACTOR}.micro_batch_size=2", f"{RL}.rollout_batch_size=3", f"{RL}.n_samples_per_prompt=4")
+    problems = check(*step, f"{MT}.global_batch_size=7")
+    multiple = next(p for p in problems if "multiple of MBS x DP" in p.rule)
+    assert multiple.fix == "use 6 or 12"
+    for gbs in (6, 12):
+        assert check(*step, f"{MT}.global_batch_size={gbs}") == []
 
 
 def test_mini_batch_that_divides_the_step_is_accepted(check):
@@ -265,6 +277,33 @@ def test_empty_split_file_is_rejected(check, tmp_path):
     assert "holds no rows" in rejected(check(), f"{DATA}.dataset_dir").rule
 
 
+def test_a_dataset_dir_that_is_a_file_is_rejected(check, tmp_path):
+    problem = rejected(
+        check(f"{DATA}.dataset_dir={tmp_path / 'geo3k_synthetic' / 'train.jsonl'}"), f"{DATA}.dataset_dir"
+    )
+    assert "is a file, not a dataset directory" in problem.rule and "the directory that holds it" in problem.fix
+
+
+def _image_rows(path, image: bytes, rows: int = 64) -> None:
+    encoded = base64.b64encode(image).decode()
+    row = {"prompt": "<image>What is x?", "answer": "1", "images": [encoded]}
+    path.write_text("".join(json.dumps(row) + "\n" for _ in range(rows)))
+
+
+def test_data_whose_images_do_not_decode_is_rejected_and_good_images_pass(check, tmp_path):
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(buffer, format="PNG")
+    _image_rows(tmp_path / "geo3k_synthetic" / "train.jsonl", buffer.getvalue()[:60])  # truncated PNGs
+    problem = rejected(check(), f"{DATA}.dataset_dir")
+    assert "none of the first 16 images of its rows decodes" in problem.rule
+    _image_rows(tmp_path / "geo3k_synthetic" / "train.jsonl", buffer.getvalue())
+    assert check() == []
+
+
 def test_corrupt_split_file_is_rejected(check, tmp_path):
     (tmp_path / "geo3k_synthetic" / "train.parquet").write_bytes(b"not parquet")  # parquet wins over jsonl
     assert "cannot read" in rejected(check(), f"{DATA}.dataset_dir").rule
@@ -274,6 +313,14 @@ def test_rows_without_the_answer_field_are_rejected(check, tmp_path):
     write_rows(tmp_path / "geo3k_synthetic" / "train.jsonl", 64, answer_key="solution")
     problem = rejected(check(), f"{DATA}.answer_key")
     assert "missing field 'reward_model.ground_truth'" in problem.rule and "'solution'" in problem.fix
+
+
+def test_rows_that_lack_the_answer_under_the_right_column_blame_the_rows_not_the_key(check, tmp_path):
+    rows = [{"prompt": f"{i} + 1 = ?", "reward_model": {"style": "rule"}} for i in range(64)]
+    (tmp_path / "geo3k_synthetic" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    problem = rejected(check(), f"{DATA}.dataset_dir")
+    assert "missing field 'reward_model.ground_truth'" in problem.rule
+    assert "the rows have the column 'reward_model'" in problem.fix and "fill it" in problem.fix
 
 
 def test_rows_with_the_configured_answer_field_are_accepted(check, tmp_path):

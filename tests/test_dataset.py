@@ -214,6 +214,29 @@ def test_long_prompts_are_filtered_and_counted(verl_dir, processor, caplog):
         PromptDataset(verl_dir, "train", processor, max_prompt_length=10)
 
 
+def test_a_split_no_row_of_which_fits_is_a_job_error_naming_the_key_to_change(verl_dir, tmp_path, processor):
+    """Known only once every row is processed (in ``train``, before any process starts): check's format, naming
+    max_prompt_length when every row was only too long, the data set when the rows are bad (truncated PNGs)."""
+    from mm_rl.config.loader import ConfigError
+
+    data = DataConfig()
+    data.dataset_param.basic_parameters.dataset_dir = str(verl_dir)
+    data.dataset_param.preprocess_parameters.max_prompt_length = 10
+    with pytest.raises(ConfigError) as err:
+        PromptDataset.from_config(data, "train", processor)
+    (problem,) = err.value.violations
+    assert problem.key.endswith("preprocess_parameters.max_prompt_length") and problem.value == 10
+    assert "12 longer than max_prompt_length=10" in problem.rule and "raise it to at least" in problem.fix
+    truncated = png()[:60]  # a PNG cut short: its header opens, its pixels do not decode
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": "<image>x", "answer": "1", "images": [base64.b64encode(
+        truncated).decode()]}] * 3)  # fmt: skip
+    data.dataset_param.basic_parameters.dataset_dir = str(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        PromptDataset.from_config(data, "train", processor)
+    (problem,) = err.value.violations
+    assert problem.key.endswith("basic_parameters.dataset_dir") and "3 undecodable image" in problem.rule
+
+
 # ------------------------------------------------------------------------------------------- sampler
 def test_sampler_resumes_with_the_next_unseen_prompt():
     original = PromptSampler(10, 3, seed=7)

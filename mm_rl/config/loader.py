@@ -225,9 +225,11 @@ def suggest(path: str, siblings: Sequence[str]) -> str:
 
 
 # Keys that earlier versions wrote into job yamls and that are gone: why, and what to do.
-_RENDEZVOUS = ("removed: mm_rl's ranks find each other through Ray (rank 0's node address and a port free there), so "
-               "no rendezvous address is set; a multi-node job joins its cluster with env.RAY_ADDRESS (or submit); "
-               "delete the line")
+_RENDEZVOUS = (
+    "removed: mm_rl's ranks find each other through Ray (rank 0's node address and a port free there), so "
+    "no rendezvous address is set; a multi-node job joins its cluster with env.RAY_ADDRESS (or submit); "
+    "delete the line"
+)
 RETIRED = {
     "backend_config.actor_config.recompute_activations": "removed: it never had an effect (activation recompute "
     "is not implemented); delete the line",

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from PIL import Image
 
+from mm_rl.config.loader import ConfigError, Violation
 from mm_rl.config.schema import BasicDataParameters, DataConfig, PreprocessParameters
 
 if TYPE_CHECKING:
@@ -421,7 +422,51 @@ def count_usable_rows(files: SplitFiles, basic: BasicDataParameters, instruction
     return stats
 
 
+def sample_decodes(
+    files: SplitFiles, basic: BasicDataParameters, instruction: str, sample: int = 16
+) -> tuple[int, int]:
+    """(images that do not decode, images tried) among the first ``sample`` images of the split's usable rows:
+    ``check``'s bounded look at the pixels (a data set whose images are all truncated fails here, not in ``train``)."""
+    keys = {"prompt": basic.prompt_key, "answer": basic.answer_key, "image": basic.image_key}
+    rows = checked_rows(
+        files, lambda record, base_dir, _: parse_fields(record, base_dir, keys, instruction), LoadStats()
+    )
+    sources = itertools.islice((source for _, images, _ in rows for source in images), sample)
+    failed = tried = 0
+    for source in sources:
+        tried += 1
+        try:
+            open_image(source)
+        except BadRow:
+            failed += 1
+    return failed, tried
+
+
 # ------------------------------------------------------------------------------------------------ dataset
+_DATA = "backend_config.data.dataset_param"
+
+
+class NoUsableRows(ValueError):
+    """A split none of whose rows can be used (``stats``: why)."""
+
+    def __init__(self, message: str, stats: LoadStats) -> None:
+        super().__init__(message)
+        self.stats = stats
+
+    def violation(self, dataset_dir: str, max_prompt_length: int) -> Violation:
+        """The job key to change: ``max_prompt_length`` when every row read was only too long, else the data."""
+        if self.stats.too_long and not self.stats.bad:
+            return Violation(
+                f"{_DATA}.preprocess_parameters.max_prompt_length", max_prompt_length, str(self),
+                f"raise it to at least {self.stats.longest} (the longest prompt, image tokens included), or lower "
+                "max_pixels so images take fewer tokens",
+            )  # fmt: skip
+        return Violation(
+            f"{_DATA}.basic_parameters.dataset_dir", dataset_dir, str(self),
+            "fix the rows named (the reasons say what is wrong), or point dataset_dir at another data set",
+        )  # fmt: skip
+
+
 class PromptDataset(Sequence[PromptItem]):
     """The usable prompts of one split; ``dataset[i]`` decodes and processes row i on access."""
 
@@ -452,16 +497,19 @@ class PromptDataset(Sequence[PromptItem]):
         """The train or validation split of the job's data section (pass ``processor`` to share one)."""
         basic, pre = data.dataset_param.basic_parameters, data.dataset_param.preprocess_parameters
         processor = processor or PromptProcessor(pre.model_name_or_path, pre.min_pixels, pre.max_pixels)
-        return cls(
-            basic.dataset_dir,
-            basic.train_split if which == "train" else basic.val_split,
-            processor,
-            prompt_key=basic.prompt_key,
-            answer_key=basic.answer_key,
-            image_key=basic.image_key,
-            instruction=pre.instruction,
-            max_prompt_length=pre.max_prompt_length,
-        )
+        try:
+            return cls(
+                basic.dataset_dir,
+                basic.train_split if which == "train" else basic.val_split,
+                processor,
+                prompt_key=basic.prompt_key,
+                answer_key=basic.answer_key,
+                image_key=basic.image_key,
+                instruction=pre.instruction,
+                max_prompt_length=pre.max_prompt_length,
+            )
+        except NoUsableRows as err:  # known only once every row is processed: check's format, at run time
+            raise ConfigError([err.violation(basic.dataset_dir, pre.max_prompt_length)]) from None
 
     @property
     def form(self) -> Form:
@@ -519,7 +567,7 @@ class PromptDataset(Sequence[PromptItem]):
             if self.stats.too_long:
                 problems.append(self.stats.too_long_summary(self.max_prompt_length))
             detail = "; ".join(problems) or "the files hold no rows"
-            raise ValueError(f"no usable row in {where}: {self.stats.rows} rows read; {detail}")
+            raise NoUsableRows(f"no usable row in {where}: {self.stats.rows} rows read; {detail}", self.stats)
         if self.stats.bad:
             logger.warning(
                 "%s: skipped %d of %d rows: %s",

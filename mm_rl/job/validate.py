@@ -232,13 +232,27 @@ def gbs_multiple(cfg: JobConfig) -> Iterator[Violation]:
         return
     unit = mbs * dp
     if gbs % unit:
-        below = gbs // unit * unit
         yield Violation(
             f"{MT}.global_batch_size",
             gbs,
             f"must be a multiple of MBS x DP = {mbs} x {dp} = {unit}",
-            "use " + " or ".join(str(n) for n in (below, below + unit) if n > 0),
+            "use " + " or ".join(map(str, _gbs_choices(cfg, gbs, unit))),
         )
+
+
+def _gbs_choices(cfg: JobConfig, gbs: int, unit: int) -> list[int]:
+    """The multiples of ``unit`` nearest ``gbs`` (below and above) to propose; while the mini-batch follows GBS, only
+    those that also split a step's samples into whole mini-batches (``rollout_fills_minibatches``), so the fix does
+    not break that rule."""
+    below = gbs // unit * unit
+    choices = [n for n in (below, below + unit) if n > 0]
+    rl = cfg.backend_config.rl_config
+    samples = rl.rollout_batch_size * rl.n_samples_per_prompt
+    if rl.mini_batch_size != gbs or samples < 1:
+        return choices
+    fitting = [n for n in range(unit, samples + 1, unit) if samples % n == 0]
+    lower, higher = [n for n in fitting if n < gbs], [n for n in fitting if n > gbs]
+    return (lower[-1:] + higher[:1]) or choices
 
 
 @rule
@@ -837,12 +851,15 @@ def sequence_budget(cfg: JobConfig) -> Iterator[Violation]:
 
 # ------------------------------------------------------------------------------- paths and the HF dir
 def _must_exist(key: str, path: str, what: str) -> Iterator[Violation]:
+    """``path`` names an existing directory (the data set, a checkpoint)."""
     if not path:
         yield Violation(key, path, f"{what} is required", f"set {key} to the {what}")
     elif not Path(path).exists():
         yield Violation(
             key, path, f"{what} does not exist{relative_note(path)}", f"point {source_of(key)} at an existing {what}"
         )
+    elif not Path(path).is_dir():
+        yield Violation(key, path, f"is a file, not a {what}", f"point {source_of(key)} at the directory that holds it")
 
 
 def _writable(key: str, path: str, reported: set[Path]) -> Iterator[Violation]:
@@ -1056,7 +1073,7 @@ def data_splits(cfg: JobConfig) -> Iterator[Violation]:
 
 
 def _split_rows(cfg: JobConfig, which: str, need: int) -> Iterator[Violation]:
-    from mm_rl.data.dataset import count_usable_rows, find_split
+    from mm_rl.data.dataset import count_usable_rows, find_split, sample_decodes
 
     data = cfg.backend_config.data.dataset_param
     basic, split, key = data.basic_parameters, getattr(data.basic_parameters, which), f"{DATA}.basic_parameters"
@@ -1081,9 +1098,17 @@ def _split_rows(cfg: JobConfig, which: str, need: int) -> Iterator[Violation]:
             f"{key}.dataset_dir", basic.dataset_dir, f"split '{split}': {err}", "rewrite the file (or remove it)"
         )
         return
-    if stats.kept >= need:
-        return
     where = f"split '{split}' ({', '.join(p.name for p in files.paths)})"
+    if stats.kept >= need:
+        failed, tried = sample_decodes(files, basic, data.preprocess_parameters.instruction)
+        if tried and failed == tried:
+            yield Violation(
+                f"{key}.dataset_dir",
+                basic.dataset_dir,
+                f"{where}: none of the first {tried} images of its rows decodes (truncated, or not an image)",
+                "re-export the images, or point dataset_dir at another data set",
+            )
+        return
     if stats.rows == 0:
         yield Violation(
             f"{key}.dataset_dir",
@@ -1104,6 +1129,14 @@ def _split_rows(cfg: JobConfig, which: str, need: int) -> Iterator[Violation]:
                 basic.dataset_dir,
                 rule,
                 "fix the rows named (see the reasons), or point dataset_dir at another data set",
+            )
+        elif getattr(basic, field).split(".")[0] in stats.columns:  # the key is right: the rows lack its value
+            yield Violation(
+                f"{key}.dataset_dir",
+                basic.dataset_dir,
+                rule,
+                f"the rows have the column {getattr(basic, field).split('.')[0]!r} but not the value {field} names: "
+                "fill it in those rows, or drop them",
             )
         else:
             yield Violation(
