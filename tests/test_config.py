@@ -132,11 +132,14 @@ def test_unknown_keys_suggest_the_nearest(key, suggestion):
     assert violation.key == key and violation.rule == "unknown key" and f"'{suggestion}'" in violation.fix
 
 
-@pytest.mark.parametrize(("override", "why"), [
-    ("backend_config.actor_config.recompute_activations=false", "never had an effect"),
-    ("env.MASTER_ADDR=10.0.0.1", "find each other through Ray"),  # MindSpeed's rendezvous keys: nothing read them
-    ("env.MASTER_PORT=70000", "env.RAY_ADDRESS"),
-])
+@pytest.mark.parametrize(
+    ("override", "why"),
+    [
+        ("backend_config.actor_config.recompute_activations=false", "never had an effect"),
+        ("env.MASTER_ADDR=10.0.0.1", "find each other through Ray"),  # MindSpeed's rendezvous keys: nothing read them
+        ("env.MASTER_PORT=70000", "env.RAY_ADDRESS"),
+    ],
+)
 def test_a_retired_key_says_why_it_is_gone(override, why):
     with pytest.raises(ConfigError) as err:
         load_job(None, [f"--{override}"])
@@ -552,3 +555,39 @@ def test_a_checkpoint_of_another_family_is_refused(tmp_path):
     cfg = _paths(tmp_path, **{"backend_config.megatron_training.tokenizer_name_or_path": hf})
     problems = [p for p in validate(cfg) if p.key == "backend_config.model.model_id"]
     assert len(problems) == 1 and "Qwen2-VL" in problems[0].rule and "qwen2vl" in problems[0].fix
+
+
+@pytest.mark.parametrize(
+    ("job_model", "overrides", "checkpoint", "key", "said"),
+    [
+        ("qwen3_vl_30b_a3b", [], "qwen3_vl_8b", "num_moe_experts", "none: a dense model"),  # an MoE job, dense ckpt
+        ("qwen3_vl_8b", [], "qwen3_vl_30b_a3b", "num_moe_experts", "(128)"),  # a dense job on an MoE checkpoint
+        ("qwen3_vl_30b_a3b", ["num_moe_experts=64"], "qwen3_vl_30b_a3b", "num_moe_experts", "(128)"),
+        ("qwen3_vl_30b_a3b", ["moe_intermediate_size=512"], "qwen3_vl_30b_a3b", "moe_intermediate_size", "(768)"),
+    ],
+)
+def test_the_experts_must_be_the_checkpoints(tmp_path, job_model, overrides, checkpoint, key, said):
+    """Dense vs MoE, the expert count and the expert width are the checkpoint's: refused by check, as the other
+    family mismatches, not by hf2mg two seconds into train."""
+    hf = write_hf_dir(tmp_path / "hf", model=checkpoint)
+    data = write_data_dir(tmp_path / "data")
+    paths = [
+        f"backend_config.megatron_training.tokenizer_name_or_path={hf}",
+        f"backend_config.data.dataset_param.basic_parameters.dataset_dir={data}",
+        f"af_output_dir={tmp_path / 'out'}",
+    ]
+    cfg = _preset_job(job_model, *paths, *[f"{TEXT}.{o}" for o in overrides])
+    problems = [p for p in validate(cfg) if p.key == f"{TEXT}.{key}"]
+    assert len(problems) == 1 and said in problems[0].rule and "must match the checkpoint" in problems[0].rule
+    assert not [p for p in validate(_preset_job(checkpoint, *paths)) if "must match the checkpoint" in p.rule]
+
+
+@pytest.mark.parametrize("key", ["mrope_section.0", "mrope_section[0]"])
+def test_an_override_of_one_list_element_asks_for_the_whole_list(key):
+    with pytest.raises(ConfigError) as err:
+        load_job(None, [f"--{TEXT}.{key}=5"])
+    (problem,) = err.value.violations
+    assert problem.key == f"{TEXT}.{key}" and "not one element of a list" in problem.rule
+    assert f"--{TEXT}.mrope_section='[1,2,3]'" in problem.fix
+    assert load_job(None, [f"--{TEXT}.mrope_section=[8,12,12]"]).backend_config.model.text_decoder.mrope_section == [
+        8, 12, 12]  # fmt: skip

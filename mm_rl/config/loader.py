@@ -57,9 +57,9 @@ def parse_overrides(args: Sequence[str]) -> list[str]:
         item = items.pop(0)
         body = item[2:] if item.startswith("--") else item
         if "=" in body:
-            out.append(body)
+            out.append(_whole_value(body))
         elif item.startswith("--") and items and not items[0].startswith("--"):
-            out.append(f"{body}={items.pop(0)}")
+            out.append(_whole_value(f"{body}={items.pop(0)}"))
         else:
             raise ConfigError(
                 [
@@ -72,6 +72,21 @@ def parse_overrides(args: Sequence[str]) -> list[str]:
                 ]
             )
     return out
+
+
+def _whole_value(override: str) -> str:
+    """``key=value`` unchanged, unless the key picks one element of a list (``a.b.0=5``, ``a.b[0]=5``): a
+    ConfigError that asks for the whole list (every list of the job is short: its values read best together)."""
+    key, _, value = override.partition("=")
+    parts = re.split(r"\.|\[", key)
+    index = next((i for i, part in enumerate(parts) if part.rstrip("]").isdigit()), None)
+    if index is None:
+        return override
+    whole = ".".join(parts[:index])
+    raise ConfigError([Violation(
+        key, value, "an override sets a whole value, not one element of a list",
+        f"give the whole list, e.g. --{whole}='[1,2,3]' (quoted for the shell)",
+    )])  # fmt: skip
 
 
 def relative_note(path: str | Path) -> str:

@@ -1025,6 +1025,12 @@ def hf_checkpoint_matches(cfg: JobConfig) -> Iterator[Violation]:
     for key, ours, theirs in same:
         if theirs is not None and ours != theirs:
             yield Violation(key, ours, f"must match the checkpoint's {config_file} ({theirs})", f"set it to {theirs}")
+    for key in ("num_moe_experts", "moe_intermediate_size"):  # absent on both sides: a dense model
+        ours, theirs = getattr(text, key) or None, text_hf.get(key)
+        if ours != theirs:
+            kind = f"{theirs}" if theirs is not None else "none: a dense model"
+            yield Violation(f"{TEXT}.{key}", ours, f"must match the checkpoint's {config_file} ({kind})",
+                            f"set it to {theirs}" if theirs is not None else "remove it (null)")  # fmt: skip
     layers, positions = "layers may be removed, never added", "positions beyond it were never trained"
     for key, ours, theirs, why in (
         (f"{TEXT}.num_layers", text.num_layers, text_hf.get("num_layers"), layers),
