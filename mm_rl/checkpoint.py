@@ -50,8 +50,10 @@ from mm_rl.convert.layout import (
 from mm_rl.files import (
     fsync_path,
     fsync_tree,
+    os_error_in,
     remove_dir_atomically,
     replace_dir,
+    require_space,
     save_torch_synced,
     unique_sibling,
 )
@@ -115,16 +117,28 @@ class CheckpointManager:
         ``CheckpointError`` that names the path and the errno's meaning, so the user reads no traceback."""
         staging = self.stage(step)
         try:
+            require_space(self.save_dir, self._size_of_latest() * 21 // 20, f"checkpoint step {step}")
             yield staging
         except BaseException as err:
             self._staging.pop(step, None)
             shutil.rmtree(staging, ignore_errors=True)
-            if isinstance(err, OSError):
+            disk = os_error_in(err)  # raised here, or by a rank (through its Ray error)
+            if disk is not None:
                 raise CheckpointError(
-                    f"cannot save checkpoint step {step}: {describe_os_error(err, staging)}; the "
+                    f"cannot save checkpoint step {step}: {describe_os_error(disk, staging)}; the "
                     f"unfinished save was removed, {self._latest_text()}"
                 ) from err
             raise
+
+    def _size_of_latest(self) -> int:
+        """The bytes of the latest complete checkpoint, what the next save will write again (0: none yet)."""
+        try:
+            step = read_latest(self.save_dir)
+        except ConversionError:
+            return 0
+        if not isinstance(step, int):
+            return 0
+        return sum(p.stat().st_size for p in (self.save_dir / iteration_name(step)).rglob("*") if p.is_file())
 
     def _latest_text(self) -> str:
         try:

@@ -10,6 +10,7 @@ cleanup code can recognise its leftovers. This module imports nothing from mm_rl
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -66,13 +67,74 @@ def write_atomic(
 
 def save_torch_synced(obj: object, path: Path) -> None:
     """``torch.save`` then fsync, for files that a marker written afterwards vouches for: the marker must only
-    ever reach the disk after the data. torch is imported here so this module stays light for its other users."""
+    ever reach the disk after the data. torch is imported here so this module stays light for its other users.
+    A failed write is an OSError naming ``path`` (:func:`torch_write_error`)."""
     import torch
 
-    with open(path, "wb") as f:
+    with torch_write_error(path), open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+class NoSpace(OSError):
+    """ENOSPC with what was needed and what is free (``detail``), for the message."""
+
+    def __init__(self, path: Path, detail: str) -> None:
+        super().__init__(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        self.detail = detail
+
+
+_TORCH_WRITE_FAILED = ("inline_container", "PytorchStreamWriter failed", "file write failed", "unexpected pos")
+_FULL_BELOW = 64 << 20  # free bytes under which a failed write is taken for a full disk
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system that holds ``path`` (or would: its nearest existing ancestor)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+@contextlib.contextmanager
+def torch_write_error(path: Path) -> Iterator[None]:
+    """torch's zip writer reports a failed write, a full disk above all, as a RuntimeError with no errno
+    ("[enforce fail at inline_container.cc] ... unexpected pos ..."): inside, that becomes the OSError it stands
+    for, naming ``path``: :class:`NoSpace` when the file system is (nearly) full, else EIO."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not any(marker in str(err) for marker in _TORCH_WRITE_FAILED):
+            raise
+        free = free_bytes(path)
+        if free < _FULL_BELOW:
+            raise NoSpace(path, f"{_gib(free)} free") from err
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(path)) from err
+
+
+def os_error_in(error: BaseException | None) -> OSError | None:
+    """The OSError with an errno that ``error`` is or was raised from: followed through ``__cause__`` and through
+    Ray's task errors (``cause``: what the remote call raised; Ray's copy carries no errno of its own)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno is not None:
+            return error
+        error = getattr(error, "cause", None) or error.__cause__
+    return None
+
+
+def require_space(directory: Path, need: int, what: str) -> None:
+    """:class:`NoSpace` unless ``directory``'s file system has ``need`` bytes free for ``what``: checked before a
+    save or a conversion starts, rather than found full half-way."""
+    free = free_bytes(directory)
+    if free < need:
+        raise NoSpace(directory, f"{what} needs about {_gib(need)}, {_gib(free)} free")
 
 
 def unique_sibling(path: Path, prefix: str) -> Path:

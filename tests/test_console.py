@@ -144,13 +144,22 @@ def _ray_handlers() -> list[logging.Handler]:
     return list(logging.getLogger("ray").handlers)
 
 
-def test_the_drivers_ray_lines_go_to_the_log_until_close(tmp_path, fake_ray):
-    fake, console = fake_ray(), _ray_handlers()
+def test_the_drivers_ray_lines_go_to_the_log_until_close(tmp_path, fake_ray, capsys):
+    """The "ray" logger's lines and the raylet's relayed messages (coloured "(raylet)" lines that Ray's driver thread
+    prints even with log_to_driver off) go to the worker log, uncoloured, until the connection closes."""
+    import ray._private.worker as ray_worker
+
+    fake, console, printer = fake_ray(), _ray_handlers(), ray_worker.print_to_stdstream
     connection = runtime.connect(_job(tmp_path), RESOURCES)
     log = tmp_path.resolve() / WORKER_LOG
     assert connection.log_file == log and fake.init_options["log_to_driver"] is False
     assert [type(handler) for handler in _ray_handlers()] == [logging.FileHandler]
+    killed = "\x1b[33mWarning:\x1b[0m A worker died or was killed while executing a task"
+    ray_worker.print_to_stdstream({"lines": [killed], "pid": "raylet", "is_err": False}, ignore_prefix=False)
+    assert capsys.readouterr().out == ""
+    assert "(raylet) Warning: A worker died or was killed" in log.read_text() and "\x1b[" not in log.read_text()
     connection.close()
+    assert ray_worker.print_to_stdstream is printer
     assert fake.shutdowns == [{"wait_for_processes": True}]
     assert _ray_handlers() == console  # the "ray" logger prints to the console again
     logging.getLogger("ray.fake").warning("after the run")

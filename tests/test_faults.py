@@ -278,6 +278,87 @@ def test_train_prints_a_disk_error_without_a_traceback(tmp_path, monkeypatch, ca
     assert "free space" in err and "Traceback" not in err
 
 
+TORCH_FULL_DISK = "[enforce fail at inline_container.cc:603] . unexpected pos 4928 vs 4816"
+
+
+def _torch_writer_failing(after: int = 0):
+    """torch.save as torch's zip writer fails on a full disk: a RuntimeError with no errno."""
+    real, calls = torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) <= after:
+            return real(obj, f, *args, **kwargs)
+        raise RuntimeError(TORCH_FULL_DISK)
+
+    return save
+
+
+def test_torchs_failed_write_on_a_full_disk_is_named_with_the_free_space(tmp_path, monkeypatch):
+    from mm_rl import files
+
+    mgr = CheckpointManager(tmp_path, keep_last=0)
+    mgr.save(1, states(1), trainer_state(1))
+    monkeypatch.setattr(torch, "save", _torch_writer_failing())
+    monkeypatch.setattr(files, "free_bytes", lambda path: 1 << 20)  # what is left once the disk filled up
+    monkeypatch.setattr(CheckpointManager, "_size_of_latest", lambda self: 0)  # (the space check is tested below)
+    with pytest.raises(CheckpointError) as failed:
+        mgr.save(2, states(2), trainer_state(2))
+    message = str(failed.value)
+    assert message.startswith(f"cannot save checkpoint step 2: no space left on device: {tmp_path}/.iter_0000002")
+    assert "(0.0 GiB free)" in message and "the latest checkpoint is step 1" in message
+    advice = failure_message(failed.value)
+    assert "free space on that file system" in advice and "inline_container" not in advice
+    monkeypatch.setattr(files, "free_bytes", lambda path: 100 << 30)  # not full: an I/O error, named as such
+    with pytest.raises(CheckpointError, match="input/output error"):
+        mgr.save(2, states(2), trainer_state(2))
+
+
+def test_a_save_that_cannot_fit_is_refused_before_it_writes(tmp_path, monkeypatch):
+    from mm_rl import files
+
+    mgr = CheckpointManager(tmp_path, keep_last=0)
+    mgr.save(1, states(1), trainer_state(1))
+    size = sum(p.stat().st_size for p in (tmp_path / "iter_0000001").rglob("*") if p.is_file())
+    monkeypatch.setattr(files, "free_bytes", lambda path: size // 2)
+    writes = []
+    monkeypatch.setattr(torch, "save", lambda *args, **kwargs: writes.append(args))
+    with pytest.raises(CheckpointError) as failed:
+        mgr.save(2, states(2), trainer_state(2))
+    assert writes == []
+    assert f"no space left on device: {tmp_path} (checkpoint step 2 needs about" in str(failed.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+
+
+def test_a_ranks_disk_error_is_found_through_its_ray_error():
+    """Ray hands a rank's exception over as a copy without its errno (``cause`` holds the original)."""
+    from mm_rl.files import NoSpace, os_error_in
+
+    class RayTaskErrorLike(OSError):
+        def __init__(self, cause):
+            self.cause = cause  # as Ray's RayTaskError(OSError): OSError's errno is not set
+
+    original = NoSpace(Path("/ckpt"), "1.0 GiB free")
+    worker = WorkerError("actor rank 0 failed in save_checkpoint: NoSpace")
+    worker.__cause__ = RayTaskErrorLike(original)
+    assert os_error_in(worker) is original
+    assert failure_message(worker).startswith("no space left on device: /ckpt (1.0 GiB free)")
+
+
+def test_hf2mg_refuses_to_start_without_room_for_its_shards(tmp_path, monkeypatch):
+    from test_convert import to_mg
+
+    from mm_rl import files
+    from mm_rl.demo.tiny import build_tiny_checkpoint
+
+    hf = build_tiny_checkpoint(tmp_path / "hf", seed=0)
+    monkeypatch.setattr(files, "free_bytes", lambda path: 1024)
+    with pytest.raises(OSError) as failed:
+        to_mg(hf, tmp_path / "mm", 1, [2], [4])
+    assert failed.value.errno == errno.ENOSPC and not (tmp_path / "mm" / "release").exists()
+    assert "hf2mg's Megatron shards needs about" in failure_message(failed.value)
+
+
 # ---------------------------------------------------------------------- 5. mg2hf on an incomplete iteration
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):

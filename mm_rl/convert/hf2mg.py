@@ -43,6 +43,7 @@ from mm_rl.convert.mapping import (
     stage_tensors,
 )
 from mm_rl.convert.stages import Pipeline, plan_pipeline
+from mm_rl.files import require_space
 
 SOURCE_RECORD = "hf2mg_source.json"  # in release/: what it was converted from, to reuse it only when that matches
 LAYER_KEYS = {
@@ -83,6 +84,8 @@ def hf2mg(cfg: Hf2MgCfg, model: ModelConfig, zip_crc32: bool = False) -> Path:
     }
     reader = HfReader(hf_dir, lambda name: published_name(model, name), model_family(model).hf_fused, shapes)
     check_checkpoint(reader, model, [b for stage in plan for rank in stage for b in rank])
+    weights = [p for pattern in ("*.safetensors", "*.bin") for p in hf_dir.glob(pattern)]
+    require_space(mm_dir, sum(p.stat().st_size for p in weights), "hf2mg's Megatron shards")  # at least that much
     write_release(reader, model, pipeline, plan, mm_dir, zip_crc32, source_record(cfg, model))
     return mm_dir
 

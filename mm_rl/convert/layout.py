@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from mm_rl.convert.errors import ConversionError, listing
-from mm_rl.files import fsync_tree, replace_dir, write_atomic
+from mm_rl.files import fsync_tree, replace_dir, torch_write_error, write_atomic
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE = "complete"  # the trainer's marker, written last into an iteration: the layout and every file's size
@@ -81,10 +81,13 @@ def incomplete_reason(directory: Path) -> str | None:
 
 def describe_os_error(err: OSError, path: str | os.PathLike[str] | None = None) -> str:
     """ "no space left on device: <path>": the errno's meaning and the path (``path`` when the error names none:
-    a full disk fails a write, not an open), as a user reads it, instead of a traceback."""
+    a full disk fails a write, not an open), as a user reads it, instead of a traceback; with the space needed and
+    free when the error knows them (``mm_rl.files.NoSpace``)."""
     what = os.strerror(err.errno).lower() if err.errno else (str(err) or type(err).__name__)
     where = err.filename if err.filename is not None else path
-    return f"{what}: {where}" if where is not None else what
+    text = f"{what}: {where}" if where is not None else what
+    detail = getattr(err, "detail", None)
+    return f"{text} ({detail})" if detail else text
 
 
 # ----------------------------------------------------------------------------------------------- names
@@ -216,7 +219,8 @@ def save_model_state(path: Path, state: Mapping[str, torch.Tensor], zip_crc32: b
     if set_ and before is not None:
         set_(zip_crc32)
     try:
-        torch.save({"model": dict(state), "checkpoint_version": CHECKPOINT_VERSION}, path)
+        with torch_write_error(path):
+            torch.save({"model": dict(state), "checkpoint_version": CHECKPOINT_VERSION}, path)
     finally:
         if set_ and before is not None:
             set_(before)

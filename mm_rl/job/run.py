@@ -211,7 +211,8 @@ def failure_message(error: BaseException) -> str | None:
 
     disk = _disk_error(error)
     if disk is not None:
-        text = describe_os_error(disk) if error is disk else str(error)
+        named = describe_os_error(disk)  # unless the error's own message says it (a save's says which step)
+        text = str(error) if error is not disk and named in str(error) else named
         return (
             f"{text}\n{_DISK_FIXES[disk.errno]}, then run the same command again: it resumes from the last "
             "complete checkpoint"
@@ -229,9 +230,9 @@ def failure_message(error: BaseException) -> str | None:
 
 
 def _disk_error(error: BaseException | None) -> OSError | None:
-    """The disk error (full, read-only, no permission) that ``error`` is or was raised from, if any."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno in _DISK_FIXES:
-            return error
-        error = error.__cause__
-    return None
+    """The disk error (full, read-only, no permission) that ``error`` is or was raised from, if any (a rank's
+    too: through the Ray error it came in)."""
+    from mm_rl.files import os_error_in
+
+    found = os_error_in(error)
+    return found if found is not None and found.errno in _DISK_FIXES else None

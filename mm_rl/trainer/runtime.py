@@ -31,8 +31,10 @@ die unexpectedly, they publish the fact to the dead GCS with a fixed 60 s timeou
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -214,6 +216,7 @@ class Connection:
     owned: bool
     log_file: Path | None = None
     ray_handlers: list[logging.Handler] | None = field(default=None, repr=False)  # the "ray" logger's own, put back
+    ray_printer: Callable[..., None] | None = field(default=None, repr=False)  # Ray's print_to_stdstream, put back
 
     def close(self) -> None:
         """Disconnect (a local instance's processes are stopped and waited for); the "ray" logger prints to the
@@ -228,6 +231,9 @@ class Connection:
                 for handler in _route_ray_logger(self.ray_handlers):
                     handler.close()
                 self.ray_handlers = None
+            if self.ray_printer is not None:
+                _route_ray_prints(self.ray_printer)
+                self.ray_printer = None
 
 
 class Terminated(KeyboardInterrupt):
@@ -262,6 +268,7 @@ def connect(job: JobConfig, resources: Resources) -> Connection:
     connection = Connection(where, owned=True, log_file=log_file)
     if log_file is not None:  # Ray's own lines of this process (ray.init's notices among them)
         connection.ray_handlers = _route_ray_logger([logging.FileHandler(log_file)])
+        connection.ray_printer = _route_ray_prints(functools.partial(_print_to_log, log_file))
     try:
         ray.init(**options)
         stop_cleanly_on_sigterm()
@@ -377,6 +384,26 @@ def setup_worker() -> None:
         f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid {os.getpid()}: Ray worker started",
         flush=True,
     )
+
+
+def _route_ray_prints(printer: Callable[..., None]) -> Callable[..., None]:
+    """Put ``printer`` in place of Ray's ``print_to_stdstream``, returning Ray's: the driver's thread that relays the
+    raylet's messages (a worker killed, objects spilled) prints them, coloured "(raylet)" lines, to the console
+    with ``log_to_driver`` off too (ray/_private/worker.py, ``listen_error_messages``)."""
+    import ray._private.worker as ray_worker
+
+    previous, ray_worker.print_to_stdstream = ray_worker.print_to_stdstream, printer
+    return previous
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _print_to_log(log_file: Path, data: dict[str, Any], ignore_prefix: bool = False) -> None:
+    """A relayed message of Ray's (``{"lines": [...], "pid": ...}``) as plain lines in the worker log."""
+    with open(log_file, "a") as log:
+        for line in data.get("lines", []):
+            log.write(f"({data.get('pid', 'ray')}) {_ANSI.sub('', line)}\n")
 
 
 def _route_ray_logger(handlers: list[logging.Handler]) -> list[logging.Handler]:

@@ -234,16 +234,16 @@ class TrainingWorker(MegatronWorker):
         experts, into its ``_EEE`` rank directory); with the distributed optimizer every rank of the
         DP x CP group writes its shard of the Adam state beside it (``distrib_optim_dpNNN.pt``, NNN its rank in
         that group, which is the DP rank without context parallelism)."""
-        import torch
 
         from mm_rl.checkpoint import CheckpointManager
+        from mm_rl.files import save_torch_synced
 
         coords, path = self._require_coords(), Path(staging)
         rank_dir = self._checkpoint_rank_dir(path)
         if self.spec_optim.use_distributed_optimizer:
             rank_dir.mkdir(parents=True, exist_ok=True)
             shards = [part.optimizer.state_dict() for part in optimizer_parts(self.optimizer)]
-            torch.save(shards, rank_dir / DISTRIB_OPTIM_FILE.format(dp=_optimizer_shard()))
+            save_torch_synced(shards, rank_dir / DISTRIB_OPTIM_FILE.format(dp=_optimizer_shard()))
         if coords.holds_unique_weights():
             state = {
                 "model": self._require_model().state_dict(),
