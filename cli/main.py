@@ -105,11 +105,11 @@ def _materialise_embedded(job: JobConfig) -> None:
     )
     print(f"embedded synthetic geo3k data: {data_dir}")
     try:
-        warm = warm_up_format(hf_dir, data_dir)
+        warm = warm_up_format(hf_dir, data_dir, report=print)
     except ValueError:  # warmed up by another mm_rl version: the tiny checkpoint is derived data, rebuild it
         _start_over(job)
         hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir, family=b.model.model_id, **variant)
-        warm = warm_up_format(hf_dir, data_dir)
+        warm = warm_up_format(hf_dir, data_dir, report=print)
     print(
         f"embedded tiny model: {hf_dir} (format warm-up: format rate {warm['before']['format']:.2f} -> "
         f"{warm['after']['format']:.2f}, accuracy {warm['after']['accuracy']:.2f})"

@@ -117,8 +117,15 @@ def test_same_seed_gives_identical_weights(data_dir, tmp_path, monkeypatch):
     with budget.cache_build():
         cached = warm_up_format(build_tiny_checkpoint(tmp_path / "cached", seed=0), data_dir, seed=0, **short)
     monkeypatch.setenv(cache.ENV, str(tmp_path / "empty_cache"))
-    fresh = warm_up_format(build_tiny_checkpoint(tmp_path / "fresh", seed=0), data_dir, seed=0, **short)
+    progress: list[str] = []
+    fresh = warm_up_format(
+        build_tiny_checkpoint(tmp_path / "fresh", seed=0), data_dir, seed=0, report=progress.append, **short
+    )
     assert (tmp_path / "empty_cache").is_dir()  # the fresh warm-up really ran (into its own cache)
+    # its progress reached the caller as it ran: the phases and every tenth of the steps
+    assert progress[0] == "tiny warm-up: scoring 2 test prompts before"
+    assert [line.split(",")[0] for line in progress[1:-1]] == [f"tiny warm-up: step {n}/20" for n in range(2, 21, 2)]
+    assert progress[-1] == "tiny warm-up: scoring 2 test prompts after"
     weights = [(tmp_path / which / "model.safetensors").read_bytes() for which in ("fresh", "cached")]
     assert weights[0] == weights[1]
     measured = ("before", "after", "losses")

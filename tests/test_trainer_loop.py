@@ -238,6 +238,12 @@ def test_validation_syncs_generates_greedy_and_reports_val_metrics(tmp_path):
     assert roles.calls[1] == ("generate", sampling_seed(trainer.seed, 3, -1), 2)
     assert metrics["val/reward/score"] == pytest.approx(0.5)
     assert "timing/validation" in metrics
+    lines: list[str] = []
+    job = _job(tmp_path, "--backend_config.rl_config.val_freq=2", "--backend_config.megatron_training.train_iters=4")
+    _trainer(job, FakeRoles(2, lambda s, uid, k: float(k)), lines).fit()
+    shown = [line.split(":")[0] for line in lines if line.startswith("validation")]
+    assert shown == ["validation at step 2", "validation at step 4"]  # a console line per validation, as per step
+    assert lines.index(next(line for line in lines if line.startswith("validation at step 2"))) == 2  # after step 2
 
 
 def test_non_finite_steps_are_counted_reset_and_stop_the_run(tmp_path):

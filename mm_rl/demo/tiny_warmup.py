@@ -179,7 +179,7 @@ def _train(model: Any, items: list[PromptItem], processor: PromptProcessor, args
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     model.train()
     losses = []
-    for _ in range(args.steps):
+    for step in range(args.steps):
         batch_items = rng.sample(items, min(args.batch_size, len(items)))
         responses = [
             processor.text_ids(
@@ -194,6 +194,8 @@ def _train(model: Any, items: list[PromptItem], processor: PromptProcessor, args
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
+        if (step + 1) % max(1, args.steps // 10) == 0:
+            _progress(f"step {step + 1}/{args.steps}, loss {losses[-1]:.3f}")
     model.eval()
     return losses
 
@@ -284,6 +286,7 @@ def warm_up_format(
     data_dir: str | Path,
     steps: int = WarmupArgs.steps,
     seed: int = 0,
+    report: Callable[[str], None] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Teach the tiny checkpoint in ``hf_dir`` the geo3k output format and an off-by-one answer habit, in place.
@@ -293,7 +296,8 @@ def warm_up_format(
     min_pixels, max_pixels, max_prompt_length). Returns ``{"before": {...}, "after": {...}, "wall_time_s",
     "losses": [first, last], "args"}`` where before/after hold the mean format, accuracy and score of
     ``eval_prompts x samples_per_prompt`` sampled test responses. A second call with the same arguments returns
-    the stored metrics and changes nothing.
+    the stored metrics and changes nothing. ``report`` receives progress lines while a warm-up runs (a few
+    minutes on 2 cores): its phases and every tenth of its steps.
     """
     hf_dir, data_dir = Path(hf_dir).absolute(), Path(data_dir).absolute()
     args = WarmupArgs(steps=steps, seed=seed, **options)
@@ -302,10 +306,10 @@ def warm_up_format(
     if stored is not None:
         return stored
     if not isinstance(record["data"], dict):  # not the synthetic set: nothing names the data, so no cache key
-        return _warm_in_place(hf_dir, data_dir, args, record)
+        return _warm_in_place(hf_dir, data_dir, args, record, report)
     warmed = cache.entry(
         cache.key("tiny-warmup", record, _sources(record)),
-        lambda staging: _warm_copy(staging, hf_dir, data_dir, args, record),
+        lambda staging: _warm_copy(staging, hf_dir, data_dir, args, record, report),
     )
     with atomic_path(hf_dir / _WEIGHTS, suffix=".tmp", mode=0o644) as tmp:  # weights first, the marker last
         shutil.copyfile(warmed / _WEIGHTS, tmp)
@@ -325,33 +329,61 @@ def _sources(record: dict[str, Any]) -> list[str]:
     ]
 
 
-def _warm_copy(staging: Path, hf_dir: Path, data_dir: Path, args: WarmupArgs, record: dict[str, Any]) -> None:
+def _warm_copy(
+    staging: Path, hf_dir: Path, data_dir: Path, args: WarmupArgs, record: dict[str, Any], report: Reporter
+) -> None:
     """A warmed copy of ``hf_dir`` in ``staging`` (a cache entry being built); ``hf_dir`` is left alone."""
     for path in hf_dir.iterdir():
         if path.is_file():
             shutil.copy2(path, staging / path.name)
-    _warm_in_place(staging, data_dir, args, record)
+    _warm_in_place(staging, data_dir, args, record, report)
 
 
-def _warm_in_place(hf_dir: Path, data_dir: Path, args: WarmupArgs, record: dict[str, Any]) -> dict[str, Any]:
-    metrics = _run_pinned(hf_dir, data_dir, args)
+def _warm_in_place(
+    hf_dir: Path, data_dir: Path, args: WarmupArgs, record: dict[str, Any], report: Reporter
+) -> dict[str, Any]:
+    metrics = _run_pinned(hf_dir, data_dir, args, report)
     marker = {"args": record, "metrics": metrics}
     write_atomic(hf_dir / MARKER, json.dumps(marker, indent=2, sort_keys=True) + "\n", sync=False, suffix=".tmp")
     return metrics
 
 
-def _run_pinned(hf_dir: Path, data_dir: Path, args: WarmupArgs) -> dict[str, Any]:
+def _run_pinned(hf_dir: Path, data_dir: Path, args: WarmupArgs, report: Reporter = None) -> dict[str, Any]:
     """:func:`_run` in a child process whose CPU kernels are pinned (``KERNEL_ENV``): the copy skill appears
-    abruptly, and the instruction set's rounding decides whether it has by step 500. Returns its metrics."""
+    abruptly, and the instruction set's rounding decides whether it has by step 500. Returns its metrics; the
+    child's progress lines go to ``report`` as they come."""
+    import collections
     import os
     import subprocess
     import sys
 
     command = [sys.executable, "-m", __name__, str(hf_dir), str(data_dir), json.dumps(asdict(args))]
-    done = subprocess.run(command, env=os.environ | KERNEL_ENV, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"the tiny warm-up failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    child = subprocess.Popen(
+        command, env=os.environ | KERNEL_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None and child.stderr is not None
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    for line in child.stderr:  # stdout holds only the final metrics line: it cannot fill its pipe meanwhile
+        if line.startswith(_PROGRESS):
+            if report is not None:
+                report(line.removeprefix(_PROGRESS).strip())
+        else:
+            tail.append(line)
+    out = child.stdout.read()
+    if child.wait() != 0:
+        raise RuntimeError(f"the tiny warm-up failed (exit {child.returncode}): {''.join(tail).strip()[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+_PROGRESS = "mm_rl-progress: "  # the child's progress lines on stderr, passed on to the parent's report
+Reporter = Callable[[str], None] | None
+
+
+def _progress(text: str) -> None:
+    """A progress line of the child for its parent (:func:`_run_pinned`)."""
+    import sys
+
+    print(f"{_PROGRESS}tiny warm-up: {text}", file=sys.stderr, flush=True)
 
 
 def _run(hf_dir: Path, data_dir: Path, args: WarmupArgs) -> dict[str, Any]:
@@ -368,8 +400,10 @@ def _run(hf_dir: Path, data_dir: Path, args: WarmupArgs) -> dict[str, Any]:
         train = _load_items(data_dir, "train", args.train_prompts, processor, args)
         test = _load_items(data_dir, "test", args.eval_prompts, processor, args)
         model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype="float32").eval()
+        _progress(f"scoring {len(test)} test prompts before")
         before = _seeded(args.seed + 1, lambda: evaluate(model, test, processor, args))
         losses = _seeded(args.seed, lambda: _train(model, train, processor, args))
+        _progress(f"scoring {len(test)} test prompts after")
         after = _seeded(args.seed + 1, lambda: evaluate(model, test, processor, args))  # same seed as before
         _save_weights(model, hf_dir)
     return {

@@ -167,12 +167,15 @@ class GRPOTrainer:
             while self.step < total:
                 step = self.step + 1
                 metrics = self.train_step(step)
-                if self.rl.val_freq > 0 and step % self.rl.val_freq == 0:
+                validated = self.rl.val_freq > 0 and step % self.rl.val_freq == 0
+                if validated:
                     metrics.update(self.validate(step))
                 self.step = step
                 sink.log(step, metrics)
                 history.append(metrics)
                 self.report(step_line(step, total, metrics))
+                if validated:
+                    self.report(f"validation at step {step}: {_val_line(metrics)}")
                 if step % save_every == 0 or step == total:
                     self.save()
         return history
