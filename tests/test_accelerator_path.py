@@ -7,6 +7,9 @@ gaps, NCCL / HCCL) is in tests/device/.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -380,3 +383,20 @@ def test_planner_offloads_what_a_colocated_rollout_needs_and_writes_it_into_the_
         chosen.append({kind for kind in OFFLOAD_KINDS if getattr(actor, f"offload_train_{kind}")})
         assert plan.fits and set(plan.offload) == chosen[-1]
     assert chosen == [{"grad"}, {"grad", "optimizer"}]
+
+
+def test_moe_on_a_gpu_without_transformer_engine_finds_the_routers_gemm_name():
+    """megatron-core 0.16.1's MoE router tests a name (``te_general_gemm``) that its module defines only when
+    Transformer Engine imports: the process set-up defines it on every device kind, not only on CPU (a fresh
+    process told it has a CUDA device: the CPU bridges stay off, the name is there)."""
+    probe = textwrap.dedent("""
+        import mm_rl.platform.device as device
+        device.device_kind = lambda: "cuda"
+        device.setup_process()
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+        from mm_rl.platform import megatron_cpu
+        print(moe_utils.te_general_gemm is None, megatron_cpu._installed)
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False"]

@@ -210,11 +210,14 @@ def setup_process(num_threads: int | None = None) -> None:
         return
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    from mm_rl.platform import megatron_cpu
+
     kind = device_kind()
     if kind == "npu":
         logging.getLogger(__name__).info("megatron on NPU through %s", _setup_npu())
     elif kind == "cpu":
-        from mm_rl.platform import megatron_cpu
-
         megatron_cpu.install()
+    # every device kind: without Transformer Engine, megatron-core 0.16.1's MoE router reads a name its import
+    # never defined (moe/moe_utils.py, te_general_gemm); CUDA and NPU without MindSpeed crashed at the first forward
+    megatron_cpu.define_missing_te_gemm()
     _setup_done = True

@@ -371,7 +371,7 @@ def _install_moe_host_copy() -> None:
     _rebind_everywhere(original, host_copy)
 
 
-def _define_missing_te_gemm() -> None:
+def define_missing_te_gemm() -> None:
     """megatron-core 0.16.1's ``moe_utils`` imports ``te_general_gemm`` inside a try block and later tests
     ``te_general_gemm is not None`` in the router's gating linear: without Transformer Engine the name is
     undefined and every MoE forward raises NameError. None is what that test expects (plain ``torch.mm``)."""
@@ -388,7 +388,7 @@ def install() -> None:
         return
     from mm_rl.platform.device import device_kind
 
-    _define_missing_te_gemm()
+    define_missing_te_gemm()
 
     if device_kind() != "cpu":
         return
