@@ -26,7 +26,7 @@ SUITE_S = 25 * 60.0  # the whole run, warm cache: over it, a SUITE BUDGET line (
 SHARE_S: dict[str, float] = {
     "test_trainer.py": 650,  # the 4-step job + SIGKILL resume, TP2 / PP2 / CP2 jobs, two learning runs (one resumed)
     "test_family_jobs.py": 420,  # four 2-step family jobs, the MoE learning run
-    "test_weight_sync.py": 220,
+    "test_weight_sync.py": 260,
     "test_trainer_worker.py": 170,
     "test_rollout.py": 90,
     "test_submit.py": 80,

@@ -98,8 +98,8 @@ class ProbeWorker(TrainingWorker):
                 self._poison = None
 
     # ------------------------------------------------------------------------------ sync and memory log
-    def push_weights(self, sink_factory: Callable[[int], Any], bucket_bytes: int) -> Any:
-        stats = super().push_weights(sink_factory, bucket_bytes)
+    def push_weights(self, sink_factory: Callable[[int], Any], bucket_bytes: int, stage: int | None = None) -> Any:
+        stats = super().push_weights(sink_factory, bucket_bytes, stage)
         self._events.append(("push_weights", stats.tensors if stats else 0))
         return stats
 
@@ -142,7 +142,8 @@ def device_allocated() -> int:
 
 
 class ProbeRollout(RolloutWorker):
-    """An engine replica's worker that logs generate, the weight update, sleep and wake calls (``calls``)."""
+    """An engine replica's worker that logs generate, the weight update (and each device bucket's stage), sleep and
+    wake calls (``calls``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -150,6 +151,10 @@ class ProbeRollout(RolloutWorker):
 
     def calls(self) -> list[str]:
         return list(self._calls)
+
+    def receive_weights(self, bucket: Any) -> int:
+        self._calls.append(f"receive_weights(stage {bucket.stage})")
+        return super().receive_weights(bucket)
 
 
 def _logged(name: str) -> Callable[..., Any]:

@@ -547,3 +547,47 @@ def test_ipc_is_offered_only_where_a_device_shares_memory():
 
     assert ipc_supported(torch.device("cuda", 0))
     assert not ipc_supported(torch.device("cpu")) and not ipc_supported(torch.device("meta"))
+
+
+def test_pipeline_stages_reach_every_replica_in_one_order(ray_session, checkpoints, tmp_path):
+    """Two engine replicas and PP2 over gloo (the device route, as NCCL / HCCL take it): a replica's actor takes one
+    call at a time, so were the stages' senders to post their buckets' receives together, replica 0 could take
+    stage 0's while replica 1 took stage 1's, each waiting in a broadcast that needs the other. Every replica
+    receives stage 0's buckets, then stage 1's, and the sync ends (within a timeout, not hung)."""
+    import concurrent.futures
+
+    import ray
+
+    from mm_rl.config.schema import Hf2MgCfg, HfConfig, ParallelConfig
+    from mm_rl.convert.hf2mg import hf2mg
+    from mm_rl.convert.model_config import model_config_from_hf
+    from mm_rl.sync.driver import join_device_sync, sync_weights
+    from mm_rl.workers.group import WorkerGroup
+    from mm_rl.workers.megatron_worker import WorkerSpec
+
+    hf_dir = checkpoints[True]
+    overrides = LAYOUTS["tp2_pp2"][4]
+    model = model_config_from_hf(hf_dir, overrides)
+    parallel = ParallelConfig(tp_size=1, llm_pp_layers=[1, 3], vit_pp_layers=[2, 0])
+    hf2mg(Hf2MgCfg(mm_dir=str(tmp_path / "mm"), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel),
+          model)  # fmt: skip
+    replica = ray.remote(num_cpus=0.5)(ProbeRollout)
+    engines = [replica.remote(str(hf_dir), generate_config(), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+                              backend="hf", dtype="float32") for _ in range(2)]  # fmt: skip
+    group = WorkerGroup(WorkerSpec(model, pp=2), cpus_per_worker=0.5, worker_cls=ProbeWorker)
+    try:
+        group.build(str(tmp_path / "mm"))
+        ray.get([engine.ready.remote() for engine in engines])
+        route = join_device_sync(group, engines)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a hung sync fails the test instead of the suite
+            done = pool.submit(sync_weights, group, engines, 16 << 10, route=route).result(timeout=300)
+        assert done.applied == done.tensors > 0
+        for engine in engines:
+            stages = [call for call in ray.get(engine.calls.remote()) if call.startswith("receive_weights")]
+            first_stage_1 = stages.index("receive_weights(stage 1)")
+            assert set(stages[:first_stage_1]) == {"receive_weights(stage 0)"} and first_stage_1 > 1
+            assert set(stages[first_stage_1:]) == {"receive_weights(stage 1)"}
+    finally:
+        group.shutdown()
+        for engine in engines:
+            ray.kill(engine)

@@ -34,7 +34,9 @@ class RankSender(Protocol):
 
     def join_sync_group(self, key: str, senders: dict[int, tuple[str, int]], worlds: dict[int, int]) -> None: ...
 
-    def push_weights(self, sink_factory: Callable[[int], BucketSink], bucket_bytes: int) -> SyncStats | None: ...
+    def push_weights(
+        self, sink_factory: Callable[[int], BucketSink], bucket_bytes: int, stage: int | None = None
+    ) -> SyncStats | None: ...
 
 
 class SenderGroup(Protocol):
@@ -144,6 +146,18 @@ def join_route(group: SenderGroup, rollouts: Sequence[Any], route: SyncRoute) ->
     return route
 
 
+def push_order(group: SenderGroup, rollouts: Sequence[Any], route: SyncRoute | None) -> list[int | None]:
+    """The pushes of one sync: every stage at once ([None]), or, device to device with two or more engine
+    replicas and pipeline stages, one stage after another. A replica's actor takes one call at a time, in the order
+    the calls arrive, and each stage's sender posts its bucket's receive on every replica and then broadcasts: were
+    the stages to push together, replica A could take stage 0's bucket while replica B took stage 1's, each then
+    waiting in a broadcast that needs the other (a deadlock). Stage by stage, every replica receives in one order."""
+    stages = sorted({c.pp_rank for c in group.coords})
+    if route is None or len(rollouts) < 2 or len(stages) < 2:
+        return [None]
+    return list(stages)
+
+
 def sync_weights(
     group: SenderGroup,
     rollouts: Sequence[Any],
@@ -166,7 +180,10 @@ def sync_weights(
     else:
         factory = functools.partial(DeviceSink, rollouts, route, max_in_flight=max_in_flight)
     ray.get([rollout.begin_weight_update.remote() for rollout in rollouts])  # before any bucket arrives
-    stats = [s for s in group.run(RankSender.push_weights, factory, bucket_bytes) if s is not None]
+    stats = [
+        s for stage in push_order(group, rollouts, route)
+        for s in group.run(RankSender.push_weights, factory, bucket_bytes, stage) if s is not None
+    ]  # fmt: skip
     ray.get([rollout.end_weight_update.remote() for rollout in rollouts])  # after every bucket was loaded
     report = SyncReport(sorted(stats, key=lambda s: s.pp_rank), time.perf_counter() - start)
     if report.applied != report.tensors:

@@ -274,18 +274,23 @@ class MegatronWorker:
         if coords.is_sender() and worlds[coords.pp_rank] > 1:
             join_group(key, coords.pp_rank, *senders[coords.pp_rank], rank=0, world=worlds[coords.pp_rank])
 
-    def push_weights(self, sink_factory: Callable[[int], BucketSink], bucket_bytes: int) -> SyncStats | None:
+    def push_weights(
+        self, sink_factory: Callable[[int], BucketSink], bucket_bytes: int, stage: int | None = None
+    ) -> SyncStats | None:
         """Stream this stage's weights, TP-merged and HF-named, in buckets of about ``bucket_bytes``.
 
         Every rank calls it: TP ranks (and EP ranks, for the experts) take part in the gathers, the stage's
         TP-rank 0 of DP replica 0 builds the buckets and hands them to ``sink_factory(stage)`` (the transport
         seam, see mm_rl.sync.transport). Returns that rank's statistics, None elsewhere (other DP replicas hold
-        the same weights: they do nothing).
+        the same weights: they do nothing). With ``stage``, only that pipeline stage's ranks push (the driver
+        takes the stages one after another); the gathers stay inside a stage's TP and EP groups.
         """
         from mm_rl.sync.sender import push_stage
 
         coords = self._require_coords()
         stats = None
+        if stage is not None and coords.pp_rank != stage:
+            return None
         if coords.holds_unique_weights():  # other replicas and CP ranks hold the same weights
             stats = push_stage(
                 self._require_model(),
