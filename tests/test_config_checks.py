@@ -141,6 +141,8 @@ def test_valid_top_p_and_top_k_are_accepted(check, overrides):
         (f"{RL}.gamma=0", f"{RL}.gamma", "(0, 1]"),
         (f"{SAMPLING}.logprobs=-1", f"{SAMPLING}.logprobs", "0 or a count"),
         ("env.RAY_CONNECT_TIMEOUT_S=0", "env.RAY_CONNECT_TIMEOUT_S", "positive"),
+        ("env.DEVICE_MEMORY_RESERVE_GB=30", "env.DEVICE_MEMORY_RESERVE_GB", "[0, the device memory)"),
+        ("env.DEVICE_MEMORY_GB=0", "env.DEVICE_MEMORY_GB", "positive"),
     ],
 )
 def test_values_no_run_can_use_are_rejected_with_their_key(check, override, key, rule):

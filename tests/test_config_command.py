@@ -156,6 +156,21 @@ def test_planner_picks_a_layout_that_fits_or_warns():
     assert (plan.tp, plan.pp) == (1, 1)
 
 
+def test_the_7b_gpu_plan_leaves_the_device_a_real_margin():
+    """One 8-GPU node, 7B: the plan may fill 80 - 6 reserved GiB (three processes' CUDA contexts, NCCL buffers,
+    fragmentation), so TP 1 (77.8 GiB in training) no longer fits and TP 2 does, with room to spare; the plan table
+    shows the reserve and the margin. A reserve of 0 brings back the layout that fills the device."""
+    from mm_rl.config.plan import current_plan
+
+    _, job, plan = create_job("qwen2_5_vl_7b", "x", ClusterSpec(1, 8, "cuda"))
+    assert (plan.tp, plan.reserve_gb) == (2, 6.0) and plan.peak <= 74.0 and plan.margin_gb > 5
+    assert "6.0 reserved" in plan.describe() and f"margin at the peak: {plan.margin_gb:.1f} GiB" in plan.describe()
+    job.env.DEVICE_MEMORY_RESERVE_GB = 0.0
+    assert current_plan(job).usable_gb == 80.0
+    _, _, bare = create_job("qwen2_5_vl_7b", "x", ClusterSpec(1, 8, "cpu"))
+    assert bare.reserve_gb == 0.0  # a CPU host has no device contexts
+
+
 def test_config_gives_a_colocated_engine_the_tp_its_weights_need():
     """32B in bf16 (~62 GiB) beside the actor on 64 GiB devices: engine TP 1 would leave its KV cache nothing of its
     share, so config picks the smallest TP within the node that does; 3B keeps TP 1; where no TP fits, the plan

@@ -34,6 +34,13 @@ OFFLOAD_KINDS = ("param", "grad", "optimizer")  # actor_config.offload_train_<ki
 # forward.
 OFFLOAD_LADDER: tuple[tuple[str, ...], ...] = ((), ("grad",), ("grad", "optimizer"), ("grad", "optimizer", "param"))
 DEFAULT_DEVICE_MEMORY_GB = {"npu": 64.0, "cuda": 80.0, "cpu": 24.0}
+# What a device loses besides the plan's weights, gradients, optimizer, reference, activations and the engine's
+# share (env.DEVICE_MEMORY_RESERVE_GB): an "80 GB" H100 exposes ~79.6 GiB; each of the three processes on a device
+# (actor rank, reference rank, engine worker) holds a CUDA / ACL context (~0.5-1 GiB); NCCL / HCCL keep buffers per
+# communicator (HCCL_BUFFSIZE, 200 MB by default, several groups per rank); the caching allocators fragment; vLLM
+# allocates a little outside its gpu_memory_utilization pool. 6 GiB covers these with room; a CPU host has none of
+# them.
+DEFAULT_RESERVE_GB = {"npu": 6.0, "cuda": 6.0, "cpu": 0.0}
 
 
 @dataclass(frozen=True)
@@ -334,6 +341,17 @@ class ParallelPlan:
     engine_weights: float = 0.0  # GiB of its weights per device (0: no colocated engine)
     engine_share: float = 0.0  # GiB of its gpu_memory_utilization share of a device
     ep: int = 1  # expert parallelism (MoE), within DP
+    reserve_gb: float = 0.0  # of the device, left to what the estimate does not count (DEFAULT_RESERVE_GB)
+
+    @property
+    def usable_gb(self) -> float:
+        """The device memory the plan may fill: all of it less the reserve."""
+        return self.device_memory_gb - self.reserve_gb
+
+    @property
+    def margin_gb(self) -> float:
+        """What the most loaded device keeps free of the usable memory, in its heavier phase (negative: over)."""
+        return self.usable_gb - self.peak
 
     @property
     def peak(self) -> float:
@@ -347,7 +365,7 @@ class ParallelPlan:
 
     @property
     def fits(self) -> bool:
-        return self.peak <= self.device_memory_gb and self.engine_fits
+        return self.peak <= self.usable_gb and self.engine_fits
 
     def describe(self) -> str:
         experts = f" (EP {self.ep} within DP)" if self.ep > 1 else ""
@@ -362,6 +380,11 @@ class ParallelPlan:
                 f"  {m.stage:>5}  {m.weights:7.2f}  {m.grads:5.2f}  {m.optimizer:9.2f}  "
                 f"{m.reference:9.2f}  {m.activations:11.2f}  {m.training:8.2f}  {m.rollout:7.2f}"
             )
+        lines.append(
+            f"device: {self.device_memory_gb:.1f} GiB, of which {self.reserve_gb:.1f} reserved (contexts, collective "
+            f"buffers, fragmentation: env.DEVICE_MEMORY_RESERVE_GB) -> {self.usable_gb:.1f} usable; margin at the "
+            f"peak: {self.margin_gb:.1f} GiB"
+        )
         if self.offload:
             lines.append(
                 "colocated rollout: the actor offloads its "
@@ -379,10 +402,10 @@ class ParallelPlan:
                 "of its share: raise generate_config.infer_tensor_parallel_size (within a node) or "
                 "gpu_memory_utilization, or give the engines devices of their own (colocate: false)"
             )
-        if self.peak > self.device_memory_gb:
+        if self.peak > self.usable_gb:
             lines.append(
-                f"WARNING: the estimate ({self.peak:.1f} GiB) exceeds the device memory "
-                f"({self.device_memory_gb:.0f} GiB): raise TP/PP, enable use-distributed-optimizer, "
+                f"WARNING: the estimate ({self.peak:.1f} GiB) exceeds the device's usable memory "
+                f"({self.usable_gb:.1f} GiB): raise TP/PP, enable use-distributed-optimizer, "
                 "lower seq-length or micro_batch_size; in the rollout phase, set actor_config."
                 "offload_train_* or lower generate_config.gpu_memory_utilization"
             )
@@ -391,6 +414,11 @@ class ParallelPlan:
 
 def device_memory_gb(cfg: JobConfig) -> float:
     return cfg.env.DEVICE_MEMORY_GB or DEFAULT_DEVICE_MEMORY_GB[cfg.env.DEVICE]
+
+
+def reserve_gb(cfg: JobConfig) -> float:
+    reserve = cfg.env.DEVICE_MEMORY_RESERVE_GB
+    return DEFAULT_RESERVE_GB[cfg.env.DEVICE] if reserve is None else reserve
 
 
 def current_plan(cfg: JobConfig) -> ParallelPlan:
@@ -415,6 +443,7 @@ def current_plan(cfg: JobConfig) -> ParallelPlan:
         engine_weights_gb(cfg) / engine_tp if colocated else 0.0,
         g.gpu_memory_utilization * device_memory_gb(cfg) if colocated else 0.0,
         actor.expert_model_parallel_size,
+        reserve_gb(cfg),
     )
 
 

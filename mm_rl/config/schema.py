@@ -51,6 +51,11 @@ class EnvConfig:
     NPROC_PER_NODE: int = opt(1, "devices (NPU / GPU) per machine; on CPU, training processes per machine")
     DEVICE: Literal["npu", "cuda", "cpu"] = opt("cpu", "accelerator kind: npu (torch_npu), cuda or cpu")
     DEVICE_MEMORY_GB: float | None = opt(None, "memory of one device in GiB (default: 64 npu, 80 cuda, 24 cpu)")
+    DEVICE_MEMORY_RESERVE_GB: float | None = opt(
+        None,
+        "GiB of a device the memory plan leaves free for what it does not count: the actor's, reference's and "
+        "engine's device contexts, collective buffers, allocator fragmentation (default: 6 cuda, 6 npu, 0 cpu)",
+    )
     RAY_ADDRESS: str | None = opt(None, "existing Ray cluster to join (else RAY_ADDRESS or a local one)")
     RAY_CONNECT_TIMEOUT_S: float = opt(30.0, "seconds to wait for the Ray cluster at RAY_ADDRESS to answer")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mm_rl.config.loader import Violation, relative_note, source_of
-from mm_rl.config.plan import sharded_sizes, tp_choices
+from mm_rl.config.plan import DEFAULT_DEVICE_MEMORY_GB, sharded_sizes, tp_choices
 from mm_rl.config.schema import EP, LLM_PP_LAYERS, PP, TP, VIT_PP_LAYERS, JobConfig
 from mm_rl.config.topology import topology
 from mm_rl.models.family import HfConfigError, UnknownFamily
@@ -105,6 +105,12 @@ def value_ranges(cfg: JobConfig) -> Iterator[Violation]:
     if logprobs < 0:
         yield Violation(f"{GEN}.sampling_config.logprobs", logprobs, "must be 0 or a count of alternatives",
                         "use 0 (the sampled token's log-prob only)")  # fmt: skip
+    memory, reserve = cfg.env.DEVICE_MEMORY_GB, cfg.env.DEVICE_MEMORY_RESERVE_GB
+    if memory is not None and not memory > 0:
+        yield Violation("env.DEVICE_MEMORY_GB", memory, "must be a positive size", "use the device's GiB, e.g. 80")
+    if reserve is not None and not 0 <= reserve < (memory or DEFAULT_DEVICE_MEMORY_GB[cfg.env.DEVICE]):
+        yield Violation("env.DEVICE_MEMORY_RESERVE_GB", reserve, "must lie in [0, the device memory)",
+                        "leave it unset (6 GiB on cuda / npu, 0 on cpu) or give a few GiB")  # fmt: skip
     if not cfg.env.RAY_CONNECT_TIMEOUT_S > 0:
         yield Violation("env.RAY_CONNECT_TIMEOUT_S", cfg.env.RAY_CONNECT_TIMEOUT_S, "must be a positive time",
                         "use e.g. 30 (seconds)")  # fmt: skip
