@@ -32,7 +32,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 # The edit loop: unit, algorithm, config, conversion and parity tests; no whole job or learning run (marked slow),
-# no test on the real Ray / engine / rank stack (marked stack). About 5 minutes on 2 cores.
+# no test on the real Ray / engine / rank stack (marked stack). About 2 minutes on 2 cores.
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not stack"
 

@@ -1,6 +1,6 @@
 """mm_rl: GRPO post-training for multimodal models (Qwen2.5-VL) on megatron-core, vLLM and Ray.
 
-Versions are pinned per device because the stacks only work in matching sets (see README, "Versions").
+Versions are pinned per device because the stacks only work in matching sets (see docs/accelerators.md, "Versions").
 """
 
 from setuptools import find_packages, setup

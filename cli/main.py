@@ -188,11 +188,17 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
 def _run_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     from mm_rl.convert.cli import run_convert
     from mm_rl.convert.errors import ConversionError
+    from mm_rl.convert.layout import describe_os_error
 
     try:
         path = run_convert(args.direction, args.job, overrides, args.hf_dir, args.iteration, args.max_shard_size)
     except ConversionError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a full disk (hf2mg checks the space first), read-only or forbidden output
+        if err.errno is None:
+            raise
+        print(f"error: {describe_os_error(err)}", file=sys.stderr)
         return 1
     print(f"wrote {path}")
     return 0
