@@ -149,6 +149,17 @@ def test_values_no_run_can_use_are_rejected_with_their_key(check, override, key,
     assert rule in rejected(check(override), key).rule
 
 
+def test_model_json_changes_the_engine_cannot_follow_are_refused(check):
+    """The engine builds the job's model.json (fewer layers, another rope), but vLLM's Qwen MLP runs silu only and
+    no Qwen decoder in transformers or vLLM has LayerNorm: those changes are refused with the reason; the
+    transformers engine takes any activation."""
+    problem = rejected(check(f"{TEXT}.activation_func=gelu"), f"{TEXT}.activation_func")
+    assert "silu only" in problem.rule and f"{GEN}.backend: hf" in problem.fix
+    assert check(f"{TEXT}.activation_func=gelu", f"{GEN}.backend=hf") == []
+    assert "'RMSNorm'" in rejected(check(f"{TEXT}.normalization=LayerNorm"), f"{TEXT}.normalization").rule
+    assert check(f"{TEXT}.rope_theta=500000.0") == []
+
+
 def test_the_edges_of_those_ranges_are_accepted(check):
     edges = [f"{TRAIN}.seed=4294967295", f"{RL}.gamma=1", f"{RL}.val_freq=0", f"{SAMPLING}.logprobs=2"]
     assert check(*edges, f"{RL}.reward.num_workers=2", "env.RAY_CONNECT_TIMEOUT_S=0.5") == []

@@ -30,6 +30,9 @@ TWO_RANKS = "env.NPROC_PER_NODE=2"
 EP2 = (TWO_RANKS, "backend_config.actor_config.expert_model_parallel_size=2")
 TP2 = (TWO_RANKS, "backend_config.actor_config.tensor_model_parallel_size=2")
 ONE_RANK = ["mp_rank_00"]
+# a module test's model.json changes (the parameter reference calls them safe): the top LLM layer dropped, another
+# rope base; the engine and mg2hf must build this model, not the checkpoint's
+CHANGES = {"num_layers": 3, "pipeline_num_layers": [3], "rope_theta": 500000.0}
 
 
 @pytest.mark.slow
@@ -64,6 +67,9 @@ def test_a_family_job_trains_syncs_and_converts_back(
         hf_dir = build_tiny_checkpoint(tmp_path / "tiny_hf", seed=0, family=family, **variant)
     node = OmegaConf.load(tiny_base / "job.yaml")
     node.backend_config.model = json.loads((REPO / "configs" / "models" / f"{preset}.json").read_text())
+    changed = family == "qwen2vl"  # model.json changes the job applies everywhere: a layer fewer, another rope
+    if changed:
+        node.backend_config.model.text_decoder.update(CHANGES)
     OmegaConf.update(node, "af_output_dir", str(tmp_path / "out"))
     OmegaConf.update(node, "backend_config.megatron_training.tokenizer_name_or_path", str(hf_dir))
     OmegaConf.update(
@@ -94,6 +100,12 @@ def test_a_family_job_trains_syncs_and_converts_back(
     records = read_metrics(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     _check_family_job(preset, records, tmp_path / "out", hf_dir, bool(variant), rank_dirs)
+    if changed:  # the engine built the job's model (the gap above), and so does the exported checkpoint
+        assert "rollout: the engine builds the job's model.json" in done.stdout
+        exported = json.loads((tmp_path / "out" / "ckpt_converted_mg2hf" / "config.json").read_text())
+        text = exported.get("text_config", exported)
+        assert text["num_hidden_layers"] == CHANGES["num_layers"]
+        assert text.get("rope_parameters", text)["rope_theta"] == CHANGES["rope_theta"]
 
 
 def _check_family_job(

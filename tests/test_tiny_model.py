@@ -181,3 +181,34 @@ def test_every_family_tiny_vocabulary_is_the_tiny_tokenizers():
 
     sizes = {f.name: f.tiny_module().TEXT_CONFIG["vocab_size"] for f in FAMILIES if f.tiny}
     assert len(sizes) == 3 and set(sizes.values()) == {VOCAB_SIZE}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5vl", "qwen2vl", "qwen3_vl"])
+def test_the_jobs_model_json_is_written_back_into_the_checkpoints_config(family, tmp_path):
+    """What model.json may change (fewer LLM layers and ViT blocks, rope_theta, mrope_section, the activation) goes
+    back into config.json where the family's checkpoint spells it, and reading that config gives the job's model
+    again; an unchanged model.json leaves config.json as it is (byte-equal content)."""
+    import dataclasses
+
+    import budget
+
+    from mm_rl.convert.model_config import model_config_from_hf
+    from mm_rl.models.registry import family as by_id
+
+    with budget.cache_build():
+        hf_dir = build_tiny_checkpoint(tmp_path / "hf", seed=0, family=family)
+    config = json.loads((hf_dir / "config.json").read_text())
+    model = model_config_from_hf(hf_dir)
+    assert by_id(family).hf_config(config, model) == config
+    text = dataclasses.replace(model.text_decoder, num_layers=model.text_decoder.num_layers - 1,
+                               pipeline_num_layers=[model.text_decoder.num_layers - 1], rope_theta=5e5,
+                               mrope_section=[2, 7, 7], activation_func="gelu")  # fmt: skip
+    vit = dataclasses.replace(model.image_encoder.vision_encoder, num_layers=1, pipeline_num_layers=[1])
+    changed = dataclasses.replace(
+        model, text_decoder=text, image_encoder=dataclasses.replace(model.image_encoder, vision_encoder=vit)
+    )
+    written = by_id(family).hf_config(config, changed)
+    again = by_id(family).model_json(written)["text_decoder"]
+    assert (again["num_layers"], again["rope_theta"], again["mrope_section"]) == (text.num_layers, 5e5, [2, 7, 7])
+    assert by_id(family).model_json(written)["image_encoder"]["vision_encoder"]["num_layers"] == 1
+    assert written.get("text_config", written)["hidden_act"] == "gelu"

@@ -34,6 +34,7 @@ from mm_rl.convert.layout import (
 )
 from mm_rl.convert.mapping import (
     Bound,
+    dropped_layer,
     hf_layer_index,
     hf_shape,
     model_dims,
@@ -149,7 +150,7 @@ def check_checkpoint(reader: HfReader, model: ModelConfig, bounds: list[Bound]) 
             f"{reader.dir} lacks tensors that model.json needs (another model, or an "
             "incomplete checkpoint?):\n" + listing(missing)
         )
-    unexpected = sorted(n for n in reader.names - needed if not _dropped_layer(n, model))
+    unexpected = sorted(n for n in reader.names - needed if not dropped_layer(model, n))
     if unexpected:
         raise ConversionError(
             f"{reader.dir} holds tensors that model.json does not use (another model, or "
@@ -202,15 +203,6 @@ def _check_layer_counts(reader: HfReader, model: ModelConfig) -> None:
     ]
     if problems:
         raise ConfigError(problems)
-
-
-def _dropped_layer(name: str, model: ModelConfig) -> bool:
-    """A tensor of a layer past model.json's num_layers: left out on purpose (the bottom layers are kept)."""
-    found = hf_layer_index(model, name)
-    if found is None:
-        return False
-    kept = model.image_encoder.vision_encoder.num_layers if found[0] == "vit_layer" else model.text_decoder.num_layers
-    return found[1] >= kept
 
 
 def write_release(

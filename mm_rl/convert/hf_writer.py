@@ -151,29 +151,67 @@ class ShardedWriter:
 def copy_side_files(src: Path, dst: Path, model: ModelConfig) -> list[str]:
     """Copy the config, generation config, tokenizer, processor and chat template files of ``src``.
 
-    config.json is rewritten only when model.json keeps fewer layers than the source (so the result loads)."""
+    config.json becomes the job's model's (``ModelFamily.hf_config``: layer counts, activation, rope), rewritten only
+    where model.json changed something, so the result loads as the model that was trained."""
     names = {n for n in SIDE_FILES if (src / n).is_file()}
     names |= {p.name for pattern in SIDE_PATTERNS for p in src.glob(pattern) if p.is_file()}
     if "config.json" not in names:
         raise ConversionError(f"{src / 'config.json'} is missing: the output would not load in transformers")
     for name in sorted(names):
         shutil.copyfile(src / name, dst / name)
-    _fit_layer_counts(dst / "config.json", model)
+    write_model_config(dst / "config.json", model)
     return sorted(names)
 
 
-def _fit_layer_counts(path: Path, model: ModelConfig) -> None:
+def write_model_config(path: Path, model: ModelConfig) -> bool:
+    """Rewrite the HF config.json at ``path`` as the job's model's; False (untouched) when it already is."""
+    from mm_rl.models.registry import family_of
+
     config = json.loads(path.read_text())
-    text = config.get("text_config", config)
-    vision = config.setdefault("vision_config", {})
-    layers, depth = model.text_decoder.num_layers, model.image_encoder.vision_encoder.num_layers
-    if text.get("num_hidden_layers") == layers and vision.get("depth") == depth:
-        return
-    for section in {id(c): c for c in (config, text)}.values():
-        if "num_hidden_layers" in section:
-            section["num_hidden_layers"] = layers
-        if isinstance(section.get("layer_types"), list):
-            section["layer_types"] = section["layer_types"][:layers]
-    text["num_hidden_layers"] = layers
-    vision["depth"] = depth
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    wanted = family_of(model).hf_config(config, model)
+    if wanted == config:
+        return False
+    path.write_text(json.dumps(wanted, indent=2, sort_keys=True) + "\n")
+    return True
+
+
+def job_model_dir(src: Path, model: ModelConfig, dst: Path) -> Path:
+    """``src`` when it holds the job's model as it is; else ``dst``, the same checkpoint as the job's model.json
+    describes it: config.json rewritten (``write_model_config``: fewer layers, another rope), the tensors of the
+    layers model.json drops left out of the weight files that hold any (the rest linked), for an engine that must
+    build the model the actor trains and load its start weights (vLLM refuses a tensor its model has no place for)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mm_rl.convert.mapping import dropped_layer, published_name
+    from mm_rl.files import replace_dir, unique_sibling
+    from mm_rl.models.registry import family_of
+
+    probe = json.loads((src / "config.json").read_text())
+    dropped: dict[str, set[str]] = {}
+    for weights in sorted(src.glob("*.safetensors")):
+        with safe_open(weights, "pt") as handle:
+            names = {n for n in handle.keys() if dropped_layer(model, published_name(model, n))}  # noqa: SIM118
+        if names:
+            dropped[weights.name] = names
+    if family_of(model).hf_config(probe, model) == probe and not dropped:
+        return src
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = unique_sibling(dst, f".{dst.name}.tmp-")
+    staging.mkdir()
+    for path in src.iterdir():
+        if path.is_file() and path.name not in {"config.json", INDEX, *dropped}:
+            (staging / path.name).symlink_to(path.resolve())
+    for name, names in dropped.items():  # one weight file in memory at a time
+        with safe_open(src / name, "pt") as handle:
+            kept = {n: handle.get_tensor(n) for n in handle.keys() if n not in names}  # noqa: SIM118
+        save_file(kept, str(staging / name), metadata={"format": "pt"})
+    if (src / INDEX).is_file():
+        index = json.loads((src / INDEX).read_text())
+        gone = set().union(*dropped.values()) if dropped else set()
+        index["weight_map"] = {n: f for n, f in index["weight_map"].items() if n not in gone}
+        (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    shutil.copyfile(src / "config.json", staging / "config.json")
+    write_model_config(staging / "config.json", model)
+    replace_dir(staging, dst)
+    return dst

@@ -85,8 +85,12 @@ def stage_tensors(model: ModelConfig, stage: Stage, ep_rank: int = 0, ep: int = 
 
 @cache
 def _hf_layer_patterns(family: ModelFamily) -> tuple[tuple[re.Pattern[str], Scope], ...]:
+    """The HF prefixes of the ViT blocks and LLM layers (up to ``{i}.``), so a stored fused tensor of a layer
+    (``...layers.3.mlp.experts.gate_up_proj``) is placed as its per-expert parts are."""
+    prefixes = {(h[: h.index("{i}") + 4], e.scope) for e in family.tensors if e.scope in ("vit_layer", "llm_layer")
+                for h in e.hf}  # fmt: skip
     return tuple(
-        (name_pattern(h), e.scope) for e in family.tensors if e.scope in ("vit_layer", "llm_layer") for h in e.hf
+        (re.compile(re.escape(prefix).replace(r"\{i\}", r"(?P<i>\d+)")), scope) for prefix, scope in sorted(prefixes)
     )
 
 
@@ -97,6 +101,15 @@ def hf_layer_index(model: ModelConfig, name: str) -> tuple[Scope, int] | None:
         if match:
             return scope, int(match["i"])
     return None
+
+
+def dropped_layer(model: ModelConfig, name: str) -> bool:
+    """A tensor of a layer past model.json's ``num_layers``: left out on purpose (the bottom layers are kept)."""
+    found = hf_layer_index(model, name)
+    if found is None:
+        return False
+    kept = model.image_encoder.vision_encoder.num_layers if found[0] == "vit_layer" else model.text_decoder.num_layers
+    return found[1] >= kept
 
 
 @cache

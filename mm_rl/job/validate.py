@@ -88,6 +88,21 @@ def positive_sizes(cfg: JobConfig) -> Iterator[Violation]:
 
 
 @rule
+def engine_runs_the_model(cfg: JobConfig) -> Iterator[Violation]:
+    """model.json changes the rollout engine must follow (its config.json is the job's model's): vLLM's Qwen2 /
+    Qwen3 MLP runs silu only (vllm/model_executor/models/qwen2.py, ``Qwen2MLP``: "Only silu is supported"), so
+    another activation would have the engine sample from a model other than the one the actor trains."""
+    b = cfg.backend_config
+    activation = b.model.text_decoder.activation_func
+    if b.generate_config.backend == "vllm" and activation != "silu":
+        yield Violation(
+            f"{TEXT}.activation_func", activation,
+            "vLLM's Qwen MLP runs silu only: the engine could not build the model the actor trains",
+            f"keep silu, or roll out with {GEN}.backend: hf (transformers runs any activation)",
+        )  # fmt: skip
+
+
+@rule
 def value_ranges(cfg: JobConfig) -> Iterator[Violation]:
     """Values of the right type that no run can use: each found by a first try, then a traceback or a wrong run."""
     b = cfg.backend_config

@@ -118,6 +118,7 @@ class ModelFamily:
         tensors: the tensor mapping (hf2mg, mg2hf, weight sync).
         model_dims / model_flags: model.json -> the dimension names / ``Entry.when`` switches of ``tensors``.
         model_json: HF config.json content -> model.json content (everything on one pipeline stage).
+        hf_config: (a checkpoint's config.json, the job's model.json) -> the config.json of the job's model.
         stage: returns the module that builds a pipeline stage (imports megatron-core when called).
         decoder_layer: the megatron-core spec of each LLM layer (see :data:`DecoderLayer`).
         tiny: module providing the tiny builder's ``hf_config(text, vision, ids, tied)``, its default text and
@@ -137,6 +138,7 @@ class ModelFamily:
     model_dims: Callable[[ModelConfig], dict[str, int]]
     model_flags: Callable[[ModelConfig], dict[str, bool]]
     model_json: Callable[[Mapping[str, Any]], dict[str, Any]]
+    hf_config: Callable[[Mapping[str, Any], ModelConfig], dict[str, Any]]
     stage: Callable[[], MegatronStage]
     decoder_layer: DecoderLayer
     tiny: ModuleType | None = None

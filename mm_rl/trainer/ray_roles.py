@@ -206,11 +206,12 @@ class RayRoles:
         b, res = self.job.backend_config, self.resources
         pre = b.data.dataset_param.preprocess_parameters
         threads = topology(self.job).engine_threads()
+        model_path = self._engine_model()
         for replica, devices in enumerate(self._engine_devices()):  # they start side by side
             options = self._engine_placement(replica)
             self.engines.actors.append(
                 rollout_worker_actor(num_cpus=ROLLOUT_CPUS if res.device == "cpu" else 0, **options).remote(
-                    pre.model_name_or_path,
+                    model_path,
                     b.generate_config,
                     min_pixels=pre.min_pixels,
                     max_pixels=pre.max_pixels,
@@ -239,6 +240,19 @@ class RayRoles:
             f"rollout: {count}{b.generate_config.backend} engine ready"
             + (f" ({threads} threads each)" if count and threads else "")
         )
+
+    def _engine_model(self) -> str:
+        """The engine's model directory: the checkpoint, or, when model.json changes what the checkpoint holds
+        (fewer layers, another rope), the same checkpoint as the job's model (``job_model_dir``): the engine must
+        sample from the model the actor trains, and the sync only ever sends the job's model's tensors."""
+        from mm_rl.convert.hf_writer import job_model_dir
+
+        b = self.job.backend_config
+        source = Path(b.data.dataset_param.preprocess_parameters.model_name_or_path)
+        path = job_model_dir(source, b.model, Path(self.job.af_output_dir) / "engine_model")
+        if path != source:
+            self.report(f"rollout: the engine builds the job's model.json ({path}: its config, the kept layers)")
+        return str(path)
 
     def _engine_devices(self) -> list[dict[str, str]]:
         """Per replica, the visible-devices variable its process sets first (:func:`engine_visible_devices`)."""

@@ -14,6 +14,7 @@ Tensor layouts (see ``mm_rl.convert.mapping`` for how pieces are cut):
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -217,6 +218,32 @@ def vision_json(config: Mapping[str, Any], label: str) -> Mapping[str, Any]:
     return vision
 
 
+def hf_config_for(base: Mapping[str, Any], model: ModelConfig) -> dict[str, Any]:
+    """The HF config.json of the job's model: the checkpoint's ``base`` with what model.json may change written
+    back (the LLM's and ViT's layer counts, the LLM's activation, ``rope_theta`` and ``mrope_section``), wherever
+    the checkpoint spells them (flat, ``text_config``, ``rope_scaling`` or transformers 5's ``rope_parameters``), so
+    transformers, vLLM and the exported checkpoint build the model the actor trains."""
+    config = copy.deepcopy(dict(base))
+    text_cfg, vit = model.text_decoder, model.image_encoder.vision_encoder
+    text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+    for section in {id(c): c for c in (config, text)}.values():
+        for key, value in (("num_hidden_layers", text_cfg.num_layers), ("hidden_act", text_cfg.activation_func),
+                           ("rope_theta", text_cfg.rope_theta)):  # fmt: skip
+            if key in section:
+                section[key] = value
+        if isinstance(section.get("layer_types"), list):
+            section["layer_types"] = section["layer_types"][: text_cfg.num_layers]
+        for rope in (section.get("rope_scaling"), section.get("rope_parameters")):
+            if isinstance(rope, dict):
+                if "rope_theta" in rope:
+                    rope["rope_theta"] = text_cfg.rope_theta
+                if "mrope_section" in rope and text_cfg.mrope_section:
+                    rope["mrope_section"] = list(text_cfg.mrope_section)
+    text["num_hidden_layers"] = text_cfg.num_layers
+    config.setdefault("vision_config", {})["depth"] = vit.num_layers
+    return config
+
+
 def encoder_json(vision: Mapping[str, Any], width: int, ffn: int, label: str, patch_size: int = 14) -> dict[str, Any]:
     """model.json's ``vision_encoder`` fields every Qwen-VL ViT has (its width and MLP width as the family reads
     them)."""
@@ -269,6 +296,9 @@ def fixed_keys(vision: Mapping[str, Any], text: Mapping[str, Any], projector_nor
         **{f"text_decoder.{key}": value for key, value in text.items()},
         "image_encoder.vision_projector.normalization": projector_norm,
         "text_decoder.swiglu": True,
+        # transformers' and vLLM's Qwen decoders have RMSNorm only: the engine and the exported checkpoint could not
+        # follow another norm
+        "text_decoder.normalization": "RMSNorm",
     }
 
 
