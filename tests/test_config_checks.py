@@ -160,6 +160,23 @@ def test_model_json_changes_the_engine_cannot_follow_are_refused(check):
     assert check(f"{TEXT}.rope_theta=500000.0") == []
 
 
+def test_a_narrower_llm_is_accepted_and_a_wider_one_refused(check):
+    """model.json may cut the LLM narrower than its checkpoint (hf2mg, the engine and mg2hf cut the weights alike:
+    tests/test_model_parity.py), regroup its KV heads or turn GQA off; it may not widen it, change the head size,
+    or break the head size the engine derives from hidden_size / num_attention_heads."""
+    proj = f"{B}.model.image_encoder.vision_projector.hidden_size"
+    narrow = [f"{TEXT}.hidden_size=96", f"{TEXT}.num_attention_heads=3", f"{TEXT}.ffn_hidden_size=192", f"{proj}=96"]
+    assert check(*narrow, f"{TEXT}.num_query_groups=1") == []
+    assert check(*narrow, f"{TEXT}.num_query_groups=3") == []
+    assert check(f"{TEXT}.group_query_attention=false") == []
+    assert "never wider" in rejected(check(f"{TEXT}.ffn_hidden_size=512"), f"{TEXT}.ffn_hidden_size").rule
+    problem = rejected(check(*narrow[:1], narrow[3], f"{TEXT}.num_query_groups=1"), f"{TEXT}.num_attention_heads")
+    assert "set num_attention_heads to 3" in problem.fix
+    problems = check(*narrow, f"{TEXT}.num_query_groups=1", f"{TEXT}.kv_channels=16")  # mrope_section breaks too
+    (problem,) = [p for p in problems if p.key == f"{TEXT}.kv_channels"]
+    assert "heads keep the checkpoint's size (32)" in problem.rule
+
+
 def test_the_edges_of_those_ranges_are_accepted(check):
     edges = [f"{TRAIN}.seed=4294967295", f"{RL}.gamma=1", f"{RL}.val_freq=0", f"{SAMPLING}.logprobs=2"]
     assert check(*edges, f"{RL}.reward.num_workers=2", "env.RAY_CONNECT_TIMEOUT_S=0.5") == []

@@ -305,6 +305,42 @@ def test_fewer_layers_keep_the_bottom_ones(tiny_untied, tmp_path):
     assert len(model.model.language_model.layers) == 2 and len(model.model.visual.blocks) == 1
 
 
+def test_a_narrower_llm_is_cut_alike_by_hf2mg_the_engine_checkpoint_and_mg2hf(tiny_untied, tmp_path):
+    """model.json cuts the LLM (width 64 of 128, 2 of 4 heads, MLP 160 of 256, both KV groups serving the first
+    two heads: group 1 becomes a copy of group 0): at TP2 x PP2 hf2mg then mg2hf gives exactly the tensors of the
+    engine's start checkpoint (``job_model_dir``), whose config.json says the new sizes."""
+    from mm_rl.convert.hf_writer import job_model_dir
+
+    model = model_for(tiny_untied, [2, 0], [1, 3])
+    text = model.text_decoder
+    text.hidden_size, text.num_attention_heads, text.num_query_groups, text.ffn_hidden_size = 64, 2, 2, 160
+    model.image_encoder.vision_projector.hidden_size = 64
+    engine = job_model_dir(tiny_untied, model, tmp_path / "engine")
+    mm_dir = to_mg(tiny_untied, tmp_path / "mm", 2, [2, 0], [1, 3], model)
+    out = to_hf(tiny_untied, mm_dir, tmp_path / "hf", 2, [2, 0], [1, 3], model)
+    cut, full = hf_tensors(out), hf_tensors(tiny_untied)
+    assert_same_tensors(hf_tensors(engine), cut)
+    k_full, k_cut = full["model.layers.0.self_attn.k_proj.weight"], cut["model.layers.0.self_attn.k_proj.weight"]
+    assert torch.equal(k_cut, torch.cat([k_full[:32, :64], k_full[:32, :64]]))  # 2 groups of 32 rows, both group 0
+    assert torch.equal(cut["model.layers.0.mlp.up_proj.weight"], full["model.layers.0.mlp.up_proj.weight"][:160, :64])
+    text_config = json.loads((out / "config.json").read_text())["text_config"]
+    assert [text_config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads")] == [64, 2, 2]
+    assert json.loads((out / "config.json").read_text())["vision_config"]["out_hidden_size"] == 64
+
+
+def test_key_value_heads_regroup_as_the_query_heads_used_them():
+    """Query head h used group h // (heads / groups): more groups (or GQA off) copy, fewer average."""
+    from mm_rl.convert.reshape import kv_sources, regroup_kv
+
+    have = {"heads": 4, "groups": 2, "hd": 1}
+    assert [dict(s) for s in kv_sources(have, {"heads": 4, "groups": 4})] == [{0: 1}, {0: 1}, {1: 1}, {1: 1}]
+    assert [dict(s) for s in kv_sources(have, {"heads": 4, "groups": 1})] == [{0: 2, 1: 2}]
+    assert [dict(s) for s in kv_sources(have, {"heads": 3, "groups": 1})] == [{0: 2, 1: 1}]
+    kv = torch.tensor([[1.0, 2.0], [4.0, 8.0]])  # 2 groups x hd 1 rows, 2 input columns
+    assert torch.equal(regroup_kv(kv, 0, have, {"heads": 4, "groups": 4}), kv[[0, 0, 1, 1]])
+    assert torch.allclose(regroup_kv(kv, 0, have, {"heads": 3, "groups": 1}), torch.tensor([[2.0, 4.0]]))
+
+
 # ----------------------------------------------------------------------------------- foreign directories
 def mindspeed_rank(hf, tp_rank):
     """MindSpeed-MM's TP2 x PP2 files for vit [2, 0] / llm [1, 3], written from the layout facts alone."""

@@ -31,8 +31,17 @@ EP2 = (TWO_RANKS, "backend_config.actor_config.expert_model_parallel_size=2")
 TP2 = (TWO_RANKS, "backend_config.actor_config.tensor_model_parallel_size=2")
 ONE_RANK = ["mp_rank_00"]
 # a module test's model.json changes (the parameter reference calls them safe): the top LLM layer dropped, another
-# rope base; the engine and mg2hf must build this model, not the checkpoint's
-CHANGES = {"num_layers": 3, "pipeline_num_layers": [3], "rope_theta": 500000.0}
+# rope base, the LLM cut narrower (width 96 of 128, 3 of 4 heads, 3 KV groups of 2, MLP 192 of 256); the engine
+# and mg2hf must build this model, not the checkpoint's
+CHANGES = {
+    "num_layers": 3,
+    "pipeline_num_layers": [3],
+    "rope_theta": 500000.0,
+    "hidden_size": 96,
+    "num_attention_heads": 3,
+    "num_query_groups": 3,
+    "ffn_hidden_size": 192,
+}
 
 
 @pytest.mark.slow
@@ -70,6 +79,7 @@ def test_a_family_job_trains_syncs_and_converts_back(
     changed = family == "qwen2vl"  # model.json changes the job applies everywhere: a layer fewer, another rope
     if changed:
         node.backend_config.model.text_decoder.update(CHANGES)
+        node.backend_config.model.image_encoder.vision_projector.hidden_size = CHANGES["hidden_size"]
     OmegaConf.update(node, "af_output_dir", str(tmp_path / "out"))
     OmegaConf.update(node, "backend_config.megatron_training.tokenizer_name_or_path", str(hf_dir))
     OmegaConf.update(
@@ -106,6 +116,11 @@ def test_a_family_job_trains_syncs_and_converts_back(
         text = exported.get("text_config", exported)
         assert text["num_hidden_layers"] == CHANGES["num_layers"]
         assert text.get("rope_parameters", text)["rope_theta"] == CHANGES["rope_theta"]
+        sizes = [text[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")]
+        assert sizes == [
+            CHANGES[k] for k in ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
+        ]
+        assert exported["vision_config"]["hidden_size"] == CHANGES["hidden_size"]  # Qwen2-VL's merger output
 
 
 def _check_family_job(

@@ -15,7 +15,9 @@ the output layer: at TP1 (packed and padded), TP2 (sequence parallelism: each ra
 and TP2 x CP2 their log-probs and entropy match the full output's, every other position is 0, and the gradients of
 a loss over the wanted positions match the full run's (relative, in norm) within 1e-5.
 The TP1 run also checks the freeze switches and model.json switches (activation, norm, GQA off, rope theta,
-mRoPE sections, fewer layers). Each layout is launched once and checks everything inside it.
+mRoPE sections, fewer layers), and an LLM cut narrower than its checkpoint by hf2mg (hidden size, heads, KV groups,
+MLP width) against transformers running the same cut (``job_model_dir``, the engine's start checkpoint).
+Each layout is launched once and checks everything inside it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,16 @@ VARIANT_JSON = {
     "num_query_groups": 4,
     "num_layers": 2,
     "pipeline_num_layers": [2],
+}
+# the LLM cut narrower than its checkpoint (hf2mg converts the full checkpoint; transformers loads the engine's
+# start checkpoint, ``job_model_dir``): 3 of 4 heads, one KV group of the 2 (a mean), a narrower MLP, 3 layers
+NARROW_JSON = {
+    "hidden_size": 96,
+    "num_attention_heads": 3,
+    "num_query_groups": 1,
+    "ffn_hidden_size": 192,
+    "num_layers": 3,
+    "pipeline_num_layers": [3],
 }
 
 
@@ -463,8 +475,9 @@ def _tp1_worker(rank: int, world: int, port: int, cases: dict[str, Any], shared:
                 result[f"selected_vs_full_{'packed' if packed else 'padded'}"] = selected_vs_full(
                     cases[key]["json"], cases[key]["mm_dir"], batches, remove_padding=packed
                 )
-    model = _build_and_load(cases["variant"]["json"], cases["variant"]["mm_dir"])
-    result["variant"] = output_diffs(run_schedule(model, batches), inputs["reference"]["variant"]["outputs"], batches)
+    for key in ("variant", "narrow"):
+        model = _build_and_load(cases[key]["json"], cases[key]["mm_dir"])
+        result[key] = output_diffs(run_schedule(model, batches), inputs["reference"][key]["outputs"], batches)
     result["freeze"] = _freeze_checks(cases["untied"], batches)
     result["switches"] = _switch_runs(batches)
     save_rank_result(out_dir, rank, result)
@@ -622,14 +635,21 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Checkpoints, conversions, inputs, transformers' outputs, then the TP1 run (reference gradients)."""
     started = time.perf_counter()
     root = tmp_path_factory.mktemp("parity")
+    from mm_rl.convert.hf_writer import job_model_dir
+
     hf = {
         "untied": build_hf_checkpoint(root / "untied", tied=False),
         "tied": build_hf_checkpoint(root / "tied", tied=True),
         "variant": build_hf_checkpoint(root / "variant", tied=False, **VARIANT_HF),
     }
     jsons = {"untied": model_json(), "tied": model_json(tied=True), "variant": model_json(text=VARIANT_JSON)}
+    jsons["narrow"] = model_json(text=NARROW_JSON)
+    jsons["narrow"]["image_encoder"]["vision_projector"]["hidden_size"] = NARROW_JSON["hidden_size"]
+    hf["narrow"] = job_model_dir(hf["untied"], load_model_config(jsons["narrow"]), root / "narrow")
+    source = {**hf, "narrow": hf["untied"]}  # hf2mg cuts the full checkpoint itself
     tp1 = {
-        key: {"json": jsons[key], "mm_dir": str(convert(hf[key], root / f"mm_tp1_{key}", jsons[key], 1))} for key in hf
+        key: {"json": jsons[key], "mm_dir": str(convert(source[key], root / f"mm_tp1_{key}", jsons[key], 1))}
+        for key in hf
     }
     parallel = {}
     for name, (tp, pp, cp, tied, kwargs) in CASES.items():
@@ -663,7 +683,7 @@ def _report(name: str, values: dict[str, float]) -> None:
 
 def test_tp1_matches_transformers(setup: dict[str, Any]) -> None:
     result = setup["tp1"]
-    for key in ("untied", "tied", "variant"):
+    for key in ("untied", "tied", "variant", "narrow"):
         _report(f"tp1 {key}", result[key])
         assert max(result[key].values()) <= LOGIT_TOL, (key, result[key])
     for key in ("untied", "tied"):

@@ -116,11 +116,13 @@ class TextDecoderConfig:
     model_id: str = opt("qwen2lm", "text decoder implementation")
     num_layers: int = opt(28, "LLM layers; may be reduced (bottom layers kept), never increased")
     pipeline_num_layers: list[int] = opt([28], "LLM layers per pipeline stage (one entry per PP stage)")
-    hidden_size: int = opt(3584, "LLM hidden size")
+    hidden_size: int = opt(3584, "LLM hidden size (at most the checkpoint's: a smaller one is cut from it)")
     llm_hidden_size: int = ref(".hidden_size", "hidden size the vision projector feeds; must equal hidden_size")
     ffn_hidden_size: int = opt(18944, "LLM SwiGLU MLP width")
     num_attention_heads: int = opt(28, "query heads")
-    num_query_groups: int = opt(4, "key/value heads (GQA groups); must divide num_attention_heads")
+    num_query_groups: int = opt(
+        4, "key/value heads (GQA groups); must divide num_attention_heads (regrouped from the checkpoint's)"
+    )
     group_query_attention: bool = opt(True, "use GQA; false means num_query_groups = num_attention_heads")
     kv_channels: int | None = opt(None, "head dim (default hidden_size / num_attention_heads)")
     max_position_embeddings: int = opt(128000, "longest position")

@@ -43,6 +43,7 @@ from mm_rl.convert.mapping import (
     shard_from_hf,
     stage_tensors,
 )
+from mm_rl.convert.reshape import plan_reshape
 from mm_rl.convert.stages import Pipeline, plan_pipeline
 from mm_rl.files import require_space
 
@@ -83,7 +84,8 @@ def hf2mg(cfg: Hf2MgCfg, model: ModelConfig, zip_crc32: bool = False) -> Path:
         if b.entry.expert
         for part, name in enumerate(b.hf)
     }
-    reader = HfReader(hf_dir, lambda name: published_name(model, name), model_family(model).hf_fused, shapes)
+    reshape = plan_reshape(hf_dir, model)  # model.json narrower than the checkpoint, or its KV heads regrouped
+    reader = HfReader(hf_dir, lambda name: published_name(model, name), model_family(model).hf_fused, shapes, reshape)
     check_checkpoint(reader, model, [b for stage in plan for rank in stage for b in rank])
     weights = [p for pattern in ("*.safetensors", "*.bin") for p in hf_dir.glob(pattern)]
     require_space(mm_dir, sum(p.stat().st_size for p in weights), "hf2mg's Megatron shards")  # at least that much

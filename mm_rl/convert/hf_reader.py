@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from mm_rl.convert.errors import ConversionError, listing
 from mm_rl.convert.pages import prefault
+from mm_rl.convert.reshape import Reshape
 from mm_rl.models.family import Fused, name_pattern
 
 INDEX = "model.safetensors.index.json"
@@ -33,10 +34,13 @@ class HfReader:
         canonical: Callable[[str], str] = str,
         fused: tuple[Fused, ...] = (),
         part_shapes: Mapping[str, tuple[int, ...]] | None = None,
+        reshape: Reshape | None = None,
     ) -> None:
         """``canonical``: a stored tensor name -> its published name (the family's other spellings); ``fused``:
         stored tensors that are read as their per-expert parts (each part a view, nothing assembled), whose
-        shapes ``part_shapes`` gives (to tell the published layout from transformers' in-memory one)."""
+        shapes ``part_shapes`` gives (to tell the published layout from transformers' in-memory one);
+        ``reshape``: the job's model is cut from this checkpoint (``mm_rl.convert.reshape``): the tensors it
+        changes have the job's shapes and are read whole, cut, then sliced."""
         self.dir = Path(hf_dir)
         self.canonical = canonical
         self.file: dict[str, str] = {}  # published name -> file name
@@ -49,6 +53,15 @@ class HfReader:
             self._read_header(file_name, names)
         for rule in fused:
             self._split_fused(rule, part_shapes or {})
+        self.reshape = reshape
+        self._stored_rows: dict[str, int] = {}
+        self._cut: tuple[str, torch.Tensor] | None = None  # the last tensor cut (TP pieces read it again)
+        for name in sorted(self.shape):
+            if reshape is not None and reshape.changes(name):
+                if name in self.parts:
+                    raise ConversionError(f"internal: {name} is stored fused with other experts and cannot be cut")
+                self._stored_rows[name] = self.shape[name][0]
+                self.shape[name] = reshape.shape(name, self.shape[name])
 
     def _split_fused(self, rule: Fused, part_shapes: Mapping[str, tuple[int, ...]]) -> None:
         """Replace each stored tensor ``rule`` matches by its per-expert parts (names, shapes, where they lie).
@@ -142,6 +155,15 @@ class HfReader:
     def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) [start, stop) of ``name``: a view of the open file's pages; copy it
         before ``release``."""
+        if name in self._stored_rows:
+            assert self.reshape is not None
+            if self._cut is None or self._cut[0] != name:
+                self._cut = (name, self.reshape.tensor(name, self._read(name, 0, 0, self._stored_rows[name])))
+            cut = self._cut[1]
+            return cut[start:stop] if dim == 0 else cut[:, start:stop]
+        return self._read(name, dim, start, stop)
+
+    def _read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         file_name = self.file[name]
         if self._open is None or self._open[0] != file_name:
             self.release()
@@ -164,3 +186,4 @@ class HfReader:
         if self._open is not None:
             self._open[1].__exit__(None, None, None)
             self._open = None
+        self._cut = None

@@ -177,39 +177,53 @@ def write_model_config(path: Path, model: ModelConfig) -> bool:
 
 def job_model_dir(src: Path, model: ModelConfig, dst: Path) -> Path:
     """``src`` when it holds the job's model as it is; else ``dst``, the same checkpoint as the job's model.json
-    describes it: config.json rewritten (``write_model_config``: fewer layers, another rope), the tensors of the
-    layers model.json drops left out of the weight files that hold any (the rest linked), for an engine that must
-    build the model the actor trains and load its start weights (vLLM refuses a tensor its model has no place for)."""
+    describes it: config.json rewritten (``write_model_config``: fewer layers, another rope, a narrower LLM), the
+    tensors of the layers model.json drops left out, the tensors it narrows or regroups cut as hf2mg cuts them
+    (``mm_rl.convert.reshape``); weight files with no such tensor are linked. For an engine that must build the
+    model the actor trains and load its start weights (vLLM refuses a tensor its model has no place for), and for
+    transformers to load the model hf2mg converted."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from mm_rl.convert.mapping import dropped_layer, published_name
+    from mm_rl.convert.reshape import plan_reshape
     from mm_rl.files import replace_dir, unique_sibling
     from mm_rl.models.registry import family_of
 
     probe = json.loads((src / "config.json").read_text())
+    reshape = plan_reshape(src, model)
     dropped: dict[str, set[str]] = {}
+    rewritten: set[str] = set()
     for weights in sorted(src.glob("*.safetensors")):
         with safe_open(weights, "pt") as handle:
-            names = {n for n in handle.keys() if dropped_layer(model, published_name(model, n))}  # noqa: SIM118
-        if names:
-            dropped[weights.name] = names
-    if family_of(model).hf_config(probe, model) == probe and not dropped:
+            names = {published_name(model, n): n for n in handle.keys()}  # noqa: SIM118
+        gone = {stored for name, stored in names.items() if dropped_layer(model, name)}
+        if gone:
+            dropped[weights.name] = gone
+        if gone or (reshape is not None and any(reshape.changes(name) for name in names)):
+            rewritten.add(weights.name)
+    if family_of(model).hf_config(probe, model) == probe and not rewritten:
         return src
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = unique_sibling(dst, f".{dst.name}.tmp-")
     staging.mkdir()
     for path in src.iterdir():
-        if path.is_file() and path.name not in {"config.json", INDEX, *dropped}:
+        if path.is_file() and path.name not in {"config.json", INDEX, *rewritten}:
             (staging / path.name).symlink_to(path.resolve())
-    for name, names in dropped.items():  # one weight file in memory at a time
+    for name in sorted(rewritten):  # one weight file in memory at a time
+        kept: dict[str, torch.Tensor] = {}
         with safe_open(src / name, "pt") as handle:
-            kept = {n: handle.get_tensor(n) for n in handle.keys() if n not in names}  # noqa: SIM118
+            for stored in handle.keys():  # noqa: SIM118
+                if stored not in dropped.get(name, ()):
+                    tensor = handle.get_tensor(stored)
+                    published = published_name(model, stored)
+                    kept[stored] = reshape.tensor(published, tensor) if reshape is not None else tensor
         save_file(kept, str(staging / name), metadata={"format": "pt"})
     if (src / INDEX).is_file():
         index = json.loads((src / INDEX).read_text())
         gone = set().union(*dropped.values()) if dropped else set()
         index["weight_map"] = {n: f for n, f in index["weight_map"].items() if n not in gone}
+        index.get("metadata", {}).pop("total_size", None)  # no longer the sum of the tensors' bytes
         (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     shutil.copyfile(src / "config.json", staging / "config.json")
     write_model_config(staging / "config.json", model)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -1030,15 +1030,8 @@ def hf_checkpoint_matches(cfg: JobConfig) -> Iterator[Violation]:
     ]
     same += [
         (f"{TEXT}.{key}", getattr(text, key), text_hf.get(key))
-        for key in (
-            "vocab_size",
-            "hidden_size",
-            "ffn_hidden_size",
-            "num_attention_heads",
-            "untie_embeddings_and_output_weights",
-        )
+        for key in ("vocab_size", "untie_embeddings_and_output_weights")
     ]
-    same.append((f"{TEXT}.num_query_groups", _query_groups(cfg), text_hf.get("num_query_groups")))
     same += [
         (f"{VIT}.{key}", getattr(vit, key), vit_hf.get(key))
         for key in ("hidden_size", "ffn_hidden_size", "num_attention_heads")
@@ -1052,6 +1045,7 @@ def hf_checkpoint_matches(cfg: JobConfig) -> Iterator[Violation]:
             kind = f"{theirs}" if theirs is not None else "none: a dense model"
             yield Violation(f"{TEXT}.{key}", ours, f"must match the checkpoint's {config_file} ({kind})",
                             f"set it to {theirs}" if theirs is not None else "remove it (null)")  # fmt: skip
+    yield from _narrower_llm(cfg, text_hf, config_file)
     layers, positions = "layers may be removed, never added", "positions beyond it were never trained"
     for key, ours, theirs, why in (
         (f"{TEXT}.num_layers", text.num_layers, text_hf.get("num_layers"), layers),
@@ -1065,6 +1059,39 @@ def hf_checkpoint_matches(cfg: JobConfig) -> Iterator[Violation]:
     ):
         if theirs is not None and ours > theirs:
             yield Violation(key, ours, f"the checkpoint has only {theirs} ({why})", f"use at most {theirs}")
+
+
+def _narrower_llm(cfg: JobConfig, text_hf: Mapping[str, Any], config_file: Path) -> Iterator[Violation]:
+    """The LLM may be cut narrower than its checkpoint (``mm_rl.convert.reshape``: width, MLP width and heads
+    keep their leading part, key/value heads are regrouped), never wider; heads keep their size; the engine's Qwen
+    decoders derive the head size from the width where the checkpoint does; MoE experts are stored fused and keep
+    the checkpoint's width."""
+    text = cfg.backend_config.model.text_decoder
+    cut = "the LLM may be cut narrower than its checkpoint (the leading part is kept), never wider"
+    for key in ("hidden_size", "ffn_hidden_size", "num_attention_heads"):
+        theirs = text_hf.get(key)
+        if theirs is not None and getattr(text, key) > theirs:
+            yield Violation(f"{TEXT}.{key}", getattr(text, key), f"{cut}: {config_file} has {theirs}",
+                            f"use at most {theirs}")  # fmt: skip
+    hd, theirs_hd = head_dim(cfg), text_hf.get("kv_channels")
+    if theirs_hd is not None and hd != theirs_hd:
+        yield Violation(f"{TEXT}.kv_channels", hd, f"heads keep the checkpoint's size ({theirs_hd})",
+                        f"set kv_channels to {theirs_hd} and cut heads instead (num_attention_heads)")  # fmt: skip
+        return
+    derived = text_hf.get("hidden_size") == text_hf.get("num_attention_heads", 0) * (theirs_hd or 0)
+    if derived and text.hidden_size != text.num_attention_heads * hd:
+        yield Violation(
+            f"{TEXT}.num_attention_heads",
+            text.num_attention_heads,
+            f"the engine's and transformers' decoder of this family derive the head size from hidden_size / "
+            f"num_attention_heads, which must stay {hd}",
+            f"set num_attention_heads to {text.hidden_size // hd} (hidden_size {text.hidden_size} / {hd}), with "
+            "hidden_size a multiple of it",
+        )
+    if text.num_moe_experts and text.hidden_size != text_hf.get("hidden_size", text.hidden_size):
+        yield Violation(f"{TEXT}.hidden_size", text.hidden_size,
+                        "the checkpoint stores its experts fused: a MoE LLM keeps its width",
+                        f"set it to {text_hf['hidden_size']}")  # fmt: skip
 
 
 def reward_function_imports(cfg: JobConfig) -> Iterator[Violation]:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from mm_rl.models import qwen_vl
@@ -92,7 +93,7 @@ FAMILY = ModelFamily(
     model_dims=model_dims,
     model_flags=model_flags,
     model_json=model_json,
-    hf_config=hf_config_for,
+    hf_config=partial(hf_config_for, projector_out="hidden_size"),  # Qwen2-VL's merger output is hidden_size
     stage=qwen_vl.stage,
     decoder_layer=decoder_layer,
     tiny=tiny,

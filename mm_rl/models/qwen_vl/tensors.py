@@ -218,17 +218,24 @@ def vision_json(config: Mapping[str, Any], label: str) -> Mapping[str, Any]:
     return vision
 
 
-def hf_config_for(base: Mapping[str, Any], model: ModelConfig) -> dict[str, Any]:
+def hf_config_for(
+    base: Mapping[str, Any], model: ModelConfig, projector_out: str = "out_hidden_size"
+) -> dict[str, Any]:
     """The HF config.json of the job's model: the checkpoint's ``base`` with what model.json may change written
-    back (the LLM's and ViT's layer counts, the LLM's activation, ``rope_theta`` and ``mrope_section``), wherever
-    the checkpoint spells them (flat, ``text_config``, ``rope_scaling`` or transformers 5's ``rope_parameters``), so
-    transformers, vLLM and the exported checkpoint build the model the actor trains."""
+    back (the LLM's and ViT's layer counts, the LLM's width, MLP width, heads and key/value heads, its activation,
+    ``rope_theta`` and ``mrope_section``; the merger's output, ``vision_config[projector_out]``, follows the LLM's
+    width), wherever the checkpoint spells them (flat, ``text_config``, ``rope_scaling`` or transformers 5's
+    ``rope_parameters``), so transformers, vLLM and the exported checkpoint build the model the actor trains."""
     config = copy.deepcopy(dict(base))
     text_cfg, vit = model.text_decoder, model.image_encoder.vision_encoder
     text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+    kv_heads = text_cfg.num_query_groups if text_cfg.group_query_attention else text_cfg.num_attention_heads
     for section in {id(c): c for c in (config, text)}.values():
         for key, value in (("num_hidden_layers", text_cfg.num_layers), ("hidden_act", text_cfg.activation_func),
-                           ("rope_theta", text_cfg.rope_theta)):  # fmt: skip
+                           ("rope_theta", text_cfg.rope_theta), ("hidden_size", text_cfg.hidden_size),
+                           ("intermediate_size", text_cfg.ffn_hidden_size),
+                           ("num_attention_heads", text_cfg.num_attention_heads),
+                           ("num_key_value_heads", kv_heads)):  # fmt: skip
             if key in section:
                 section[key] = value
         if isinstance(section.get("layer_types"), list):
@@ -240,7 +247,10 @@ def hf_config_for(base: Mapping[str, Any], model: ModelConfig) -> dict[str, Any]
                 if "mrope_section" in rope and text_cfg.mrope_section:
                     rope["mrope_section"] = list(text_cfg.mrope_section)
     text["num_hidden_layers"] = text_cfg.num_layers
-    config.setdefault("vision_config", {})["depth"] = vit.num_layers
+    vision = config.setdefault("vision_config", {})
+    vision["depth"] = vit.num_layers
+    if projector_out in vision:
+        vision[projector_out] = model.image_encoder.vision_projector.hidden_size
     return config
 
 
