@@ -1,6 +1,8 @@
 # The two entry points of the README: `make demo` and `make test` (and `make test-quick` for the edit loop).
-# Each sets up .venv first (once).
+# Each sets up .venv first (once). `make setup DEVICE=cuda` / `DEVICE=npu` installs an accelerator's pinned set
+# instead (docs/accelerators.md); Python 3.11 or 3.12 (PYTHON=python3.12).
 PYTHON ?= python3.11
+DEVICE ?= cpu
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mm_rl-installed
@@ -9,17 +11,33 @@ MODEL ?= tiny
 DEMO := output/$(MODEL)_grpo
 # Extra pip arguments for torch, e.g. the CPU wheel index on machines without the wheel on disk.
 TORCH_PIP_ARGS ?=
+# NPU: the pip index that carries triton-ascend 3.2.2 (vllm-ascend 0.23's pin; PyPI has 3.2.0 only, no cp312 wheel).
+ASCEND_PIP_INDEX ?=
 
 .PHONY: setup demo test test-quick lint
 
 setup: $(STAMP)
 
-# Re-run only when setup.py changes. torch 2.13.0 (CPU) goes first so that nothing resolves a CUDA build.
+# Re-run only when setup.py changes. CPU: torch 2.13.0 (CPU) goes first so that nothing resolves a CUDA build.
+# CUDA: vLLM 0.32.0 brings the CUDA torch it pins. NPU (in a CANN 9.1 environment: its set_env.sh sourced): torch and
+# torch-npu first, vLLM 0.23.0 without CUDA kernels, then vllm-ascend (built against CANN) with the rest. MindSpeed
+# (optional: mm_rl imports it first on NPU when installed) goes in with `pip install --no-deps -e <its core_r0.16.0>`.
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+ifeq ($(DEVICE),cpu)
 	$(BIN)/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(BIN)/pip install -q -e '.[cpu,dev]'
+else ifeq ($(DEVICE),cuda)
+	$(BIN)/pip install -q -e '.[cuda,dev]'
+else ifeq ($(DEVICE),npu)
+	$(BIN)/pip install -q torch==2.10.0 torch-npu==2.10.0.post4
+	VLLM_TARGET_DEVICE=empty $(BIN)/pip install -q vllm==0.23.0
+	$(BIN)/pip uninstall -q -y triton  # CUDA's; triton-ascend (vllm-ascend's requirement) provides the module
+	$(BIN)/pip install -q $(if $(ASCEND_PIP_INDEX),--extra-index-url $(ASCEND_PIP_INDEX)) -e '.[npu,dev]'
+else
+	@echo "DEVICE=$(DEVICE): use cpu, cuda or npu" && false
+endif
 	$(BIN)/python -m mm_rl.platform.cpu_wheels
 	touch $@
 

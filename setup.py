@@ -6,7 +6,7 @@ Versions are pinned per device because the stacks only work in matching sets (se
 from setuptools import find_packages, setup
 
 COMMON = [
-    "megatron-core==0.16.1",  # newest release with a Python 3.11 wheel; install without its CUDA extras
+    "megatron-core==0.16.1",  # wheels for Python 3.11 and 3.12; install without its CUDA extras
     "ray[default]==2.60.0",
     "omegaconf>=2.3",
     "safetensors>=0.4",
@@ -39,7 +39,7 @@ setup(
     name="mm_rl",
     version="0.1.0",
     description="RL post-training (GRPO) for multimodal models on megatron-core, vLLM and Ray",
-    python_requires=">=3.11,<3.12",
+    python_requires=">=3.11,<3.13",  # every pinned set has 3.11 and 3.12 wheels
     # cli/ installs as mm_rl_cli: a top-level package named plain "cli" would clash with any other one.
     packages=find_packages(include=["mm_rl", "mm_rl.*"]) + ["mm_rl_cli"],
     package_dir={"mm_rl_cli": "cli"},

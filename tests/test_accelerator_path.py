@@ -400,3 +400,57 @@ def test_moe_on_a_gpu_without_transformer_engine_finds_the_routers_gemm_name():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "False"]
+
+
+def test_engines_run_graphs_on_accelerators_and_eager_on_cpu(monkeypatch):
+    """``enforce_eager`` unset: eager on CPU, CUDA / ACL graphs and torch.compile on accelerators; set, as set."""
+    from mm_rl.config.schema import GenerateConfig
+    from mm_rl.rollout import vllm_engine
+
+    assert vllm_engine.eager(GenerateConfig()) is True
+    for kind in ("cuda", "npu"):
+        monkeypatch.setattr(vllm_engine, "device_kind", lambda kind=kind: kind)
+        assert vllm_engine.eager(GenerateConfig()) is False
+        assert vllm_engine.eager(GenerateConfig(enforce_eager=True)) is True
+
+
+def test_reseed_restarts_what_either_vllm_model_runner_draws_from():
+    """V1 (CPU, vllm-ascend) samples unseeded requests from torch's default generator; V2 (CUDA's default) gives
+    each a seed from numpy's global generator: both repeat after the same reseed, and differ with another seed."""
+    import numpy as np
+
+    from mm_rl.rollout.vllm_engine import WeightReceiver
+
+    def draws(seed: int) -> tuple[int, float]:
+        WeightReceiver.mm_rl_reseed(None, seed)  # type: ignore[arg-type]  # uses no worker state
+        return int(np.random.randint(-(2**62), 2**62)), float(torch.rand(()))
+
+    assert draws(2**40 + 7) == draws(2**40 + 7)
+    first, other = draws(7), draws(8)
+    assert first[0] != other[0] and first[1] != other[1]
+
+
+@pytest.mark.parametrize(("kind", "tags", "emptied"), [("npu", ["kv_cache"], True), ("npu", ["weights"], False),
+                                                      ("cuda", None, True), ("cpu", ["kv_cache"], False)])  # fmt: skip
+def test_the_kv_cache_wakes_up_after_every_worker_emptied_its_allocator_cache(monkeypatch, kind, tags, emptied):
+    """vllm-ascend 0.23's wake_up leaves the allocator's cached blocks (received buckets, per-layer temporaries)
+    held: the engine has every worker give them back first, then wakes the KV cache (the engine object with its
+    vLLM handle replaced by a recorder: no accelerator here)."""
+    from mm_rl.rollout import vllm_engine
+
+    calls: list[str] = []
+
+    class Llm:
+        def collective_rpc(self, method, args=(), kwargs=None):
+            calls.append(method)
+            return [None]
+
+        def wake_up(self, tags=None):
+            calls.append(f"wake_up {tags}")
+
+    monkeypatch.setattr(vllm_engine, "device_kind", lambda: kind)
+    engine = object.__new__(vllm_engine.VllmEngine)
+    engine.llm = Llm()
+    engine._wake_up(tags)
+    expected = ["mm_rl_empty_cache"] if emptied else []
+    assert calls == [*expected, f"wake_up {tags}"]

@@ -16,7 +16,8 @@ and TP2 x CP2 their log-probs and entropy match the full output's, every other p
 a loss over the wanted positions match the full run's (relative, in norm) within 1e-5.
 The TP1 run also checks the freeze switches and model.json switches (activation, norm, GQA off, rope theta,
 mRoPE sections, fewer layers), and an LLM cut narrower than its checkpoint by hf2mg (hidden size, heads, KV groups,
-MLP width) against transformers running the same cut (``job_model_dir``, the engine's start checkpoint).
+MLP width) against transformers running the same cut (``job_model_dir``, the engine's start checkpoint), and the
+model in bf16 (every parameter, the norms too) against fp32 (log-probs within 5e-3 mean, 2e-2 max).
 Each layout is launched once and checks everything inside it.
 """
 
@@ -48,6 +49,8 @@ IMAGE, VSTART, VEND, PAD = 1006, 1003, 1004, 1000
 PATCH_DIM = 3 * 2 * 14 * 14
 GRIDS = [(1, 4, 4), (1, 4, 12), (1, 6, 4)]  # sample 0: image 0; sample 1: images 1 and 2 (2 windows in image 1)
 LOGIT_TOL, GRAD_TOL = 1e-4, 1e-5
+# bf16 (8-bit mantissa, ~4e-3 relative per rounding) against fp32, on log-probs of about -7: measured 1.2e-3 / 3.6e-3
+BF16_MEAN_TOL, BF16_MAX_TOL = 5e-3, 2e-2
 ENTROPY_COEF = 0.1
 # gelu, rope theta 1e4, mRoPE sections [2, 6, 8], no GQA (4 KV heads), 2 layers
 VARIANT_HF = {
@@ -256,14 +259,20 @@ def tp1_name(name: str, layout: Any, tied_copy: bool, first_expert: int = 0) -> 
 
 
 # ------------------------------------------------------------------------------- in the spawned ranks
-def _build_and_load(data: dict[str, Any], mm_dir: str | None, actor: Any = None, remove_padding: bool = True) -> Any:
+def _build_and_load(
+    data: dict[str, Any],
+    mm_dir: str | None,
+    actor: Any = None,
+    remove_padding: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> Any:
     from megatron.core import parallel_state
 
     from mm_rl.convert.layout import rank_file
     from mm_rl.models.registry import family_of
 
     model_cfg = load_model_config(data)
-    model = family_of(model_cfg).build_model(model_cfg, actor=actor, remove_padding=remove_padding)
+    model = family_of(model_cfg).build_model(model_cfg, actor=actor, remove_padding=remove_padding, params_dtype=dtype)
     if mm_dir is not None:
         path = rank_file(
             Path(mm_dir) / "release",
@@ -468,6 +477,7 @@ def _tp1_worker(rank: int, world: int, port: int, cases: dict[str, Any], shared:
         # every compared gradient is non-trivial (a zero gradient would match anything)
         result[f"{key}_zero_grads"] = [name for name, grad in grads.items() if not grad.abs().max() > 1e-7]
         if key == "untied":
+            result["bf16"] = bf16_vs_fp32(cases[key]["json"], cases[key]["mm_dir"], batches, captured)
             result["packed_vs_padded"] = packed_vs_padded(
                 cases[key]["json"], cases[key]["mm_dir"], batches, captured, grads
             )
@@ -482,6 +492,33 @@ def _tp1_worker(rank: int, world: int, port: int, cases: dict[str, Any], shared:
     result["switches"] = _switch_runs(batches)
     save_rank_result(out_dir, rank, result)
     shutdown()
+
+
+def bf16_vs_fp32(
+    data: dict[str, Any], mm_dir: str, batches: list[dict[str, torch.Tensor]], fp32: list[dict[str, torch.Tensor]]
+) -> dict[str, Any]:
+    """The model as accelerators run it, every parameter in bf16 (the norms too: an fp32 norm weight on bf16
+    activations takes torch's unfused path): its label log-probs against the fp32 model's."""
+    model = _build_and_load(data, mm_dir, dtype=torch.bfloat16)
+    diffs = []
+    with torch.no_grad():
+        for batch, reference in zip(batches, fp32, strict=True):
+            pixels = batch.get("pixel_values")
+            out = model(
+                batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                pixel_values=None if pixels is None else pixels.bfloat16(),
+                image_grid_thw=batch.get("image_grid_thw"),
+                labels=batch["labels"],
+            )
+            mask = batch["attention_mask"].bool()
+            diffs.append((out["log_probs"].float() - reference["log_probs"])[mask].abs())
+    gap = torch.cat(diffs)
+    return {
+        "not_bf16": [name for name, p in model.named_parameters() if p.dtype != torch.bfloat16],
+        "log_probs_mean": gap.mean().item(),
+        "log_probs_max": gap.max().item(),
+    }
 
 
 def packed_vs_padded(
@@ -692,6 +729,10 @@ def test_tp1_matches_transformers(setup: dict[str, Any]) -> None:
         assert len(grads) == len(HF_GRAD_NAMES) - (key == "tied")  # tied: no separate lm_head
         assert max(grads.values()) <= GRAD_TOL, grads
         assert not result[f"{key}_zero_grads"]
+    bf16 = result["bf16"]
+    _report("tp1 bf16 vs fp32", {k: v for k, v in bf16.items() if k != "not_bf16"})
+    assert not bf16["not_bf16"]
+    assert bf16["log_probs_mean"] <= BF16_MEAN_TOL and bf16["log_probs_max"] <= BF16_MAX_TOL, bf16
     _report("tp1 packed vs padded", result["packed_vs_padded"])
     assert max(result["packed_vs_padded"].values()) <= GRAD_TOL
     for rows in ("packed", "padded"):

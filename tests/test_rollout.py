@@ -270,26 +270,33 @@ def test_vllm_applies_a_layer_only_once_all_its_tensors_arrived(vllm_engine, req
 
 def test_vllm_multiprocess_engine_takes_weights_through_files(vllm_engine, model_dir, config, requests_, weights):
     """The engine-core-in-a-subprocess path (what TP > 1 uses): RPC arguments are serialised, buckets go by file.
-    It runs beside the module's in-process engine, which must keep working; a second in-process one is refused."""
+    It starts as the trainer starts its engines, without the checkpoint's weights (``dummy_weights``: vLLM's
+    random ones), and once every tensor is pushed it generates exactly what the checkpoint-loaded engine does,
+    with images (what the dummy loader randomises beyond the checkpoint's tensors is put back). It runs beside the
+    module's in-process engine, which must keep working; a second in-process one is refused."""
     from mm_rl.rollout.vllm_engine import VllmEngine
 
     with pytest.raises(RuntimeError, match="already runs"):
         VllmEngine(model_dir, config, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    before = greedy(vllm_engine, requests_[:1])
-    engine = VllmEngine(model_dir, config, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, in_process=False)
+    baseline = greedy(vllm_engine, requests_[:2])
+    engine = VllmEngine(
+        model_dir, config, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, in_process=False, dummy_weights=True
+    )
     try:
-        baseline = greedy(engine, requests_[:1])
+        assert not same_outputs(greedy(engine, requests_[:2]), baseline)  # random weights
+        assert engine.update_weights(weights.items()) == len(weights)
+        assert same_outputs(greedy(engine, requests_[:2]), baseline)
         assert engine.update_weights([("lm_head.weight", stop_head(weights))]) == 1
         assert greedy(engine, requests_[:1])[0][0][0] in STOP_IDS
         assert engine.update_weights(weights.items()) == len(weights)
-        assert same_outputs(greedy(engine, requests_[:1]), baseline)
+        assert same_outputs(greedy(engine, requests_[:2]), baseline)
         engine.sleep(1)
         assert engine.asleep  # released, until woken
         engine.wake_up()
-        assert not engine.asleep and same_outputs(greedy(engine, requests_[:1]), baseline)  # level 1 kept weights
+        assert not engine.asleep and same_outputs(greedy(engine, requests_[:2]), baseline)  # level 1 kept weights
     finally:
         engine.close()
-    assert same_outputs(greedy(vllm_engine, requests_[:1]), before)
+    assert same_outputs(greedy(vllm_engine, requests_[:2]), baseline)
 
 
 @pytest.mark.slow

@@ -508,7 +508,9 @@ class GenerateConfig:
     gpu_memory_utilization: float = opt(0.6, "fraction of device memory the engine may take")
     max_num_seqs: int = opt(256, "sequences the engine batches at once")
     max_model_len: int = ref("backend_config.training.seq-length", "longest prompt + response the engine accepts")
-    enforce_eager: bool = opt(True, "no graph capture")
+    enforce_eager: bool | None = opt(
+        None, "vLLM without CUDA / NPU graphs and torch.compile; null: eager on CPU, graphs on accelerators"
+    )
     colocate: bool = opt(
         True,
         "each engine replica beside an actor rank on its device, asleep during training; "

@@ -100,6 +100,8 @@ def plan_reshape(hf_dir: str | Path, model: ModelConfig) -> Reshape | None:
     from mm_rl.convert.model_config import model_config_from_hf
     from mm_rl.convert.stages import plan_pipeline
 
+    if not (Path(hf_dir) / "config.json").is_file():
+        return None  # nothing to cut from: the reader reports what the directory lacks
     family = model_family(model)
     have, want = family.model_dims(model_config_from_hf(hf_dir)), family.model_dims(model)
     if have["hd"] != want["hd"]:

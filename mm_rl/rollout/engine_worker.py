@@ -26,12 +26,16 @@ if TYPE_CHECKING:
     from mm_rl.sync.transport import DeviceBucket
 
 
-def build_engine(backend: str, model_path: str | Path, config: GenerateConfig, **kwargs: Any) -> RolloutEngine:
-    """The engine named by ``generate_config.backend``: ``vllm`` or ``hf``."""
+def build_engine(
+    backend: str, model_path: str | Path, config: GenerateConfig, *, synced_first: bool = False, **kwargs: Any
+) -> RolloutEngine:
+    """The engine named by ``generate_config.backend``: ``vllm`` or ``hf``. ``synced_first``: every weight arrives
+    by a sync before the first generate (the trainer), so vLLM starts without reading the checkpoint's weights; the
+    transformers engine (tests, small models) loads them anyway."""
     if backend == "vllm":
         from mm_rl.rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(model_path, config, **kwargs)
+        return VllmEngine(model_path, config, dummy_weights=synced_first, **kwargs)
     if backend == "hf":
         from mm_rl.rollout.hf_engine import HfEngine
 

@@ -207,14 +207,42 @@ class WeightReceiver:
             head.quant_method.process_weights_after_loading(head)
 
     def mm_rl_reseed(self, seed: int) -> None:
-        """Restart the sampler's RNG (vLLM samples from the device's default generator when requests carry no
-        seed of their own; per-request seeds crash batches on CPU)."""
+        """Restart what the model runner draws its randomness from (per-request seeds crash batches on CPU): the
+        V1 runner (CPU; vllm-ascend) samples unseeded requests from the device's default generator; the V2 runner
+        (vLLM 0.32's default on CUDA) gives each unseeded request a seed from numpy's global generator when it is
+        added (``np.random.randint``, vllm/v1/worker/gpu/sample/states.py) and samples with it."""
         import random
 
+        import numpy as np
         import torch
 
         random.seed(seed)
+        np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
+
+    def mm_rl_after_dummy_load(self) -> None:
+        """Put back what vLLM's dummy loader randomised although no checkpoint holds it: the persistent buffers of
+        the on-device image normalisation (``FusedMMInputNorm``: weight = rescale / std, bias = -mean / std, from
+        the processor's config; vllm/model_executor/layers/fusion/mm_input_norm.py, 0.32). The loader skips only
+        non-persistent buffers (model_loader/dummy_loader.py), and the sync sends checkpoint tensors only: left
+        random, every image's pixels are scaled wrongly (measured: log-prob gaps of ~0.5 on image prompts)."""
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.fusion.mm_input_norm import FusedMMInputNorm, build_mm_input_norm
+
+        for module in self.model_runner.get_model().modules():
+            if isinstance(module, FusedMMInputNorm):
+                with set_current_vllm_config(self.vllm_config):  # a CustomOp reads it when built
+                    fresh = build_mm_input_norm(self.vllm_config.model_config)
+                with torch.no_grad():
+                    for name, buffer in module.named_buffers(recurse=False):
+                        buffer.copy_(getattr(fresh, name))
+
+    def mm_rl_empty_cache(self) -> None:
+        """Give the device allocator's cached blocks back (see :meth:`VllmEngine._wake_up`)."""
+        from mm_rl.platform.device import empty_cache
+
+        empty_cache()
 
     def mm_rl_device_identity(self) -> str | None:
         from mm_rl.platform.device import device_identity
@@ -289,8 +317,13 @@ def engine_kwargs(
     seed: int | None = None,
     dtype: str | None = None,
     in_process: bool = True,
+    dummy_weights: bool = False,
 ) -> dict[str, Any]:
-    """The ``vllm.LLM`` keyword arguments for a generate config (also used by the benchmark's raw engine)."""
+    """The ``vllm.LLM`` keyword arguments for a generate config (also used by the benchmark's raw engine).
+
+    ``dummy_weights``: the caller sends every weight before the first generate (the trainer's first sync), so the
+    checkpoint is not read at start-up (vLLM's ``load_format: dummy``; see
+    :meth:`WeightReceiver.mm_rl_after_dummy_load`)."""
     dtype = engine_dtype(config, dtype)
     kwargs: dict[str, Any] = {
         "model": str(model_path),
@@ -298,7 +331,7 @@ def engine_kwargs(
         "tensor_parallel_size": config.infer_tensor_parallel_size,
         "max_model_len": int(config.max_model_len),
         "max_num_seqs": config.max_num_seqs,
-        "enforce_eager": config.enforce_eager,
+        "enforce_eager": eager(config),
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "limit_mm_per_prompt": {"image": config.max_images_per_prompt, "video": 0},
         "mm_processor_kwargs": {"min_pixels": min_pixels, "max_pixels": max_pixels},
@@ -307,6 +340,8 @@ def engine_kwargs(
     }
     if seed is not None:
         kwargs["seed"] = seed
+    if dummy_weights:
+        kwargs["load_format"] = "dummy"
     if device_kind() == "cpu":
         # the host's share is split between the replicas, which start side by side (generate_config.replicas)
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(
@@ -320,6 +355,15 @@ def engine_kwargs(
         kwargs["enable_sleep_mode"] = True
     kwargs["distributed_executor_backend"] = executor_backend(config.infer_tensor_parallel_size, in_process)
     return kwargs
+
+
+def eager(config: GenerateConfig) -> bool:
+    """``enforce_eager`` as set, else eager on CPU only: graphs (CUDA graphs, vllm-ascend's ACL graphs) and
+    torch.compile make decoding several times faster on accelerators, and stay valid across the sync: vLLM's
+    layerwise reload copies the new values into the original tensors' storage "to preserve cudagraph refs"
+    (``_copy_and_restore_kernel_tensors``, vllm/model_executor/model_loader/reload/layerwise.py, 0.32), and sleep
+    mode gives the weights and the KV cache back at the same addresses."""
+    return config.enforce_eager if config.enforce_eager is not None else device_kind() == "cpu"
 
 
 def executor_backend(tp: int, in_process: bool) -> str | None:
@@ -450,7 +494,11 @@ class VllmEngine(RolloutEngine):
         seed: int | None = None,
         dtype: str | None = None,
         in_process: bool | None = None,
+        dummy_weights: bool = False,
     ) -> None:
+        """``dummy_weights``: start without reading the checkpoint's weights, for a caller whose first weight push
+        holds every tensor (the trainer syncs before every generate): each replica would otherwise load the whole
+        checkpoint only to have it replaced (and, colocated, discarded by the first sleep)."""
         super().__init__(policy_from_config(config, model_path, min_pixels, max_pixels))
         self.model_path = Path(model_path)
         self.in_process = config.infer_tensor_parallel_size == 1 if in_process is None else in_process
@@ -470,8 +518,11 @@ class VllmEngine(RolloutEngine):
             seed=seed,
             dtype=dtype,
             in_process=self.in_process,
+            dummy_weights=dummy_weights,
         )
         self.llm = build_llm(self.kwargs, self.in_process)
+        if dummy_weights:
+            self._rpc(WeightReceiver.mm_rl_after_dummy_load)
         if self.in_process:
             _IN_PROCESS.add(self)
         self.expected_names = checkpoint_names(model_path)
@@ -591,6 +642,12 @@ class VllmEngine(RolloutEngine):
         self.llm.sleep(level=level)
 
     def _wake_up(self, tags: Sequence[str] | None) -> None:
+        """Before the KV cache comes back, every worker empties its allocator's cache: vLLM's CUDA ``wake_up`` does
+        it itself (``torch.accelerator.empty_cache()``, vllm/device_allocator/cumem.py, 0.32), vllm-ascend 0.23's
+        ``CaMemAllocator.wake_up`` does not (vllm_ascend/device_allocator/camem.py), so with engine TP > 1 each NPU
+        worker would keep its received buckets and per-layer temporaries cached beside the KV cache."""
+        if device_kind() != "cpu" and (not tags or "kv_cache" in tags):
+            self._rpc(WeightReceiver.mm_rl_empty_cache)
         self.llm.wake_up(tags=list(tags) if tags else None)
 
     def close(self) -> None:

@@ -218,6 +218,7 @@ class RayRoles:
                     num_threads=threads,
                     seed=replica_seed(int(b.training.seed), replica),
                     visible_devices=devices,
+                    synced_first=True,  # before_rollout syncs before every generate, validation's too
                 )
             )
         for replica, engine in enumerate(self.engines.actors):

@@ -180,7 +180,10 @@ class MegatronWorker:
         # does the same with .cuda()). The same Parameter objects stay, with megatron's attributes.
         self.model.to(current_device())
         if mm_dir is not None:
-            state = torch.load(self._rank_file(Path(mm_dir), iteration), weights_only=True)["model"]
+            # mapped, not read whole: each tensor's pages are read as load_state_dict copies it in, so a rank
+            # holds its model once, not twice (file contents + parameters)
+            path = self._rank_file(Path(mm_dir), iteration)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["model"]
             self.model.load_state_dict(state)
 
     def _rank_file(self, mm_dir: Path, iteration: int | str | None) -> Path:

@@ -29,8 +29,10 @@ class TorchNorm:
 
         norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
         if config.normalization not in norms:
-            raise ValueError(f"normalization {config.normalization!r}: the LLM takes one of {sorted(norms)}")
-        norm = norms[config.normalization](hidden_size, eps=eps)
+            raise ValueError(f"normalization {config.normalization!r}: one of {sorted(norms)} is needed")
+        # in the model's dtype, as megatron's own norms: an fp32 weight on bf16 activations makes torch's rms_norm /
+        # layer_norm take their unfused path (ATen native/layer_norm.cpp, "Cannot dispatch to fused implementation")
+        norm = norms[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
         return norm

@@ -57,13 +57,13 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch import Tensor
 
 from mm_rl.config.schema import VisionEncoderConfig, VisionProjectorConfig
+from mm_rl.models.qwen_vl.layers import TorchNorm
 from mm_rl.models.qwen_vl.vision_attention import (
     VisionFullAttention,
     VisionSegments,
@@ -96,7 +96,7 @@ _INHERITED_FIELDS = (
 
 # ------------------------------------------------------------------------------------------ configs
 def _norm_name(normalization: str) -> str:
-    """WrappedTorchNorm knows LayerNorm and RMSNorm; FusedLayerNorm is LayerNorm computed by apex."""
+    """torch has LayerNorm and RMSNorm; FusedLayerNorm is LayerNorm computed by apex."""
     return "LayerNorm" if normalization == "FusedLayerNorm" else normalization
 
 
@@ -173,7 +173,7 @@ def vision_layer_spec(full_attention: bool) -> ModuleSpec:
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=WrappedTorchNorm,
+            input_layernorm=TorchNorm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.no_mask},
@@ -186,7 +186,7 @@ def vision_layer_spec(full_attention: bool) -> ModuleSpec:
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=WrappedTorchNorm,
+            pre_mlp_layernorm=TorchNorm,
             mlp=ModuleSpec(
                 module=MLP,
                 submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
@@ -406,7 +406,7 @@ class VisionProjector(MegatronModule):
         self.unit = encoder.spatial_merge_size**2
         self.postshuffle = postshuffle  # norm the concatenated unit (Qwen3-VL's DeepStack mergers), not each patch
         width = projector.input_size * (self.unit if postshuffle else 1)
-        self.layernorm = WrappedTorchNorm(config, width, eps=config.layernorm_epsilon)
+        self.layernorm = TorchNorm(config, width, eps=config.layernorm_epsilon)
         self.encoder = MLP(
             config,
             MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
