@@ -48,8 +48,7 @@ def test_engine_with_tp_uses_vllms_multiprocessing_executor_inside_a_placement_g
 
     from mm_rl.rollout.vllm_engine import executor_backend
 
-    assert executor_backend(1, in_process=True) == "uni"
-    assert executor_backend(2, in_process=True) == executor_backend(2, in_process=False) == "mp"
+    assert (executor_backend(1), executor_backend(2)) == ("uni", "mp")
 
     @ray.remote(num_cpus=1)
     def resolved(backend: str | None) -> str:
@@ -65,7 +64,7 @@ def test_engine_with_tp_uses_vllms_multiprocessing_executor_inside_a_placement_g
         ray.get(group.ready())
         strategy = PlacementGroupSchedulingStrategy(group, 0)
         assert ray.get(resolved.options(scheduling_strategy=strategy).remote(None)) == "ray"  # what we avoid
-        assert ray.get(resolved.options(scheduling_strategy=strategy).remote(executor_backend(2, True))) == "mp"
+        assert ray.get(resolved.options(scheduling_strategy=strategy).remote(executor_backend(2))) == "mp"
         remove_placement_group(group)
     finally:
         ray.shutdown()
@@ -402,16 +401,20 @@ def test_moe_on_a_gpu_without_transformer_engine_finds_the_routers_gemm_name():
     assert done.stdout.split() == ["True", "False"]
 
 
-def test_engines_run_graphs_on_accelerators_and_eager_on_cpu(monkeypatch):
-    """``enforce_eager`` unset: eager on CPU, CUDA / ACL graphs and torch.compile on accelerators; set, as set."""
+def test_engines_run_graphs_and_their_own_process_on_accelerators_and_eager_in_process_on_cpu(monkeypatch):
+    """``enforce_eager`` unset: eager on CPU, CUDA / ACL graphs and torch.compile on accelerators; set, as set. The
+    engine core runs in the caller's process only on CPU at TP 1 (on a device its scheduling and detokenising
+    overlap the device's work)."""
     from mm_rl.config.schema import GenerateConfig
     from mm_rl.rollout import vllm_engine
 
     assert vllm_engine.eager(GenerateConfig()) is True
+    assert vllm_engine.engine_in_process(1) and not vllm_engine.engine_in_process(2)
     for kind in ("cuda", "npu"):
         monkeypatch.setattr(vllm_engine, "device_kind", lambda kind=kind: kind)
         assert vllm_engine.eager(GenerateConfig()) is False
         assert vllm_engine.eager(GenerateConfig(enforce_eager=True)) is True
+        assert not vllm_engine.engine_in_process(1)
 
 
 def test_reseed_restarts_what_either_vllm_model_runner_draws_from():
@@ -454,3 +457,26 @@ def test_the_kv_cache_wakes_up_after_every_worker_emptied_its_allocator_cache(mo
     engine._wake_up(tags)
     expected = ["mm_rl_empty_cache"] if emptied else []
     assert calls == [*expected, f"wake_up {tags}"]
+
+
+def test_megatrons_torch_adam_is_switched_to_the_fused_kernel_in_place():
+    """Without Transformer Engine or apex megatron builds torch's AdamW (foreach): ``fuse_adam`` switches each group
+    to torch's fused kernel (used on CUDA), whose steps equal an AdamW built fused (CPU has the kernel too)."""
+    from types import SimpleNamespace
+
+    from mm_rl.workers.training import fuse_adam
+
+    def steps(optimizer, params):
+        for k in range(3):
+            for p in params:
+                p.grad = torch.full_like(p, 0.1 * (k + 1)) + p
+            optimizer.step()
+        return [p.detach().clone() for p in params]
+
+    start = [torch.randn(5, 3, generator=torch.Generator().manual_seed(0)), torch.randn(7)]
+    ours = [p.clone().requires_grad_() for p in start]
+    theirs = [p.clone().requires_grad_() for p in start]
+    built = torch.optim.AdamW(ours, lr=1e-2, weight_decay=0.1)
+    assert fuse_adam(SimpleNamespace(optimizer=built)) == 1 and built.param_groups[0]["fused"]
+    fused = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, fused=True)
+    assert all(torch.equal(a, b) for a, b in zip(steps(built, ours), steps(fused, theirs), strict=True))

@@ -332,6 +332,17 @@ def test_colocated_schedule_calls_switches_in_order(layout, prompts, monkeypatch
     plain.before_rollout()
     plain.before_training()
     assert done == ["sync"]
+    # a separate engine keeps the weights: validation's sync serves the next rollout unless an update came between
+    assert plain.before_rollout().tensors == 0 and done == ["sync"]
+    plain.weights_changed()
+    plain.before_rollout()
+    assert done == ["sync", "sync"]
+    # colocated, the level-2 sleep drops the engine's weights: every rollout syncs
+    schedule.before_rollout()
+    schedule.before_training()
+    assert schedule.before_rollout().tensors > 0
+    schedule.before_training()
+    ray.get(layout.engine.wake_up.remote())
 
 
 @pytest.mark.parametrize("transport", ["object_store", "collective", "mixed"])

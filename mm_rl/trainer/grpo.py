@@ -655,7 +655,7 @@ def _throughput(
         "throughput/tok_per_s": rate(tokens, "step"),
         "throughput/update_tok_per_s": rate(tokens, "update"),
         "throughput/rollout_tok_per_s": rollout,
-        "throughput/sync_gb_per_s": sync_gb_per_s,
+        **({"throughput/sync_gb_per_s": sync_gb_per_s} if sync_gb_per_s else {}),  # none when nothing was synced
     }
 
 

@@ -329,6 +329,7 @@ class RayRoles:
     def train_mini_batch(
         self, shards: Sequence[MicroBatches], loss: LossSpec, denominator: float
     ) -> tuple[dict[str, float], list[list[torch.Tensor] | None]]:
+        self.schedule.weights_changed()
         return self.actor.train_mini_batch(shards, loss, denominator)
 
     def schedule_lr_at(self, updates: int) -> None:
@@ -338,6 +339,7 @@ class RayRoles:
         self.actor.save_checkpoint(str(staging))
 
     def load(self, save_dir: Path, step: int, load_optim: bool, load_rng: bool) -> None:
+        self.schedule.weights_changed()
         self.actor.load_checkpoint(str(save_dir), step, load_optim, load_rng)
 
     def _group(self, role: Role) -> Any:

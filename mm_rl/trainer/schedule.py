@@ -49,6 +49,11 @@ class RolloutSchedule:
         self.shared_bundles = shared_bundles  # the bundles (devices) that hold an engine replica; None: all
         self.sleep_level, self.route = sleep_level, route  # route: device to device (else the object store)
         self.offloaded_bytes = 0  # what the actor (and reference) ranks freed on their devices for the last rollout
+        self.engines_current = False  # every replica holds the actor's weights as they are now
+
+    def weights_changed(self) -> None:
+        """The actor's weights moved (an optimizer step, a checkpoint load): the next rollout syncs them."""
+        self.engines_current = False
 
     @property
     def offload_switches(self) -> dict[str, bool]:
@@ -71,7 +76,10 @@ class RolloutSchedule:
 
     def before_rollout(self) -> SyncReport:
         """Colocated: offload what the sync does not read, engine weights back, sync, offload the parameters, engine
-        KV cache back (see the module docstring). Separate: only the sync."""
+        KV cache back (see the module docstring). Separate: only the sync, and none when the replicas already hold
+        the actor's weights (validation synced them, and no update came since; a level-2 sleep drops them)."""
+        if self.engines_current and not self.generate.colocate:
+            return SyncReport()
         switches, freed, shared = self.offload_switches, 0, self.shared_bundles
         if self.generate.colocate:
             freed += self.group.offload(
@@ -81,6 +89,7 @@ class RolloutSchedule:
                 freed += self.reference.offload(params=True, grads=False, optimizer=False, bundles=shared)
             self._engines("wake_up", ["weights"])
         report = sync_weights(self.group, self.rollouts, bucket_bytes_of(self.generate), route=self.route)
+        self.engines_current = True
         if self.generate.colocate:
             freed += self.group.offload(params=switches["params"], grads=False, optimizer=False, bundles=shared)
             self.offloaded_bytes = freed
@@ -92,6 +101,7 @@ class RolloutSchedule:
         if not self.generate.colocate:
             return
         self._engines("sleep", self.sleep_level)
+        self.engines_current = self.engines_current and self.sleep_level < 2  # level 1 keeps them on the host
         self.group.onload(**self.offload_switches, bundles=self.shared_bundles)
         if self.reference is not None and self.actor.offload_train_param:
             self.reference.onload(params=True, grads=False, optimizer=False, bundles=self.shared_bundles)

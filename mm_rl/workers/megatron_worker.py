@@ -428,11 +428,20 @@ def _forward_step(
     """megatron's forward step: the model on the next micro-batch (its images put together from the step's and
     moved to this rank's device here, the one driver -> rank boundary of every pass), and the loss function of its
     output."""
+    from megatron.core.utils import get_attr_wrapped_model
+
     from mm_rl.platform.device import current_device
 
-    batch = to_device(next(data), current_device(), images)
+    host = next(data)
+    # mRoPE ids from the host's copy, before the move: computed from the device's, they would stall each micro-batch
+    # on a device -> host copy (the index walks every row's images on the CPU)
+    positions = get_attr_wrapped_model(model, "position_ids")(
+        host["input_ids"], host.get("image_grid_thw"), host.get("attention_mask")
+    )
+    batch = to_device({**host, "position_ids": positions}, current_device(), images)
     output = model(
         batch["input_ids"],
+        position_ids=batch["position_ids"],
         attention_mask=batch.get("attention_mask"),
         pixel_values=batch.get("pixel_values"),
         image_grid_thw=batch.get("image_grid_thw"),

@@ -95,6 +95,10 @@ class TrainingWorker(MegatronWorker):
         model = self._require_model()
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
+            # off: overlapping a bucket's all-reduce with the backward needs every parameter of the bucket to get its
+            # gradient in the last micro-batch (megatron-core 0.16.1, distributed/param_and_grad_buffer.py asserts
+            # it in register_grad_ready / reset); a micro-batch without images leaves the projector without one, and
+            # an MoE expert no token reached (measured: the first update fails that assertion with it on)
             overlap_grad_reduce=False,
             use_distributed_optimizer=spec.use_distributed_optimizer,
         )
@@ -114,6 +118,10 @@ class TrainingWorker(MegatronWorker):
             use_distributed_optimizer=spec.use_distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(config, [self.ddp], config_overrides=_overrides(config, spec))
+        from mm_rl.platform.device import device_kind
+
+        if device_kind() == "cuda":
+            fuse_adam(self.optimizer)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if spec.warmup_steps else spec.lr,
@@ -414,3 +422,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if state.get("device") is not None:  # absent in checkpoints of CPU runs and of earlier versions
         set_device_rng_state(state["device"])
     get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def fuse_adam(optimizer: Any) -> int:
+    """torch's fused AdamW kernel where megatron built torch's own AdamW (no Transformer Engine or apex installed,
+    megatron-core 0.16.1 optimizer/__init__.py): one fused kernel per parameter group and step instead of the
+    foreach loop. torch reads ``fused`` / ``foreach`` from each group at every step (torch/optim/adamw.py), so the
+    built optimizer is switched in place; returns the number of groups switched. CUDA only: whether torch_npu has
+    the fused kernel is not checked here (MindSpeed, when installed, brings its own fused Adam)."""
+    import torch
+
+    switched = 0
+    for part in optimizer_parts(optimizer):
+        inner = getattr(part, "optimizer", None)
+        if type(inner) in (torch.optim.AdamW, torch.optim.Adam):
+            for group in inner.param_groups:
+                group["fused"], group["foreach"] = True, False
+                switched += 1
+    return switched
