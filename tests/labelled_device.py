@@ -5,8 +5,9 @@ A :class:`Labelled` tensor holds a real CPU tensor (``.value``) but reports ``cu
 applies CUDA's device rule: an op that gets a labelled tensor and a plain CPU tensor of dim > 0 raises
 :class:`DeviceMismatch` naming the op (0-dim CPU tensors, copies between devices and CPU indices of an
 indexing op are allowed, as on CUDA). What never reaches aten is handled one level up: ``.to("cuda")`` /
-``.cuda()`` and factories with ``device="cuda"`` give labelled tensors, ``pin_memory()`` is a no-op,
-``.cpu()`` / ``.to("cpu")`` give plain CPU tensors, ``.numpy()`` of a labelled tensor raises.
+``.cuda()``, ``new_tensor`` of a labelled tensor and factories with ``device="cuda"`` give labelled tensors,
+``pin_memory()`` is a no-op, ``.cpu()`` / ``.to("cpu")`` give plain CPU tensors, ``.numpy()`` of a labelled tensor
+raises.
 
 The context also points this process's device at the label: ``mm_rl.platform.device.current_device`` (in every
 mm_rl module that imported it) and, through megatron's CPU bridge, ``torch.cuda.current_device()`` and the
@@ -300,6 +301,10 @@ class _LabelFunctions(TorchFunctionMode):
             return self._move(args[0])
         if func == _SET_DATA and (isinstance(args[0], Labelled) or isinstance(args[1], Labelled)):
             return _set_data(args[0], args[1])
+        if func is torch.Tensor.new_tensor and isinstance(args[0], Labelled):
+            # torch builds it on self's device directly (no aten op to relabel): on the CPU values, labelled
+            dtype = kwargs.get("dtype") or args[0].dtype
+            return Labelled(torch.tensor(tree_map(_unwrap, args[1]), dtype=dtype), args[0].device)
         if func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.is_pinned:

@@ -81,11 +81,12 @@ def mm_dir(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("tiny")
     hf_dir = build_tiny_checkpoint(root / "hf", seed=0)
-    parallel = ParallelConfig(tp_size=1, llm_pp_layers=[4], vit_pp_layers=[2])
-    hf2mg(
-        Hf2MgCfg(mm_dir=str(root / "mm"), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel),
-        model_config_from_hf(hf_dir),
-    )
+    for tp, name in ((1, "mm"), (2, "mm_tp2")):
+        parallel = ParallelConfig(tp_size=tp, llm_pp_layers=[4], vit_pp_layers=[2])
+        hf2mg(
+            Hf2MgCfg(mm_dir=str(root / name), hf_config=HfConfig(hf_dir=str(hf_dir)), parallel_config=parallel),
+            model_config_from_hf(hf_dir),
+        )
     return root
 
 
@@ -268,6 +269,43 @@ def test_a_rank_builds_its_whole_model_on_its_device(log_prob_run):
     to the caller (Megatron-LM's get_model calls ``.cuda()``). A rank must own no host parameter (without the move
     the first RMSNorm of a GPU rank's forward fails; ``unmoved_model`` names the op and the caller)."""
     assert log_prob_run["left_on_host"] == [], log_prob_run["unmoved_model"]
+
+
+def _tp2_log_prob_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str) -> None:
+    """One of two TP ranks (sequence parallelism: each holds half of every packed row, the packed row padded to a
+    multiple of TP, which is where the attention builds a segment boundary with ``new_tensor``)."""
+    from labelled_device import labelled_device
+
+    from mm_rl.convert import model_config_from_hf
+    from mm_rl.workers.megatron_worker import MegatronWorker, WorkerSpec
+
+    _quiet()
+    worker = MegatronWorker(WorkerSpec(model_config_from_hf(Path(mm_root) / "hf"), tp=2), rank)
+    worker.init_distributed("127.0.0.1", port)
+    (batches, images), mm = micro_batches(), str(Path(mm_root) / "mm_tp2")
+    worker.set_images(images)
+    worker.build(mm)
+    result: dict[str, Any] = {"plain": worker.compute_log_probs(batches)}
+    with labelled_device("cuda:0"):
+        worker.build(mm)
+        worker.set_images(images)
+        labelled = worker.compute_log_probs(batches)
+        result["labelled"] = None if labelled is None else _host_copy(labelled)  # TP rank 0 returns them
+        result["labelled_on_host"] = _on_host(labelled)
+    save_rank_result(out_dir, rank, result)
+    torch.distributed.destroy_process_group()
+
+
+def test_tp2_ranks_under_sequence_parallelism_keep_their_tensors_on_the_device(mm_dir, tmp_path):
+    """Two labelled TP ranks (their collectives on the CPU values over gloo): the sequence-parallel paths (each
+    rank's share of the tokens, the padding segment of the packed row) mix no devices, and each rank's results come
+    back on the host equal to the plain TP2 run's."""
+    spawn(_tp2_log_prob_rank, 2, str(mm_dir), str(tmp_path))
+    first, second = load_rank_results(tmp_path, 2)
+    assert first["labelled_on_host"] is None and second["labelled"] is second["plain"] is None
+    assert len(first["plain"]) == 3
+    for ours, reference in zip(first["labelled"], first["plain"], strict=True):
+        torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------- a rank's update

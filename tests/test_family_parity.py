@@ -66,9 +66,9 @@ GRAD_NAMES["qwen3_vl_moe"] = {
 }
 # name: (TP, PP, EP, model.json changes); vit_pp None: the ViT all on stage 0
 CASES = {"tp2": (2, 1, 1, {}), "pp2": (1, 2, 1, {"llm_pp": [2, 2], "vit_pp": None})}
-# MoE: also EP2 and PP2 with EP2; its TP2 trains under sequence parallelism (each TP rank routes its share of
-# the tokens)
-MOE_CASES = {**CASES, "ep2": (1, 1, 2, {}), "pp2ep2": (1, 2, 2, CASES["pp2"][3])}
+# MoE: also EP2, PP2 with EP2 and TP2 with EP2; its TP2 trains under sequence parallelism (each TP rank routes its
+# share of the tokens; under TP x EP the dispatcher gathers uneven counts over TP, padded for gloo on CPU)
+MOE_CASES = {**CASES, "ep2": (1, 1, 2, {}), "pp2ep2": (1, 2, 2, CASES["pp2"][3]), "tp2ep2": (2, 1, 2, {})}
 MIN_LOGIT_STD = 1.0  # over the vocabulary, averaged over tokens: far from a uniform distribution
 
 

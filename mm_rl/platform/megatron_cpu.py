@@ -29,7 +29,8 @@ How:
      and never left on during forward and backward.
 
 MoE: the router, the local experts and the all-to-all token dispatcher (which copies its split sizes to the host
-on a side stream: on CPU the stream, its events and ``torch.cuda.stream`` are no-ops, the copies synchronous).
+on a side stream: on CPU the stream, its events and ``torch.cuda.stream`` are no-ops, the copies synchronous; under
+TP x EP its uneven gathers over the TP group, which gloo refuses, are padded: :func:`_install_uneven_gloo_collectives`).
 Not bridged (not used on CPU): Transformer Engine, apex fusions, FSDP, other MoE token dispatchers, CUDA graphs
 (their static inputs are the only CUDA calls in transformer.module / transformer_layer), activation
 offloading, context parallelism, inference contexts, dist_checkpointing and ``enable_autocast`` (the
@@ -371,6 +372,39 @@ def _install_moe_host_copy() -> None:
     _rebind_everywhere(original, host_copy)
 
 
+def _install_uneven_gloo_collectives() -> None:
+    """MoE under TP x EP: the all-to-all dispatcher gathers each TP rank's routed tokens over the TP group and
+    scatters the experts' outputs back (``tensor_parallel.mappings._gather_along_first_dim`` /
+    ``_reduce_scatter_along_first_dim`` with split sizes), and the ranks' token counts differ. NCCL and HCCL take
+    uneven lists; gloo refuses them ("ProcessGroupGloo::allgather: invalid tensor size"). On CPU only: the gather
+    pads every share to the largest and trims, the reduce-scatter all-reduces the whole and keeps this rank's rows
+    (the same values; more bytes, which a CPU run does not mind)."""
+    module = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    gather, scatter = module._gather_along_first_dim, module._reduce_scatter_along_first_dim
+
+    @functools.wraps(gather)
+    def padded_gather(input_: Any, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False) -> Any:
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        padded = input_.new_zeros((max(output_split_sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:count] for part, count in zip(parts, output_split_sizes, strict=True)])
+
+    @functools.wraps(scatter)
+    def reduced_share(input_: Any, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False) -> Any:
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start : start + input_split_sizes[group.rank()]].clone()
+
+    _rebind_everywhere(gather, padded_gather)
+    _rebind_everywhere(scatter, reduced_share)
+
+
 def define_missing_te_gemm() -> None:
     """megatron-core 0.16.1's ``moe_utils`` imports ``te_general_gemm`` inside a try block and later tests
     ``te_general_gemm is not None`` in the router's gating linear: without Transformer Engine the name is
@@ -396,4 +430,5 @@ def install() -> None:
     _install_rng_bridge()
     _install_tensor_method_bridges()
     _install_moe_host_copy()
+    _install_uneven_gloo_collectives()
     _installed = True
