@@ -14,7 +14,11 @@ parameters, gradients and Adam state while it generates) -> the checks:
 * on 2 or more devices, two colocated engine replicas (one beside each DP rank) share every step's prompts, and
   one colocated TP2 engine spans both ranks' devices;
 * the weight sync's route: an engine worker on the sender's device maps the sender's buffers (IPC), the others
-  take the broadcast; another process on the device reads an exported buffer.
+  take the broadcast.
+
+What needs no Ray or vLLM (transfers, RNG state, a bucket read through IPC, the sync group, the attention kernel, a
+megatron rank in bf16, the MoE step, a timed update at real widths) is the device check, ``test_bare.py`` here and
+``bench/device_check.sh`` on a bare image.
 
 The models: the embedded tiny model, one with Qwen2.5-VL-3B widths (hidden 2048, 16 heads, 2 KV groups,
 ViT 1280 wide) and 2 LLM / 2 ViT layers, and the tiny Qwen3-VL and Qwen3-VL-MoE (4 experts, top 2; on 2 devices
@@ -28,8 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from probes import ProbeWorker
 
 from mm_rl.config.schema import JobConfig
 from mm_rl.platform.device import device_count, device_kind
@@ -105,6 +107,7 @@ def _run(job: JobConfig) -> tuple[list[dict[str, float]], list[tuple[int, int, i
     """hf2mg and the GRPO steps with probe ranks (in place of the job's TrainingWorker class); the metrics per
     step, rank 0's device memory per offload and the weight sync's device route."""
     import ray
+    from probes import ProbeWorker  # here, not at the top: it needs Ray, which a bare device image lacks
 
     from mm_rl.job.run import convert_in
     from mm_rl.trainer.grpo import build_trainer
@@ -207,96 +210,3 @@ def test_moe_trains_at_tp2_under_sequence_parallelism(data_dir: Path, tmp_path: 
         f"device smoke MoE TP2 on {device_kind()}: gap mean {max(s['rollout/logprob_gap_mean'] for s in history):.2e}"
         f", expert load max {history[-1]['actor/moe/load_max']:.2f}"
     )
-
-
-def test_micro_batch_reaches_the_rank_device_and_results_come_back() -> None:
-    """The two boundary functions on the real device: every tensor of a micro-batch lands on it (from pinned
-    memory), and results come back as CPU tensors."""
-    from mm_rl.platform.device import current_device, setup_process
-    from mm_rl.platform.transfer import to_device, to_host
-
-    setup_process()
-    device = current_device()
-    batch = {"input_ids": torch.ones(2, 5, dtype=torch.long), "pixel_values": torch.randn(8, 12), "note": "x"}
-    moved = to_device(batch, device)
-    assert all(t.device == device for k, t in moved.items() if k != "note") and moved["note"] == "x"
-    back = to_host({"log_probs": [moved["pixel_values"]]})
-    assert back["log_probs"][0].device.type == "cpu"
-    assert torch.equal(back["log_probs"][0], batch["pixel_values"])
-
-
-def test_device_generator_state_is_checkpointed() -> None:
-    """The device's default generator resumes where the checkpoint left it."""
-    from mm_rl.platform.device import current_device, device_rng_state, set_device_rng_state
-
-    device = current_device()
-    state = device_rng_state()
-    first = torch.rand(4, device=device)
-    torch.rand(4, device=device)
-    set_device_rng_state(state)
-    assert torch.equal(torch.rand(4, device=device), first)
-
-
-def test_llm_core_attention_on_the_device_matches_the_same_attention_in_fp32() -> None:
-    """The LLM's core attention in bf16 on the device (on Ascend: npu_fusion_attention's varlen form; on CUDA:
-    flash varlen_attn) against SDPA per sequence in fp32 on the same inputs: packed sequences of uneven
-    lengths, grouped-query heads; outputs and input gradients agree to bf16 precision. On CUDA the bf16 call runs
-    torch's flash varlen kernel (Ampere and newer)."""
-    import math
-
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
-
-    from mm_rl.models.qwen_vl.llm_attention import CausalSegments, LLMCoreAttention
-    from mm_rl.platform.device import current_device, setup_process
-
-    setup_process()
-    device = current_device()
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=512,
-        num_attention_heads=8,
-        num_query_groups=2,
-        kv_channels=64,
-        ffn_hidden_size=1024,
-        activation_func=F.silu,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    core = LLMCoreAttention(config, 1, None, "self")
-    bounds = [0, 300, 310, 1100]
-    segments = CausalSegments.build(torch.tensor(bounds, dtype=torch.int32, device=device))
-    generator = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(bounds[-1], 1, heads, 64, generator=generator) for heads in (8, 2, 2)]
-    results = []
-    for dtype in (torch.bfloat16, torch.float32):
-        q, k, v = (t.to(device, dtype).requires_grad_() for t in inputs)
-        out = core(q, k, v, None, packed_seq_params=segments)
-        out.float().square().sum().backward()
-        results.append((out.float(), q.grad.float()))
-    (out16, grad16), (out32, grad32) = results
-    for low, high in ((out16, out32), (grad16, grad32)):
-        assert (low - high).abs().max() <= 2e-2 * high.abs().max() + 1e-3, (low - high).abs().max()
-    assert math.isfinite(grad16.sum().item())
-
-
-def _read_shared(handle: bytes) -> int:
-    """In a fresh process on the same device: map the exported buffer and sum it there."""
-    from mm_rl.platform.device import import_ipc
-
-    return int(import_ipc(handle).sum(dtype=torch.int64))
-
-
-def test_a_device_buffer_is_read_in_place_by_another_process_on_the_device() -> None:
-    """export_ipc / import_ipc, the colocated weight sync's hand-over: another process on this device maps the
-    sender's buffer (device index rewritten to its own numbering) and reads the sender's bytes."""
-    import multiprocessing
-
-    from mm_rl.platform.device import current_device, export_ipc, ipc_supported
-
-    device = current_device()
-    if not ipc_supported(device):
-        pytest.skip("this torch_npu cannot share device storages: colocated syncs take the object store")
-    flat = (torch.arange(1 << 20, device=device) % 251).to(torch.uint8)
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        assert pool.apply(_read_shared, (export_ipc(flat),)) == int(flat.sum(dtype=torch.int64))
