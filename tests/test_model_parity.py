@@ -24,6 +24,7 @@ Each layout is launched once and checks everything inside it.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import time
@@ -293,11 +294,16 @@ def _loss(output: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
 
 
 def run_schedule(
-    model: Any, batches: list[dict[str, torch.Tensor]], loss_mask: str = "attention_mask", select: bool = False
+    model: Any,
+    batches: list[dict[str, torch.Tensor]],
+    loss_mask: str = "attention_mask",
+    select: bool = False,
+    share: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Forward + backward over the micro-batches with megatron's schedule, the loss over the batch's ``loss_mask``
     positions; the last stage's outputs (with ``select``, only the ``loss_mask`` positions' log-probs and entropy,
-    the model's ``output_mask``; else every position's, and the logits)."""
+    the model's ``output_mask``; else every position's, and the logits). ``share``: the batches' shared prompts
+    (``shared_prompt``) computed once."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     captured: list[dict[str, torch.Tensor]] = []
@@ -311,6 +317,7 @@ def run_schedule(
             image_grid_thw=batch.get("image_grid_thw"),
             labels=batch["labels"],
             output_mask=batch[loss_mask] if select else None,
+            shared_prompt=batch.get("shared_prompt") if share else None,
             return_logits=not select,
         )
 
@@ -445,6 +452,7 @@ def _parallel_worker(rank: int, world: int, port: int, case: dict[str, Any], sha
         )
     if case.get("selected_rerun"):
         result["selected_vs_full"] = selected_vs_full(case["json"], case["mm_dir"], inputs["batches"])
+        result["shared_vs_separate"] = shared_vs_separate(case["json"], case["mm_dir"], inputs["batches"])
     if case.get("frozen_rerun"):  # default freeze switches: the frozen ViT stages still pass the pipeline
         captured = run_schedule(_build_and_load(case["json"], case["mm_dir"]), inputs["batches"])
         if captured:
@@ -485,6 +493,7 @@ def _tp1_worker(rank: int, world: int, port: int, cases: dict[str, Any], shared:
                 result[f"selected_vs_full_{'packed' if packed else 'padded'}"] = selected_vs_full(
                     cases[key]["json"], cases[key]["mm_dir"], batches, remove_padding=packed
                 )
+            result["shared_vs_separate"] = shared_vs_separate(cases[key]["json"], cases[key]["mm_dir"], batches)
     for key in ("variant", "narrow"):
         model = _build_and_load(cases[key]["json"], cases[key]["mm_dir"])
         result[key] = output_diffs(run_schedule(model, batches), inputs["reference"][key]["outputs"], batches)
@@ -581,6 +590,78 @@ def selected_vs_full(
         ((grads[1][name] - grad).norm() / grad.norm().clamp_min(1e-30)).item() for name, grad in grads[0].items()
     )
     return diffs
+
+
+def grouped(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """GRPO-like micro-batches from the right-padded ones (images, then text only): each row a prompt answered
+    three times (responses of 2, 5 and 3 tokens; the images repeated per row, as micro-batches carry them), the
+    first micro-batch's two groups side by side; ``wanted`` the response positions, ``shared_prompt`` the prompt
+    but its last token on a group's later rows."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for batch in batches[:2]:
+        prompts = [
+            ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)
+        ]
+        grids = batch.get("image_grid_thw")
+        per_row = [[GRIDS[0]], GRIDS[1:]] if grids is not None else [[], []]
+        rows, shared, row_grids, row_pixels = [], [], [], []
+        pixels = batch.get("pixel_values")
+        offsets = [0, sum(t * h * w for t, h, w in per_row[0])]
+        for prompt, own, offset in zip(prompts, per_row, offsets, strict=True):
+            patches = sum(t * h * w for t, h, w in own)
+            for answer, length in enumerate((2, 5, 3)):
+                rows.append(prompt + _text(g, length))
+                shared.append(len(prompt) - 1 if answer else 0)
+                row_grids += own
+                if patches:
+                    row_pixels.append(pixels[offset : offset + patches])
+        ids, mask = _padded(rows, left=False)
+        wanted = torch.zeros(ids.shape)
+        for row, (tokens, prompt) in enumerate(zip(rows, (p for p in prompts for _ in range(3)), strict=True)):
+            wanted[row, len(prompt) - 1 : len(tokens) - 1] = 1.0
+        new = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": torch.roll(ids, -1, dims=1),
+            "wanted": wanted,
+            "shared_prompt": torch.tensor(shared),
+        }
+        if row_grids:
+            new["image_grid_thw"], new["pixel_values"] = torch.tensor(row_grids), torch.cat(row_pixels)
+        out.append(new)
+    return out
+
+
+def _count_positions(seen: list[int], module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    seen.append(kwargs["input_ids"].shape[1])
+
+
+def shared_vs_separate(data: dict[str, Any], mm_dir: str, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """GRPO groups (:func:`grouped`) with each group's prompt computed once (``shared_prompt``) vs every row whole,
+    both with the loss over the response positions: the largest |difference| of the log-probs and entropy there,
+    every gradient's difference relative to its norm (TP1 names), and ``tokens``: the LLM's positions with shared
+    prompts over those without."""
+    from mm_rl.config.schema import ActorConfig
+
+    batches = grouped(batches)
+    runs, grads, positions = [], [], []
+    for share in (False, True):
+        model = _build_and_load(data, mm_dir, ActorConfig(unfreeze_vision_encoder=True))
+        seen: list[int] = []
+        model.text_decoder.register_forward_pre_hook(functools.partial(_count_positions, seen), with_kwargs=True)
+        runs.append(run_schedule(model, batches, loss_mask="wanted", select=True, share=share))
+        grads.append(tp1_grads(model))
+        positions.append(sum(seen))
+    diffs = {"log_probs": 0.0, "entropy": 0.0}
+    for separate, shared, batch in zip(*runs, batches if runs[0] else [], strict=True):  # last stage
+        wanted = batch["wanted"].bool()
+        for key in diffs:
+            diffs[key] = max(diffs[key], (separate[key][wanted] - shared[key][wanted]).abs().max().item())
+    diffs["grad_rel"] = max(
+        ((grads[1][name] - grad).norm() / grad.norm().clamp_min(1e-30)).item() for name, grad in grads[0].items()
+    )
+    return diffs | {"tokens": positions[1] / positions[0]}
 
 
 def _freeze_checks(case: dict[str, Any], batches: list[dict[str, torch.Tensor]]) -> dict[str, bool]:
@@ -738,6 +819,10 @@ def test_tp1_matches_transformers(setup: dict[str, Any]) -> None:
     for rows in ("packed", "padded"):
         _report(f"tp1 {rows}: wanted positions only vs all", result[f"selected_vs_full_{rows}"])
         assert max(result[f"selected_vs_full_{rows}"].values()) <= GRAD_TOL
+    shared = dict(result["shared_vs_separate"])
+    _report("tp1 shared prompts computed once vs every row whole", shared)
+    assert shared.pop("tokens") < 0.6  # the prompts were shared: about half the positions
+    assert max(shared.values()) <= GRAD_TOL
 
 
 def test_freeze_switches(setup: dict[str, Any]) -> None:
@@ -779,6 +864,10 @@ def test_parallel_matches_transformers_and_tp1(setup: dict[str, Any], name: str,
         selected = [r["selected_vs_full"] for r in results]
         _report(f"{name} wanted positions only vs all", {key: max(o[key] for o in selected) for key in selected[0]})
         assert max(max(o.values()) for o in selected) <= GRAD_TOL  # grads on every rank
+        shared = [dict(r["shared_vs_separate"]) for r in results]
+        _report(f"{name} shared prompts once vs whole rows", {key: max(o[key] for o in shared) for key in shared[0]})
+        assert all(o.pop("tokens") < 0.6 for o in shared)
+        assert max(max(o.values()) for o in shared) <= GRAD_TOL
     if case["frozen_rerun"]:
         frozen = [r["outputs_frozen"] for r in results if "outputs_frozen" in r]
         _report(f"{name} frozen ViT", frozen[0])

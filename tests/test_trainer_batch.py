@@ -63,6 +63,23 @@ def test_micro_batches_put_response_values_where_labels_predict_them():
     assert "image_grid_thw" not in micro_batches([samples[1:2]], items, PAD)[0]
 
 
+def test_a_groups_later_rows_name_the_prompt_they_share_with_the_row_before():
+    """The model computes a shared prompt once: a row shares all of its prompt but the last token (which predicts
+    its first response token) with the row before it when both answer the same prompt with the same ids; a
+    different prompt, or the same one truncated otherwise, shares nothing."""
+    items = {0: _item(2), 1: _item(0)}
+    samples = [
+        Sample(0, 0, [5, 6, 7], [8, 9], "stop"),
+        Sample(0, 0, [5, 6, 7], [14], "stop"),
+        Sample(0, 0, [5, 6, 7], [15, 16, 17], "stop"),
+        Sample(1, 1, [5, 6, 7], [10], "stop"),  # same ids, another prompt (its image differs)
+        Sample(1, 1, [5, 6], [11], "stop"),  # same prompt, other ids
+    ]
+    (batch,) = micro_batches([samples], items, PAD)
+    assert batch["shared_prompt"].tolist() == [0, 2, 2, 0, 0]
+    assert micro_batches([samples[1:3]], items, PAD)[0]["shared_prompt"].tolist() == [0, 2]
+
+
 def test_response_values_read_back_what_micro_batches_wrote():
     samples, items = _samples()
     batches = micro_batches(by_count(samples, 2), items, PAD, ("old_log_probs",))

@@ -5,7 +5,9 @@ index and group), its ids, reward, and then the actor's old log-probs, the refer
 advantages, all as 1-D tensors over the response tokens. Micro-batches are right-padded prompt + response
 ids with ``labels`` shifted by one (``labels[s]`` is the token position ``s`` predicts), so the response
 token ``i`` sits at position ``len(prompt) - 1 + i`` of the log-prob rows; :func:`micro_batches` scatters
-the per-sample tensors there and :func:`response_values` reads them back.
+the per-sample tensors there and :func:`response_values` reads them back. A group's samples sit side by side and
+answer the same prompt: ``shared_prompt`` tells the model which rows repeat the row before's prompt, which it then
+computes once (:class:`mm_rl.models.qwen_vl.llm_attention.PackedRows`).
 
 Images travel apart from the micro-batches: the n samples of a prompt share its image, so the driver hands the
 ranks the step's distinct prompt images once (:func:`step_images`) and a micro-batch names each row's prompt by
@@ -166,12 +168,15 @@ def _micro_batch(
     width = max(len(s.prompt_ids) + s.response_len for s in samples)
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
+    shared = torch.zeros(len(samples), dtype=torch.long)
     response_mask = torch.zeros(len(samples), width, dtype=torch.float32)
     extra = {name: torch.zeros(len(samples), width, dtype=torch.float32) for name in fields}
     for row, sample in enumerate(samples):
         prompt, length = len(sample.prompt_ids), len(sample.prompt_ids) + sample.response_len
         ids[row, :length] = torch.tensor(sample.prompt_ids + sample.response_ids, dtype=torch.long)
         mask[row, :length] = 1
+        if row and sample.index == samples[row - 1].index and sample.prompt_ids == samples[row - 1].prompt_ids:
+            shared[row] = prompt - 1  # the last prompt token stays: it predicts this row's first response token
         span = slice(prompt - 1, length - 1)
         response_mask[row, span] = 1.0
         for name in fields:
@@ -181,6 +186,7 @@ def _micro_batch(
         "attention_mask": mask,
         "labels": torch.roll(ids, -1, dims=1),
         "response_mask": response_mask,
+        "shared_prompt": shared,
         **extra,
         "image_index": torch.tensor([s.index for s in samples], dtype=torch.long),
     }

@@ -451,6 +451,7 @@ def _forward_step(
         image_slots=batch.get("image_slots"),
         image_keys=batch.get("image_keys"),
         output_mask=batch.get("response_mask"),
+        shared_prompt=batch.get("shared_prompt"),
     )
 
     def loss_func(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -6,7 +6,9 @@ the norms and the output layer then work on T tokens instead of B x S, and the m
 first, travel with the tokens they belong to. Attention must not cross from one sequence into the next:
 :class:`CausalSegments` (megatron's ``packed_seq_params``, handed by ``TransformerBlock`` to every layer unchanged)
 carries each sequence's span. ``qkv_format`` stays ``"sbhd"``, so megatron applies the rotary embedding per token,
-from the packed positions.
+from the packed positions. The n samples of a GRPO group repeat one prompt: a packed row holds it once and the
+later samples' tokens attend to it there (shared prompts, :class:`PackedRows`), exactly what each row computed
+whole, at a fraction of the positions when prompts (images included) are long beside the responses.
 
 :class:`LLMCoreAttention` never holds S x S scores (megatron's local ``DotProductAttention`` keeps them, and their
 fp32 softmax, for backward: ~0.94 GB per layer at S 4096 and 28 heads): a packed row runs torch's
@@ -20,6 +22,7 @@ parameters (a second checkpoint mapping), and for this attention it would run th
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,57 +38,117 @@ from torch import Tensor
 class PackedRows:
     """Padded rows [B, S] (``valid``: their attention mask) as one packed row [1, T] of the real tokens, in row
     order, and back. Where the padding sits does not matter: a row's real tokens become one sequence that
-    attends causally within itself, which is what the padded row computes with its padding hidden."""
+    attends causally within itself, which is what the padded row computes with its padding hidden.
+
+    Shared prompts (``shared`` [B]): row b > 0 may name how many leading tokens it has in common with the row
+    before it (the n samples of a GRPO group share their prompt); those are left out of the packed row and the
+    rest of row b (its tail) attends to the first row of its run for them (:class:`CausalSegments` contexts).
+    Every kept token computes what it computed in its own row, and a prompt of P tokens costs the LLM P + n - 1
+    positions instead of n x P. The first row of a run has ``shared`` 0; a tail keeps at least the last shared
+    position's successor, so the token that predicts the first response token stays in every row."""
 
     valid: Tensor
+    keep: Tensor  # [B, S] the tokens the packed row holds
+    contexts: tuple[tuple[int, int], ...] = ()  # per row, the (start, end) of its shared tokens in the packed row
 
     @classmethod
-    def of(cls, input_ids: Tensor, attention_mask: Tensor | None) -> PackedRows:
+    def of(cls, input_ids: Tensor, attention_mask: Tensor | None, shared: Tensor | None = None) -> PackedRows:
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        return cls(valid)
+        if shared is None or not bool((shared > 0).any()):
+            return cls(valid, valid)
+        shared = shared.to(valid.device)
+        positions = torch.arange(valid.shape[1], device=valid.device)
+        keep = valid & (positions[None, :] >= shared[:, None])
+        starts = torch.cat([keep.new_zeros(1, dtype=torch.long), keep.sum(-1).cumsum(0)[:-1]]).tolist()
+        contexts, first = [], 0
+        for row, count in enumerate(shared.tolist()):
+            if count <= 0:
+                first = row
+            contexts.append((starts[first], starts[first] + count) if count > 0 else (0, 0))
+        return cls(valid, keep, tuple(contexts))
 
     @property
     def lengths(self) -> Tensor:
-        return self.valid.sum(-1)
+        return self.keep.sum(-1)
 
     def pack(self, x: Tensor | None) -> Tensor | None:
         """[..., B, S] -> [..., 1, T]."""
-        return None if x is None else x[..., self.valid].unsqueeze(-2)
+        return None if x is None else x[..., self.keep].unsqueeze(-2)
 
     def unpack(self, x: Tensor) -> Tensor:
-        """[1, T, ...] -> [B, S, ...] with zeros at the padding (out of place: gradients reach ``x``)."""
-        rows, cols = self.valid.nonzero(as_tuple=True)
-        out = x.new_zeros(*self.valid.shape, *x.shape[2:])
+        """[1, T, ...] -> [B, S, ...] with zeros at the padding and the shared tokens (out of place: gradients reach
+        ``x``)."""
+        rows, cols = self.keep.nonzero(as_tuple=True)
+        out = x.new_zeros(*self.keep.shape, *x.shape[2:])
         return out.index_put((rows, cols), x[0, : rows.numel()])
+
+    def image_rows(self, input_ids: Tensor, image_token: int) -> Tensor | None:
+        """Which rows of the micro-batch's image embeddings (one per image token of the rows, in row order) the
+        packed row still holds; None when it holds all of them (no shared prompt)."""
+        if not self.contexts:
+            return None
+        pads = (input_ids == image_token) & self.valid
+        order = pads.reshape(-1).long().cumsum(0) - 1
+        return order[(pads & self.keep).reshape(-1)]
 
     def segments(self, total: int) -> CausalSegments:
         """The attention segments of the packed row padded to ``total`` tokens (the padding its own segment)."""
         bounds = torch.cat([self.lengths.new_zeros(1), self.lengths.cumsum(0)])
+        contexts = list(self.contexts)
         if total > int(bounds[-1]):
             bounds = torch.cat([bounds, bounds.new_tensor([total])])
-        return CausalSegments.build(bounds.to(torch.int32))
+            contexts += [(0, 0)] if contexts else []
+        return CausalSegments.build(bounds.to(torch.int32), contexts)
 
 
 @dataclass
 class CausalSegments(PackedSeqParams):
     """The sequences of a packed row, passed to every LLM layer as ``packed_seq_params``: ``cu_seqlens`` and, read
-    once on the host, the (start, end) of each."""
+    once on the host, the (start, end) of each, and per sequence the (start, end) of the earlier tokens it also
+    attends to, all of them (a shared prompt, :class:`PackedRows`; (0, 0): none). With contexts, the varlen
+    kernels' keys and values are each sequence's context then itself (``kv_index``, ``cu_seqlens_kv``), and the
+    causal mask is aligned to the end of the keys (flash attention's and ``npu_fusion_attention``'s sparse mode 3
+    alignment for queries shorter than keys)."""
 
     spans: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    contexts: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    kv_index: Tensor | None = field(default=None, repr=False)
+    masks: dict[tuple[int, int], Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, cu_seqlens: Tensor) -> CausalSegments:
+    def build(cls, cu_seqlens: Tensor, contexts: list[tuple[int, int]] | None = None) -> CausalSegments:
         bounds = cu_seqlens.tolist()
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+        contexts = contexts if contexts and any(b > a for a, b in contexts) else []
         longest = max((b - a for a, b in spans), default=0)
+        cu_kv, longest_kv, kv_index = cu_seqlens, longest, None
+        if contexts:
+            sizes = [(c1 - c0) + (b - a) for (a, b), (c0, c1) in zip(spans, contexts, strict=True)]
+            cu_kv = torch.tensor([0, *itertools.accumulate(sizes)], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+            longest_kv = max(sizes, default=0)
+            pieces = [(range(c0, c1), range(a, b)) for (a, b), (c0, c1) in zip(spans, contexts, strict=True)]
+            kv_index = torch.tensor([i for context, own in pieces for i in (*context, *own)], device=cu_seqlens.device)
         return cls(
             qkv_format="sbhd",
             cu_seqlens_q=cu_seqlens,
-            cu_seqlens_kv=cu_seqlens,
+            cu_seqlens_kv=cu_kv,
             max_seqlen_q=longest,
-            max_seqlen_kv=longest,
+            max_seqlen_kv=longest_kv,
             spans=spans,
+            contexts=contexts,
+            kv_index=kv_index,
         )
+
+    def context(self, span: int) -> tuple[int, int]:
+        return self.contexts[span] if self.contexts else (0, 0)
+
+    def mask(self, queries: int, context: int, device: torch.device) -> Tensor:
+        """[queries, context + queries] True where a query of a sequence with a context may attend (the whole
+        context, then causally within the sequence), kept for the other layers."""
+        key = (queries, context)
+        if key not in self.masks:
+            self.masks[key] = torch.ones(queries, context + queries, dtype=torch.bool, device=device).tril(context)
+        return self.masks[key]
 
 
 class LLMCoreAttention(MegatronModule):
@@ -140,24 +203,33 @@ class LLMCoreAttention(MegatronModule):
         k, v = _expand_groups(k, v, heads, dim=1)
         # The sequences are contiguous spans: slices (views, whose backward is a plain copy) rather than a gather
         # of equally long ones, whose backward would be an accumulating scatter (slow on the CPU).
-        outputs = [
-            F.scaled_dot_product_attention(
+        outputs = [self._span(q, k, v, i, segments) for i, (a, b) in enumerate(segments.spans) if b > a]
+        return torch.cat(outputs, dim=2).permute(2, 0, 1, 3).reshape(-1, 1, heads * head_dim)
+
+    def _span(self, q: Tensor, k: Tensor, v: Tensor, span: int, segments: CausalSegments) -> Tensor:
+        """One sequence [1, h, s, d], causal; with a context, its keys and values follow the context's."""
+        (a, b), (c0, c1) = segments.spans[span], segments.context(span)
+        if c1 == c0:
+            return F.scaled_dot_product_attention(
                 q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=self.softmax_scale
             )
-            for a, b in segments.spans
-            if b > a
-        ]
-        return torch.cat(outputs, dim=2).permute(2, 0, 1, 3).reshape(-1, 1, heads * head_dim)
+        keys, values = (torch.cat([t[:, :, c0:c1], t[:, :, a:b]], dim=2) for t in (k, v))
+        mask = segments.mask(b - a, c1 - c0, q.device)
+        return F.scaled_dot_product_attention(q[:, :, a:b], keys, values, attn_mask=mask, scale=self.softmax_scale)
 
     def _npu_varlen(self, query: Tensor, key: Tensor, value: Tensor, segments: CausalSegments) -> Tensor:
         """All spans in one ``torch_npu.npu_fusion_attention`` call: layout TND, ``actual_seq_qlen`` the spans'
         cumulative ends, ``sparse_mode`` 3 (causal within each sequence) with the 2048 x 2048 upper-triangular
-        mask that mode takes, grouped-query heads native (Nq / Nkv an integer). The call and its constraints:
-        MindSpeed's docs/zh/ops/fusion_attention.md and mindspeed/core/context_parallel/dot_product_attention.py."""
+        mask that mode takes, grouped-query heads native (Nq / Nkv an integer). With shared prompts the keys are
+        each sequence's context then itself (``actual_seq_kvlen`` their ends) and mode 3's causal mask is aligned
+        to the end of the keys. The call and its constraints: MindSpeed's docs/zh/ops/fusion_attention.md and
+        mindspeed/core/context_parallel/dot_product_attention.py."""
         import torch_npu  # type: ignore[import-not-found]
 
         q, k, v = (t.squeeze(1) for t in (query, key, value))  # [T, heads, d]
+        k, v = _with_contexts(k, v, segments)
         ends = [b for _, b in segments.spans]
+        kv_ends = segments.cu_seqlens_kv[1:].tolist() if segments.contexts else ends
         out = torch_npu.npu_fusion_attention(
             q,
             k,
@@ -168,24 +240,27 @@ class LLMCoreAttention(MegatronModule):
             scale=self.softmax_scale,
             sparse_mode=3,
             actual_seq_qlen=ends,
-            actual_seq_kvlen=ends,
+            actual_seq_kvlen=kv_ends,
         )[0]
         return out.reshape(-1, 1, q.shape[1] * q.shape[2])
 
     def _cuda_varlen(self, query: Tensor, key: Tensor, value: Tensor, segments: CausalSegments) -> Tensor:
         """All spans in one flash-attention varlen call (``torch.nn.attention.varlen.varlen_attn``): [T, heads, d]
         with the spans' cumulative ends, causal within each sequence (``window_size`` (-1, 0)), grouped-query heads
-        native; one kernel per layer instead of one SDPA call per sequence."""
+        native; one kernel per layer instead of one SDPA call per sequence. With shared prompts the keys are each
+        sequence's context then itself; flash attention aligns the causal window to the end of the keys."""
         from torch.nn.attention.varlen import varlen_attn
 
         q, k, v = (t.squeeze(1) for t in (query, key, value))  # [T, heads, d]
+        k, v = _with_contexts(k, v, segments)
         bounds = segments.cu_seqlens_q.to(device=q.device, dtype=torch.int32)
+        kv_bounds = segments.cu_seqlens_kv.to(device=q.device, dtype=torch.int32)
         out = varlen_attn(
             q,
             k,
             v,
             bounds,
-            bounds,
+            kv_bounds,
             segments.max_seqlen_q,
             segments.max_seqlen_kv,
             scale=self.softmax_scale,
@@ -204,6 +279,15 @@ class LLMCoreAttention(MegatronModule):
             q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None, scale=self.softmax_scale
         )
         return out.permute(2, 0, 1, 3).reshape(seq, rows, heads * head_dim)
+
+
+def _with_contexts(k: Tensor, v: Tensor, segments: CausalSegments) -> tuple[Tensor, Tensor]:
+    """Keys and values [T, heads, d] laid out for the varlen kernels: each sequence's context, then itself (as
+    they are when no sequence has a context)."""
+    if segments.kv_index is None:
+        return k, v
+    index = segments.kv_index.to(k.device)
+    return k.index_select(0, index), v.index_select(0, index)
 
 
 def _expand_groups(k: Tensor, v: Tensor, heads: int, dim: int) -> tuple[Tensor, Tensor]:

@@ -340,10 +340,11 @@ class QwenVLModel(torch.nn.Module):
         images: Tensor | None,
         encoded_grid_thw: Tensor | None = None,
         image_slots: Tensor | None = None,
+        image_rows: Tensor | None = None,
     ) -> Tensor:
         """Word embeddings [S, B, H] with the image embeddings [N_tokens, H] spliced in (first LLM stage); with
         ``image_slots``, ``images`` are those of the encoded images (``encoded_grid_thw``), copied into every slot
-        they fill first."""
+        they fill first; ``image_rows``: the image tokens ``input_ids`` still hold (shared prompts packed once)."""
         embeddings = self.text_decoder.embedding(input_ids=input_ids, position_ids=None)
         self.deepstack = []
         if images is not None:
@@ -351,6 +352,8 @@ class QwenVLModel(torch.nn.Module):
                 assert encoded_grid_thw is not None  # _images refuses pixel values without their grids
                 merge = self.model_cfg.image_encoder.vision_encoder.spatial_merge_size
                 images = images.index_select(0, image_token_rows(encoded_grid_thw, image_slots, merge))
+            if image_rows is not None:
+                images = images.index_select(0, image_rows.to(images.device))
             image_token = self.model_cfg.img_context_token_id
             images, *deepstack = images.split(embeddings.size(-1), dim=-1)
             self.deepstack = [
@@ -388,6 +391,7 @@ class QwenVLModel(torch.nn.Module):
         image_slots: Tensor | None = None,
         image_keys: Tensor | None = None,
         output_mask: Tensor | None = None,
+        shared_prompt: Tensor | None = None,
         return_logits: bool = False,
         temperature: float = 1.0,
     ) -> Tensor | dict[str, Tensor]:
@@ -403,6 +407,9 @@ class QwenVLModel(torch.nn.Module):
         ``position_ids`` [3, B, S] may be passed precomputed. ``labels`` [B, S]: labels[b, s] is the token
         that position s predicts; ``output_mask`` [B, S] (nonzero: wanted, e.g. the response mask) limits the
         log-probs and the entropy to those positions (0 elsewhere): the other tokens skip the output layer.
+        ``shared_prompt`` [B] (packed rows with an ``output_mask`` only): row b's leading tokens that equal the row
+        before it, ids and images (a GRPO group's prompt): computed once (:class:`PackedRows`); the values at
+        those positions of the later rows come back as 0, which the output mask leaves out anyway.
 
         Returns what the next stage receives (see StageLayout.received) on all but the last stage. The last
         stage returns a dict: ``log_probs`` and ``entropy`` [B, S] (fp32) when ``labels`` are given, and
@@ -417,10 +424,17 @@ class QwenVLModel(torch.nn.Module):
         )
         if not self.layout.has_llm:
             return self._vision_stage_output(images)
-        packed = PackedRows.of(input_ids, attention_mask) if self.remove_padding else None
+        packed = (
+            PackedRows.of(input_ids, attention_mask, self._sharing(shared_prompt, output_mask, return_logits))
+            if self.remove_padding
+            else None
+        )
+        image_rows = None
         if packed is not None:  # one row of the real tokens, each with the position it had in its own row
             if position_ids is None:
                 position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask)
+            if images is not None:
+                image_rows = packed.image_rows(input_ids, self.model_cfg.img_context_token_id)
             input_ids, labels, position_ids = packed.pack(input_ids), packed.pack(labels), packed.pack(position_ids)
             output_mask, attention_mask = packed.pack(output_mask), None
         seq = input_ids.shape[1]
@@ -436,7 +450,9 @@ class QwenVLModel(torch.nn.Module):
             position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask)
         segments = packed.segments(input_ids.shape[1]) if packed is not None else None
         decoder_input = (
-            self.decoder_input(input_ids, images, encoded, image_slots) if self.layout.has_embedding else None
+            self.decoder_input(input_ids, images, encoded, image_slots, image_rows)
+            if self.layout.has_embedding
+            else None
         )
         if self.cp is not None:  # this rank's tokens; the attention mask stays whole (Ulysses sees all tokens)
             position_ids = self.cp.local(position_ids, dim=2)
@@ -463,6 +479,16 @@ class QwenVLModel(torch.nn.Module):
         finally:
             self.output_rows = None
         return {key: packed.unpack(value) for key, value in result.items()} if packed is not None else result
+
+    def _sharing(self, shared_prompt: Tensor | None, output_mask: Tensor | None, return_logits: bool) -> Tensor | None:
+        """``shared_prompt`` where computing a shared prompt once changes nothing the caller reads: only the
+        output mask's positions are returned, and no router loss counts tokens (megatron's load-balancing and
+        z-losses average over the tokens routed, which the shared ones would then weigh once, not once per row)."""
+        aux = self.config.moe_aux_loss_coeff  # a float, or one per load-balancing type
+        router_loss = any(aux if isinstance(aux, list) else [aux]) or self.config.moe_z_loss_coeff
+        if shared_prompt is None or output_mask is None or return_logits or router_loss:
+            return None
+        return shared_prompt
 
     def _last_stage_outputs(
         self, logits: Tensor, labels: Tensor | None, seq: int, return_logits: bool, temperature: float
