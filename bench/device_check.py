@@ -16,7 +16,8 @@ Checks, each one line (ok / skip with the reason / FAIL with the error), exit st
 3. sync_group: the weight-sync group on the device's collective (nccl / hccl) between two processes on two devices
    broadcasts a packed bucket (needs two devices);
 4. attention: the LLM's packed core attention in bf16 (flash varlen on CUDA) against fp32 SDPA, outputs and
-   gradients;
+   gradients, for separate sequences and for two that share the first one's prompt (keys gathered, the causal
+   window aligned to the end of the keys);
 5. rank_dense / rank_moe: one megatron rank on its device's backend in bf16 (fp32 in the dry run) from the hf2mg
    rank file: log-probs, one update that changes them, offload and onload of parameters, gradients and Adam state
    giving identical log-probs (the MoE rank routes its tokens over 4 experts);
@@ -256,22 +257,25 @@ def check_attention(ctx: Context) -> str:
                                kv_channels=64, ffn_hidden_size=1024, activation_func=F.silu, hidden_dropout=0.0,
                                attention_dropout=0.0)  # fmt: skip
     core = LLMCoreAttention(config, 1, None, "self")
-    bounds = [0, 300, 310, 1100]
-    segments = CausalSegments.build(torch.tensor(bounds, dtype=torch.int32, device=device))
+    bounds = torch.tensor([0, 300, 310, 1100], dtype=torch.int32, device=device)
+    layouts = {  # three sequences; then the last two sharing the first's 299 leading tokens (a GRPO group's prompt)
+        "separate": CausalSegments.build(bounds),
+        "shared prompt": CausalSegments.build(bounds, [(0, 0), (0, 299), (0, 299)]),
+    }
     generator = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(bounds[-1], 1, heads, 64, generator=generator) for heads in (8, 2, 2)]
-    results = []
-    for dtype in (torch.bfloat16, torch.float32):
-        q, k, v = (t.to(device, dtype).requires_grad_() for t in inputs)
-        out = core(q, k, v, None, packed_seq_params=segments)
-        out.float().square().sum().backward()
-        results.append((out.float(), q.grad.float()))
-    (out16, grad16), (out32, grad32) = results
-    gaps = [
-        (low - high).abs().max().item() / high.abs().max().item() for low, high in ((out16, out32), (grad16, grad32))
-    ]
-    assert max(gaps) <= 2e-2 and math.isfinite(grad16.sum().item()), gaps
-    return f"bf16 vs fp32 on {device}: output {gaps[0]:.1e}, gradient {gaps[1]:.1e} (relative to the largest)"
+    inputs = [torch.randn(1100, 1, heads, 64, generator=generator) for heads in (8, 2, 2)]
+    lines = []
+    for name, segments in layouts.items():
+        results = []
+        for dtype in (torch.bfloat16, torch.float32):
+            q, k, v = (t.to(device, dtype, copy=True).requires_grad_() for t in inputs)
+            out = core(q, k, v, None, packed_seq_params=segments)
+            out.float().square().sum().backward()
+            results.append((out.float(), q.grad.float(), k.grad.float()))
+        gaps = [(low - high).abs().max().item() / high.abs().max().item() for low, high in zip(*results, strict=True)]
+        assert max(gaps) <= 2e-2 and math.isfinite(results[0][1].sum().item()), (name, gaps)
+        lines.append(f"{name}: output {gaps[0]:.1e}, gradients q {gaps[1]:.1e} k {gaps[2]:.1e}")
+    return f"bf16 vs fp32 on {device} (relative to the largest): " + "; ".join(lines)
 
 
 # ------------------------------------------------------------------------------------------- megatron ranks
