@@ -74,24 +74,39 @@ def load(job_path: Path, out_dir: Path, overrides: list[str]) -> Any:
     return job
 
 
-def raw_generate(trainer: Any, step: int, repeat: int) -> float:
-    """Tokens per second of the engine replicas alone on the last step's prompts (same sampling, same seed, the
-    same split over the replicas), called through the deployment without the trainer."""
-    from mm_rl.rollout.base import RolloutRequest, sampling_for
-    from mm_rl.trainer.grpo import sampling_seed
+def raw_generate(job: Any, requests: list[Any], seed: int, threads: int, repeat: int) -> tuple[float, float]:
+    """Generated tokens per second and mean response length of vLLM alone on ``requests`` (a step's prompts): an
+    engine built as the job builds its replicas (same engine arguments, the job's engine threads, in this process),
+    the prompts handed to ``LLM.generate`` ready-made, the sampler reseeded and the prefix and image caches emptied
+    before each call (as after every sync of the job), ``repeat`` calls, median. Its weights are the checkpoint's."""
+    from mm_rl.convert.hf_writer import job_model_dir
+    from mm_rl.rollout.base import sampling_for
+    from mm_rl.rollout.engine_worker import set_thread_budget
+    from mm_rl.rollout.vllm_engine import VllmEngine
 
-    roles = trainer.roles
-    requests = [RolloutRequest.from_item(item) for item in trainer.prompts.cached.values()]
-    sampling = sampling_for(trainer.generate_cfg)
-    roles.before_rollout()  # wake the engines and give them the weights, untimed
-    rates = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        outputs = roles.start_generate(requests, sampling, sampling_seed(trainer.seed, step, 0)).result()
-        seconds = time.perf_counter() - start
-        rates.append(sum(len(s.response_ids) for out in outputs for s in out.samples) / seconds)
-    roles.before_training()
-    return statistics.median(rates)
+    b = job.backend_config
+    pre = b.data.dataset_param.preprocess_parameters
+    set_thread_budget(threads)
+    source = Path(pre.model_name_or_path)
+    model = job_model_dir(source, b.model, Path(job.af_output_dir) / "engine_model")
+    engine = VllmEngine(model, b.generate_config, min_pixels=pre.min_pixels, max_pixels=pre.max_pixels)
+    try:
+        params = engine.sampling_params(sampling_for(b.generate_config))
+        prompts = [engine.prompt(request) for request in requests]
+        rates, lengths = [], []
+        for _ in range(repeat + 1):  # the first call warms up
+            engine.reseed(seed)
+            engine.llm.llm_engine.reset_encoder_cache()
+            engine.llm.reset_prefix_cache()
+            start = time.perf_counter()
+            outputs = engine.llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            counts = [len(c.token_ids) for out in outputs for c in out.outputs]
+            rates.append(sum(counts) / seconds)
+            lengths.append(sum(counts) / len(counts))
+        return statistics.median(rates[1:]), statistics.median(lengths[1:])
+    finally:
+        engine.close()
 
 
 class MeteredRoles:

@@ -209,8 +209,47 @@ def _cache_rank(rank: int, world: int, port: int, checkpoints: dict[str, str], o
         for name, grad in a["grads"].items()
     )
     result["merger_trained"] = any(name.startswith("image_encoder.projector.") for name in plain[0]["grads"])
+    result |= _handed_over(model, checkpoints["whole"], halves, images, plain, encoded)
     save_rank_result(out_dir, rank, result)
     shutdown()
+
+
+def _handed_over(
+    model: Any,
+    checkpoint: str,
+    halves: list[dict[str, torch.Tensor]],
+    images: Any,
+    plain: list[dict[str, Any]],
+    encoded: list[int],
+) -> dict[str, Any]:
+    """Another model of the same checkpoint (the other role's rank) given ``model``'s cached ViT outputs of the step
+    through the ranks' hand-over functions: it encodes nothing, and its outputs and gradients are those computed
+    without any cache; given altered outputs, its log-probs move (the handed-over values are the ones used)."""
+    from mm_rl.workers.megatron_worker import add_vision_outputs, vision_outputs
+
+    outputs = vision_outputs(model)
+    result: dict[str, Any] = {"handed": len(outputs or {})}
+    for label, given in (("taken", outputs), ("altered", {k: v + 0.5 for k, v in (outputs or {}).items()})):
+        other = _build_and_load(model_json(), checkpoint)
+        other.image_encoder.cache = {}
+        other.image_encoder.encoder.register_forward_hook(
+            lambda module, args, out: encoded.append(len(args[1].segments.cu_full_seqlens) - 1)
+        )
+        add_vision_outputs(other, given)
+        encoded.clear()
+        runs = [_pass(other, half, images) for half in halves]
+        result[f"{label}_encoded"] = sum(encoded)
+        result[f"{label}_outputs"] = max(
+            (a["outputs"]["log_probs"] - b["outputs"]["log_probs"]).abs().max().item()
+            for a, b in zip(plain, runs, strict=True)
+        )
+        if label == "taken":
+            result["taken_grads"] = max(
+                ((b["grads"][name] - grad).norm() / grad.norm().clamp_min(1e-30)).item()
+                for a, b in zip(plain, runs, strict=True)
+                for name, grad in a["grads"].items()
+            )
+    return result
 
 
 def test_a_frozen_vit_encodes_each_image_once_per_step(checkpoints: dict[str, str], tmp_path: Path) -> None:
@@ -221,3 +260,7 @@ def test_a_frozen_vit_encodes_each_image_once_per_step(checkpoints: dict[str, st
     print(f"\nper-step cache: {result}")
     assert (result["plain_encoded"], result["cached_encoded"], result["again_encoded"]) == (3, 2, 2)
     assert result["outputs"] <= TOL and result["grads"] <= GRAD_RTOL and result["merger_trained"]
+    # handed to the other role's rank: nothing encoded again, the same outputs and gradients; altered, they move
+    assert result["handed"] == 2 and result["taken_encoded"] == 0 and result["altered_encoded"] == 0
+    assert result["taken_outputs"] <= TOL and result["taken_grads"] <= GRAD_RTOL
+    assert result["altered_outputs"] > 1e-3

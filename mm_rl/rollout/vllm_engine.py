@@ -537,7 +537,8 @@ class VllmEngine(RolloutEngine):
         self.session = False  # inside begin_weight_update .. end_weight_update
 
     # ---------------------------------------------------------------------------------------- generation
-    def _prompt(self, request: RolloutRequest) -> dict[str, Any]:
+    def prompt(self, request: RolloutRequest) -> dict[str, Any]:
+        """vLLM's prompt for a request: the ids with one image pad per image, and the images."""
         from vllm.inputs import TokensPrompt
 
         ids = collapse_image_pads(request.prompt_ids, self.bounds.image_token_id)
@@ -558,7 +559,7 @@ class VllmEngine(RolloutEngine):
         )
 
     def _generate(self, requests: Sequence[RolloutRequest], spec: SamplingSpec) -> list[list[RolloutSample]]:
-        outputs = self.llm.generate([self._prompt(r) for r in requests], self.sampling_params(spec), use_tqdm=False)
+        outputs = self.llm.generate([self.prompt(r) for r in requests], self.sampling_params(spec), use_tqdm=False)
         results = []
         for request, output in zip(requests, outputs, strict=True):
             self._check_prompt_ids(request, list(output.prompt_token_ids))

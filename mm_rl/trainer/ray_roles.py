@@ -52,6 +52,8 @@ class RayRoles:
         self.placement: Any = None
         self.schedule: Any = None
         self.connection: Connection | None = None
+        self.vision_from: Role | None = None  # the role whose ranks encoded this step's images first
+        self.vision_given: set[Role] = set()
         try:
             self._start(mm_dir)
         except BaseException:
@@ -318,19 +320,40 @@ class RayRoles:
     def send_images(self, images: StepImages) -> None:
         import ray
 
+        from mm_rl.workers.megatron_worker import MegatronWorker
+
         shared = ray.put(dict(images))  # one object-store copy; every rank of both groups reads it
-        for group in (self.actor, self.ref):
-            if group is not None:
-                group.set_images(shared)
+        groups = [group for group in (self.actor, self.ref) if group is not None]
+        calls = [group.submit(MegatronWorker.set_images, shared) for group in groups]  # both groups at once
+        for group, futures in zip(groups, calls, strict=True):
+            group.wait(futures, MegatronWorker.set_images)
+        self.vision_from, self.vision_given = None, set()
 
     def log_probs(self, role: Role, shards: Sequence[MicroBatches], temperature: float) -> list[list[torch.Tensor]]:
+        self._step_vision(role)
         return self._group(role).compute_log_probs_sharded(shards, temperature)
 
     def train_mini_batch(
         self, shards: Sequence[MicroBatches], loss: LossSpec, denominator: float
     ) -> tuple[dict[str, float], list[list[torch.Tensor] | None]]:
         self.schedule.weights_changed()
+        self._step_vision("actor")
         return self.actor.train_mini_batch(shards, loss, denominator)
+
+    def _step_vision(self, role: Role) -> None:
+        """Before a pass of ``role``: the frozen-ViT outputs the other role's ranks computed this step go to this
+        role's ranks, once per step, rank to rank. The reference's ViT is the checkpoint's, and so is the actor's
+        while ``unfreeze_vision_encoder`` is off: the same outputs, which the second role would otherwise compute
+        again (the first role to run a pass of the step encodes)."""
+        if self.vision_from is None:
+            self.vision_from = role
+            return
+        if role == self.vision_from or role in self.vision_given or self.ref is None:
+            return
+        if self.job.backend_config.actor_config.unfreeze_vision_encoder:
+            return
+        self._group(role).take_vision_outputs(self._group(self.vision_from))
+        self.vision_given.add(role)
 
     def schedule_lr_at(self, updates: int) -> None:
         self.actor.schedule_lr_at(updates)

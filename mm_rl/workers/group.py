@@ -62,6 +62,7 @@ class WorkerGroup:
         self.spec = dataclasses.replace(spec, num_threads=num_threads or threads_for(cpus_per_worker))
         self.role = role
         self.worker_cls = worker_cls
+        self.unwaited: tuple[list[Any], str] | None = None  # a call not waited for (see schedule_lr_at)
         extra = dict(resources_per_worker or {})
         self.owns_placement = placement is None
         if placement is None:
@@ -114,6 +115,10 @@ class WorkerGroup:
         shared = tuple(ray.put(a) if _large(a) else a for a in args)
         return [getattr(worker, name).remote(*shared, **kwargs) for worker in self.workers]
 
+    def wait(self, futures: Sequence[Any], method: RankMethod[P, R]) -> list[R]:
+        """The results of ``submit(method, ...)``'s futures (errors named as by :meth:`run`)."""
+        return self._get(futures, method.__name__)
+
     def run(self, method: RankMethod[P, R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """``method`` on every rank at once; the results in rank order."""
         return self._get(self.submit(method, *args, **kwargs), method.__name__)
@@ -141,6 +146,9 @@ class WorkerGroup:
         ``ranks``: whose futures they are (default: every rank in order)."""
         import ray
 
+        if self.unwaited is not None:  # an earlier call's failure surfaces first, named as its own
+            earlier, self.unwaited = self.unwaited, None
+            self._get(*earlier)
         try:
             return list(ray.get(list(futures)))
         except (ray.exceptions.RayError, KeyboardInterrupt):
@@ -186,6 +194,15 @@ class WorkerGroup:
         groups share)."""
         self.run(MegatronWorker.set_images, images)
 
+    def take_vision_outputs(self, source: WorkerGroup) -> None:
+        """Each rank gets the frozen-ViT outputs of this step that the rank at its place in ``source`` (another
+        role, same layout) computed: rank to rank through the object store, the driver holds only references."""
+        if len(source.workers) != len(self.workers):
+            raise ValueError(f"{source.role} has {len(source.workers)} ranks, {self.role} {len(self.workers)}")
+        outputs = source.submit(MegatronWorker.vision_outputs)
+        name = self._name(MegatronWorker.add_vision_outputs)
+        self._get([getattr(w, name).remote(ref) for w, ref in zip(self.workers, outputs, strict=True)], name)
+
     def device_placements(self) -> list[tuple[str, str]]:
         """Each rank's node and device, in rank order (``MegatronWorker.device_placement``)."""
         return self.run(MegatronWorker.device_placement)
@@ -218,8 +235,10 @@ class WorkerGroup:
         return self.from_last_stage(results).metrics, own
 
     def schedule_lr_at(self, updates: int) -> None:
-        """Every rank's LR schedule at ``updates`` optimizer steps (``TrainingWorker.schedule_lr_at``)."""
-        self.run(TrainingWorker.schedule_lr_at, updates)
+        """Every rank's LR schedule at ``updates`` optimizer steps (``TrainingWorker.schedule_lr_at``), not waited
+        for: a rank runs its calls in the order they were made, so the next one finds it done, and the group's next
+        wait raises its failure (a round trip less per step)."""
+        self.unwaited = (self.submit(TrainingWorker.schedule_lr_at, updates), "schedule_lr_at")
 
     def save_checkpoint(self, staging: str) -> None:
         self.run(TrainingWorker.save_checkpoint, staging)

@@ -216,6 +216,14 @@ class MegatronWorker:
         self.images = images
         self._reset_image_cache({})
 
+    def vision_outputs(self) -> dict[tuple[int, int], torch.Tensor] | None:
+        """This step's frozen-ViT outputs on this rank (host copies; see :func:`vision_outputs`)."""
+        return vision_outputs(self.model)
+
+    def add_vision_outputs(self, outputs: dict[tuple[int, int], torch.Tensor] | None) -> None:
+        """Another role's rank's frozen-ViT outputs of this step (:meth:`vision_outputs`), kept as if encoded here."""
+        add_vision_outputs(self.model, outputs)
+
     def _reset_image_cache(self, cache: dict | None) -> None:
         """The frozen ViT's per-step cache of this rank's stage (see ``QwenVisionModel``): ``{}`` a new one,
         None none (its device memory freed)."""
@@ -370,6 +378,32 @@ class MegatronWorker:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
+
+
+def vision_outputs(model: Any) -> dict[tuple[int, int], torch.Tensor] | None:
+    """The frozen ViT's outputs of the step's images encoded so far on this stage (its per-step cache), on the
+    host; None where the stage keeps none (no whole frozen ViT here)."""
+    from mm_rl.platform.transfer import to_host
+
+    encoder = getattr(model, "image_encoder", None)
+    if encoder is None or not encoder.caches:
+        return None
+    return to_host(dict(encoder.cache))
+
+
+def add_vision_outputs(model: Any, outputs: dict[tuple[int, int], torch.Tensor] | None) -> None:
+    """``outputs`` (:func:`vision_outputs` of a rank at the same place of another role) into this stage's per-step
+    cache on its device, where it keeps one: the reference's ViT is the checkpoint's, and so is a frozen actor's, so
+    the images one role encoded are not encoded again by the other. Images already here stay as they are."""
+    from mm_rl.platform.device import current_device
+
+    encoder = getattr(model, "image_encoder", None)
+    if not outputs or encoder is None or not encoder.caches:
+        return
+    device = current_device()
+    for key, value in outputs.items():
+        if key not in encoder.cache:
+            encoder.cache[key] = value.to(device, non_blocking=True)
 
 
 def optimizer_parts(optimizer: Any) -> list[Any]:

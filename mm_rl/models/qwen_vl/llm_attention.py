@@ -56,7 +56,8 @@ class PackedRows:
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if shared is None or not bool((shared > 0).any()):
             return cls(valid, valid)
-        shared = shared.to(valid.device)
+        shared = shared.to(valid.device).clone()
+        shared[0] = 0  # the first row has no row before it (a micro-batch cut out of a larger one)
         positions = torch.arange(valid.shape[1], device=valid.device)
         keep = valid & (positions[None, :] >= shared[:, None])
         starts = torch.cat([keep.new_zeros(1, dtype=torch.long), keep.sum(-1).cumsum(0)[:-1]]).tolist()
