@@ -126,6 +126,7 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
     import warnings
 
     import torch
+    from flops import computed_positions, matmul_peak, passes_flops
 
     from mm_rl.config.schema import RLConfig
     from mm_rl.convert import model_config_from_hf
@@ -187,20 +188,30 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
     def batches(runs: list[list[Any]], fields: tuple[str, ...]) -> list[dict[str, Any]]:
         built = micro_batches(runs, items, 0, fields)
         if now:
+            passes.append(("update" if "advantages" in fields else "log_probs", built, 0.0))
             return built
         for batch, run in zip(built, runs, strict=True):  # the way before: a copy of the pixels in every row
             del batch["image_index"]
             batch["pixel_values"] = torch.cat([items[s.index].pixel_values for s in run])
         return built
 
-    seconds, computed = {}, {}
+    seconds: dict[str, float] = {}
+    computed: dict[str, int] = {}
+    passes: list[tuple[str, list[dict[str, Any]], float]] = []  # now: each pass's micro-batches (matmul work)
+
+    def positions(runs: list[list[Any]], built: list[dict[str, Any]]) -> int:
+        """Positions the LLM computes: padded rows x longest before, real tokens with shared prompts once now."""
+        if not now:
+            return sum(computed_tokens(run, False) for run in runs)
+        return sum(computed_positions(batch)[0] for batch in built)
 
     def log_prob_pass(name: str) -> None:
         runs = cut(grad=False)
+        built = batches(runs, ())
         start = time.perf_counter()
-        rows = worker.compute_log_probs(batches(runs, ()))
+        rows = worker.compute_log_probs(built)
         seconds[name] = time.perf_counter() - start
-        computed[name] = sum(computed_tokens(run, now) for run in runs)
+        computed[name] = positions(runs, built)
         for sample, values in zip(samples, response_values(runs, rows), strict=True):
             setattr(sample, name, values)
 
@@ -212,13 +223,17 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
     runs = cut(grad=True)
     fields = ("advantages", "ref_log_probs") + (() if now else ("old_log_probs",))
     loss = LossSpec(RLConfig(use_kl_loss=True, kl_loss_coef=0.01), args.max_response)
+    built = batches(runs, fields)
     start = time.perf_counter()
-    result = worker.train_mini_batch(batches(runs, fields), loss, float(sum(s.response_len for s in samples)))
+    result = worker.train_mini_batch(built, loss, float(sum(s.response_len for s in samples)))
     seconds["update"] = time.perf_counter() - start
-    computed["update"] = sum(computed_tokens(run, now) for run in runs)
+    computed["update"] = positions(runs, built)
     assert result is not None and result.metrics is not None
     worker.shutdown()
+    flops, mean_positions = passes_flops(spec.model, passes) if now else (0.0, 0.0)
     return {
+        "gflop": flops / 1e9,
+        "peak_gflop_per_s": matmul_peak(spec.model, mean_positions, spec.num_threads) / 1e9 if now else 0.0,
         "seconds": seconds,
         "computed": computed,
         "needed": sum(map(tokens, samples)) * len(seconds),
@@ -273,14 +288,21 @@ def report(before: dict[str, Any], now: dict[str, Any]) -> dict[str, float]:
     for name, path in (("before", before), ("now", now)):
         s = path["seconds"]
         computed = sum(path["computed"].values())
-        padding = 1 - path["needed"] / computed
+        padding = max(0.0, 1 - path["needed"] / computed)
         print(
             f"{name:>10} {s.get('old_log_probs', 0.0):>8.2f}s {s['ref_log_probs']:>8.2f}s {s['update']:>8.2f}s "
             f"{sum(s.values()):>8.2f}s {computed:>10,} {path['needed']:>9,} {100 * padding:>7.1f}% "
             f"{path['vit_images']:>4} of {path['distinct_images']:<2} {path['peak_rss_gb']:>7.2f}GB"
         )
     speedup = sum(before["seconds"].values()) / sum(now["seconds"].values())
-    padding = 1 - now["needed"] / sum(now["computed"].values())
+    padding = max(0.0, 1 - now["needed"] / sum(now["computed"].values()))
+    achieved = now["gflop"] / sum(now["seconds"].values())
+    print(
+        f"now: {now['computed']['update']:,} positions computed for the update's {now['needed'] // 2:,} sample tokens "
+        f"(shared prompts once); matmul work {now['gflop']:.1f} GFLOP -> {achieved:.1f} GFLOP/s vs torch.mm at the "
+        f"same shapes {now['peak_gflop_per_s']:.1f} GFLOP/s -> {100 * achieved / now['peak_gflop_per_s']:.0f}% of "
+        "the measured peak"
+    )
     print(
         f"update at equal weights: loss {before['loss']:.6f} vs {now['loss']:.6f}, grad norm "
         f"{before['grad_norm']:.6f} vs {now['grad_norm']:.6f}"
@@ -296,6 +318,8 @@ def report(before: dict[str, Any], now: dict[str, Any]) -> dict[str, float]:
         "distinct_images": now["distinct_images"],
         "seconds_before": sum(before["seconds"].values()),
         "seconds_now": sum(now["seconds"].values()),
+        "gflop_per_s": achieved,
+        "share_of_matmul_peak": achieved / now["peak_gflop_per_s"],
     }
 
 

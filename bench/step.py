@@ -1,23 +1,34 @@
-"""Where a GRPO step's time goes: per-phase wall time and throughput of ``GRPOTrainer`` steps on the tiny job.
+"""Where a GRPO step's time goes, and how it compares with the engine alone, the rank alone, the machine's matmul
+rate and a single-process trainer.
 
-The job (default ``output/tiny_grpo/job.yaml``, written by ``make demo``) runs with its outputs in a temporary
-``af_output_dir`` (hf2mg there too; no checkpoint is written): ``--steps`` calls of ``GRPOTrainer.train_step``, the
-first one a warm-up that is not counted. Printed: per phase (the trainer's ``timing/*``: sync, rollout, reward, images,
-old_logp, ref_logp, advantages, update) the median seconds and share of the step, the time no phase accounts for,
-the medians of ``throughput/*``, and one baseline from the same run: the last step's prompts generated again
-straight on the rollout engine (same sampling and seed, ``--repeat`` times, median), whose tokens per second the
-rollout phase's are compared with (1.00x = the trainer adds nothing around the engine). Then the tensor bytes the
-driver hands the roles per step (every log-prob pass and update, and the step's images, measured at the roles
-boundary) beside what the same passes would have shipped with a copy of the prompt's pixel values in every sample's
-row (the micro-batches before the image hand-off). Then the actor's passes (old log-probs, reference, update) beside
-two baselines, both in this process with the actor's thread count and measured right after each step on that
-step's micro-batches (``--repeat`` runs, median; the machine's speed drifts over minutes, so each step is compared
-with baselines of the same moment, and the per-step ratios' median printed): mm_rl's own actor rank without Ray or
-the other roles (what the passes cost alone), and transformers' Qwen2.5-VL (forward for a log-prob pass; forward,
-backward and an Adam step for the update). Then the same steps with ``rl_config.one_step_off_policy`` (each step's
-batch generated while the previous step trained): the median step time of both, and their ratio.
+Two workloads (``--workload``):
 
-    python bench/step.py [--job output/tiny_grpo/job.yaml] [--steps 5] [--repeat 3] [--json] [a.b.c=value ...]
+- ``tiny``: the job ``--job`` (default ``output/tiny_grpo/job.yaml``, written by ``make demo``) at 8 prompts x 4
+  samples x 32 tokens, GBS 32, MBS 8, KL 0.04, fp32 (``TINY``): overhead-bound, where time around the work shows;
+- ``realistic``: a random checkpoint of the tiny builder at LLM hidden 512 x 8 layers and a 4-layer ViT
+  (bench/actor.py's sizes, 28M parameters) whose end-of-turn token is sampled about once in 40 tokens (a constant
+  channel in the embeddings and a matching output row, calibrated through transformers), the synthetic geo3k set
+  with images of 112, 168 and 224 px (16, 36 and 64 LLM tokens), 4 prompts x n 8, responses up to 256 tokens,
+  KL 0.04: built once under ``--root``.
+
+The job runs with its outputs in a temporary ``af_output_dir`` (hf2mg there too; no checkpoint is written):
+``--steps`` calls of ``GRPOTrainer.train_step``, the first one a warm-up that is not counted. Printed:
+
+- per phase (the trainer's ``timing/*``) the median seconds and share of the step, and the medians of
+  ``throughput/*``;
+- rollout: the rollout phase's generated tokens per second against vLLM alone on the last step's prompts
+  (:func:`raw_generate`; 1.00x = the trainer adds nothing around the engine);
+- the tensor bytes the driver hands the roles per step beside a copy of the prompt's pixel values in every row;
+- actor passes: the job's old-log-prob, reference and update phases against the same micro-batches through mm_rl's
+  actor rank alone in this process (``RankPasses``, measured right after each step: the machine's speed drifts),
+  and their matmul FLOP/s (bench/flops.py) against ``torch.mm`` at the same shapes measured in this run;
+- a single-process trainer on the same step: transformers' ``generate`` of the step's prompts (n samples, the same
+  sampling) and the same passes through transformers' Qwen2.5-VL (``TransformersPasses``), in this process with the
+  actor's threads: its time over mm_rl's step;
+- the same steps with ``rl_config.one_step_off_policy`` (each step's batch generated while the previous trained).
+
+    python bench/step.py [--workload tiny|realistic] [--job output/tiny_grpo/job.yaml] [--root output/bench_realistic]
+                         [--steps 5] [--repeat 3] [--json] [a.b.c=value ...]
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -34,17 +46,34 @@ from typing import Any
 
 PHASES = ("sync", "rollout", "reward", "onload", "images", "old_logp", "ref_logp", "advantages", "update")
 ACTOR_PHASES = ("old_logp", "ref_logp", "update")
+TINY = [  # the issue-sized tiny job on top of the demo's yaml
+    "backend_config.rl_config.n_samples_per_prompt=4",
+    "backend_config.generate_config.sampling_config.max_tokens=32",
+    "backend_config.rl_config.kl_loss_coef=0.04",
+]
+REALISTIC = [
+    "backend_config.rl_config.rollout_batch_size=4",
+    "backend_config.rl_config.n_samples_per_prompt=8",
+    "backend_config.megatron_training.global_batch_size=32",
+    "backend_config.generate_config.sampling_config.max_tokens=256",
+    "backend_config.rl_config.kl_loss_coef=0.04",
+    "backend_config.training.seq-length=512",
+]
+IMAGE_SIZES = (112, 168, 224)
+EOS_EVERY = 40  # the realistic checkpoint's mean response length, in tokens
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--job", type=Path, default=Path("output/tiny_grpo/job.yaml"))
+    parser.add_argument("--workload", choices=("tiny", "realistic"), default="tiny")
+    parser.add_argument("--job", type=Path, default=Path("output/tiny_grpo/job.yaml"), help="the demo's job yaml")
+    parser.add_argument("--root", type=Path, default=Path("output/bench_realistic"), help="the realistic workload")
     parser.add_argument("--steps", type=int, default=5, help="GRPO steps, the first one not counted")
-    parser.add_argument("--repeat", type=int, default=3, help="raw engine generate calls of the baseline")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each baseline (median)")
     parser.add_argument("--json", action="store_true", help="also print the results as one json line")
     args, overrides = parser.parse_known_args(argv)
-    if args.steps < 2:
-        parser.error("--steps must be at least 2 (the first step is a warm-up)")
+    if args.steps < 2 or args.repeat < 1:
+        parser.error("--steps must be at least 2 (the first step is a warm-up) and --repeat at least 1")
     return args, overrides
 
 
@@ -74,39 +103,137 @@ def load(job_path: Path, out_dir: Path, overrides: list[str]) -> Any:
     return job
 
 
-def raw_generate(job: Any, requests: list[Any], seed: int, threads: int, repeat: int) -> tuple[float, float]:
-    """Generated tokens per second and mean response length of vLLM alone on ``requests`` (a step's prompts): an
-    engine built as the job builds its replicas (same engine arguments, the job's engine threads, in this process),
-    the prompts handed to ``LLM.generate`` ready-made, the sampler reseeded and the prefix and image caches emptied
-    before each call (as after every sync of the job), ``repeat`` calls, median. Its weights are the checkpoint's."""
-    from mm_rl.convert.hf_writer import job_model_dir
-    from mm_rl.rollout.base import sampling_for
-    from mm_rl.rollout.engine_worker import set_thread_budget
-    from mm_rl.rollout.vllm_engine import VllmEngine
+# ----------------------------------------------------------------------------------------- realistic workload
+def realistic_job(root: Path, demo_job: Path) -> Path:
+    """The realistic workload's job yaml under ``root`` (built once; see the module docstring): the demo's job with
+    the bench checkpoint, its model section and the three-size data set."""
+    from omegaconf import OmegaConf
 
-    b = job.backend_config
-    pre = b.data.dataset_param.preprocess_parameters
-    set_thread_budget(threads)
-    source = Path(pre.model_name_or_path)
-    model = job_model_dir(source, b.model, Path(job.af_output_dir) / "engine_model")
-    engine = VllmEngine(model, b.generate_config, min_pixels=pre.min_pixels, max_pixels=pre.max_pixels)
-    try:
-        params = engine.sampling_params(sampling_for(b.generate_config))
-        prompts = [engine.prompt(request) for request in requests]
-        rates, lengths = [], []
-        for _ in range(repeat + 1):  # the first call warms up
-            engine.reseed(seed)
-            engine.llm.llm_engine.reset_encoder_cache()
-            engine.llm.reset_prefix_cache()
-            start = time.perf_counter()
-            outputs = engine.llm.generate(prompts, params, use_tqdm=False)
-            seconds = time.perf_counter() - start
-            counts = [len(c.token_ids) for out in outputs for c in out.outputs]
-            rates.append(sum(counts) / seconds)
-            lengths.append(sum(counts) / len(counts))
-        return statistics.median(rates[1:]), statistics.median(lengths[1:])
-    finally:
-        engine.close()
+    from mm_rl.convert import model_config_from_hf
+
+    job_path = root / "job.yaml"
+    if job_path.is_file():
+        return job_path
+    hf_dir = eos_every(root / "hf", EOS_EVERY)
+    data = three_sizes(root / "data")
+    if not demo_job.is_file():
+        sys.exit(f"{demo_job} not found: run `make demo` first (its job yaml is the realistic job's template)")
+    job = OmegaConf.load(demo_job)
+    job.backend_config.model = OmegaConf.structured(model_config_from_hf(hf_dir))
+    job.backend_config.megatron_training.tokenizer_name_or_path = str(hf_dir.resolve())
+    job.backend_config.data.dataset_param.preprocess_parameters.model_name_or_path = str(hf_dir.resolve())
+    job.backend_config.data.dataset_param.basic_parameters.dataset_dir = str(data.resolve())
+    OmegaConf.save(job, job_path)
+    return job_path
+
+
+def eos_every(out_dir: Path, mean_length: int) -> Path:
+    """bench/actor.py's checkpoint with the end-of-turn token sampled about once per ``mean_length`` tokens: hidden
+    channel 0 is a clean constant (1 in every token's embedding; no layer or the merger writes it), the output
+    layer reads it only for the end token, with the weight found by bisection so that the end token's mean
+    probability over random text positions is 1 / ``mean_length`` (transformers, the final model)."""
+    import torch
+    from actor import TEXT, VISION
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mm_rl.demo.tiny import EOS_TOKEN_ID, build_tiny_checkpoint
+
+    if (out_dir / "eos_calibrated.json").is_file():
+        return out_dir
+    base = build_tiny_checkpoint(out_dir.parent / "hf_base", seed=0, vision_config=VISION, **TEXT)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.copytree(base, out_dir)
+    (weights_file,) = out_dir.glob("*.safetensors")
+    weights = load_file(weights_file)
+    for name, tensor in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight", "merger.mlp.2.weight", "merger.mlp.2.bias")):
+            tensor[0] = 0.0  # nothing writes channel 0 of the residual stream
+    weights["model.embed_tokens.weight"][:, 0] = 1.0
+    weights["lm_head.weight"][:, 0] = 0.0
+    weights["lm_head.weight"][EOS_TOKEN_ID] = 0.0
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
+    missing = model.load_state_dict(_in_memory_names(model, weights), strict=False)
+    assert not missing.missing_keys, missing.missing_keys
+    text = torch.randint(0, 1000, (8, 96), generator=torch.Generator().manual_seed(0))
+    low, high = 0.0, 64.0
+    for _ in range(30):
+        scale = (low + high) / 2
+        with torch.no_grad():
+            model.lm_head.weight[EOS_TOKEN_ID, 0] = scale
+            probability = model(input_ids=text).logits.softmax(-1)[..., EOS_TOKEN_ID].mean().item()
+        low, high = (scale, high) if probability < 1 / mean_length else (low, scale)
+    weights["lm_head.weight"][EOS_TOKEN_ID, 0] = scale
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
+    (out_dir / "eos_calibrated.json").write_text(json.dumps({"scale": scale, "eos_probability": probability}))
+    return out_dir
+
+
+def _in_memory_names(model: Any, weights: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's tensors under the names the loaded transformers model uses (a suffix match)."""
+    names = list(model.state_dict())
+    out = {}
+    for name, tensor in weights.items():
+        short = name.removeprefix("model.")
+        match = [n for n in names if n == name or n.endswith("." + short) or n == short]
+        if match:
+            out[match[0]] = tensor
+    return out
+
+
+def three_sizes(out_dir: Path) -> Path:
+    """The synthetic geo3k set with its rows' images at 112, 168 and 224 px in turn (train and test)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mm_rl.demo.synthetic import write_synthetic_geo3k
+
+    if (out_dir / "train.parquet").is_file():
+        return out_dir
+    parts = [write_synthetic_geo3k(out_dir.parent / f"data_{px}", seed=px, image_size=px) for px in IMAGE_SIZES]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "test"):
+        tables = [pq.read_table(part / f"{split}.parquet") for part in parts]
+        rows = min(len(table) for table in tables)
+        order = [table.slice(i, 1) for i in range(rows) for table in tables]
+        pq.write_table(pa.concat_tables(order), out_dir / f"{split}.parquet")
+    return out_dir
+
+
+def raw_generate(roles: Any, requests: list[Any], sampling: Any, seed: int, repeat: int) -> tuple[float, float]:
+    """Generated tokens per second and mean response length of vLLM alone on ``requests`` (the last step's prompts)
+    in the state the job's rollout finds its engine: right after a weight sync (the actor's current weights), the
+    prefix, image-encoder and processor caches empty. Inside the first engine replica's process (its threads, its
+    neighbours): ``LLM.generate`` on prompts built beforehand, the sampler reseeded as the step's was. ``repeat``
+    sync + generate rounds after a warm-up one, median."""
+    import ray
+    import ray.cloudpickle
+
+    if __name__ != "__main__":  # imported as a module the engine's process cannot import: send the function itself
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    engine = roles.engines.actors[0]
+    rounds = []
+    for _ in range(repeat + 1):
+        roles.schedule.weights_changed()
+        roles.before_rollout()
+        rounds.append(ray.get(engine.__ray_call__.remote(_raw_in_engine, requests, sampling, seed)))
+    rates, lengths = zip(*rounds[1:], strict=True)
+    return statistics.median(rates), statistics.median(lengths)
+
+
+def _raw_in_engine(worker: Any, requests: list[Any], sampling: Any, seed: int) -> tuple[float, float]:
+    engine = worker.engine
+    params = engine.sampling_params(sampling)
+    prompts = [engine.prompt(request) for request in requests]
+    engine.reseed(seed)
+    engine.llm.llm_engine.reset_encoder_cache()
+    engine.llm.reset_prefix_cache()
+    engine.llm.reset_mm_cache()
+    start = time.perf_counter()
+    outputs = engine.llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    counts = [len(c.token_ids) for out in outputs for c in out.outputs]
+    return sum(counts) / seconds, sum(counts) / len(counts)
 
 
 class MeteredRoles:
@@ -241,57 +368,61 @@ class RankPasses:
         self.worker.shutdown()
 
 
-def report(rows: list[dict[str, float]], raw_tok_per_s: float) -> dict[str, float]:
-    """Print the table; returns the numbers printed."""
+class TransformersGenerate:
+    """A single-process trainer's rollout: transformers' ``generate`` on a step's prompts (left-padded, their pixel
+    values, n sequences each, the job's sampling, stopping at the end token), with the model of a
+    ``TransformersPasses``."""
 
-    def median(key: str) -> float:
-        return statistics.median(row.get(key, 0.0) for row in rows)
+    def __init__(self, passes: TransformersPasses, sampling: Any, pad_id: int, eos_id: int) -> None:
+        self.model, self.sampling, self.pad_id, self.eos_id = passes.model, sampling, pad_id, eos_id
 
-    step = median("timing/step")
-    phases = {phase: median(f"timing/{phase}") for phase in PHASES if any(f"timing/{phase}" in r for r in rows)}
-    phases["(in no phase)"] = max(0.0, step - sum(phases.values()))
-    print(f"\n{len(rows)} steps counted (first step skipped); medians")
-    print(f"{'phase':<16}{'seconds':>10}{'% of step':>12}")
-    for phase, seconds in phases.items():
-        print(f"{phase:<16}{seconds:>10.3f}{100 * seconds / step:>11.1f}%")
-    print(f"{'step':<16}{step:>10.3f}{100.0:>11.1f}%")
-    top = max(PHASES, key=lambda p: phases.get(p, 0.0))
-    print(f"dominant phase: {top} ({100 * phases[top] / step:.0f}% of the step)\n")
-    throughput = {key: median(key) for key in sorted({k for r in rows for k in r if k.startswith("throughput/")})}
-    for key, value in throughput.items():
-        print(f"{key:<32}{value:>12.2f}")
-    rollout = throughput.get("throughput/rollout_tok_per_s", 0.0)
-    print(
-        f"\nbaseline: rollout phase {rollout:.1f} generated tok/s vs raw engine generate of the same prompts "
-        f"{raw_tok_per_s:.1f} tok/s -> {rollout / raw_tok_per_s:.2f}x"
-    )
-    print(
-        f"rollout split over {median('rollout/replicas'):.0f} engine replica(s): slowest / fastest replica "
-        f"{median('rollout/replica_wall_spread'):.2f}x"
-    )
-    before, after = median("driver/bytes_per_sample_images"), median("driver/bytes")
-    print(f"driver bytes per step: {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB ({before / after:.1f}x fewer)")
-    return (
-        {f"timing/{k}": v for k, v in phases.items()}
-        | {"timing/step": step}
-        | throughput
-        | {
-            "baseline/raw_generate_tok_per_s": raw_tok_per_s,
-            "baseline/rollout_vs_raw": rollout / raw_tok_per_s,
-            "driver/bytes_per_sample_images": before,
-            "driver/bytes": after,
-        }
-    )
+    def __call__(self, requests: list[Any]) -> tuple[float, int]:
+        """Seconds of one ``generate`` and the tokens it generated."""
+        import torch
+
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, request in enumerate(requests):
+            ids[row, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
+            mask[row, width - len(request.prompt_ids) :] = 1
+        pixels = [r.pixel_values for r in requests if r.pixel_values is not None and r.pixel_values.numel()]
+        grids = [r.image_grid_thw for r in requests if r.image_grid_thw is not None and r.image_grid_thw.numel()]
+        images = {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids)} if pixels else {}
+        s = self.sampling
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                **images,
+                do_sample=s.temperature > 0,
+                temperature=s.temperature or None,
+                top_p=s.top_p,
+                top_k=s.top_k if s.top_k > 0 else 0,
+                num_return_sequences=s.n,
+                max_new_tokens=s.max_tokens,
+                eos_token_id=self.eos_id,
+                pad_token_id=self.pad_id,
+            )
+        seconds = time.perf_counter() - start
+        new = out[:, width:]
+        ended = (new == self.eos_id).int().cumsum(-1)
+        generated = int(((ended == 0) | ((ended == 1) & (new == self.eos_id))).sum())
+        return seconds, generated
 
 
-def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]], float | None]:
-    """``steps`` GRPO steps of ``job`` (the trainer's step counter advanced as ``fit`` does), and with ``repeat``
-    the raw engine baseline and, right after each step (this machine's speed drifts over minutes, so each step is
-    compared with baselines measured beside it), its actor passes through both in-process baselines."""
+def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """``steps`` GRPO steps of ``job`` (the trainer's step counter advanced as ``fit`` does) and, with ``repeat``,
+    right after each step (the machine's speed drifts over minutes, so each step is compared with baselines of the
+    same moment) its passes through the rank alone and the single-process trainer; then vLLM alone on the last
+    step's prompts and, the roles closed, the matmul rate at the passes' shapes. Returns the rows and the rest."""
     import ray
+    from flops import matmul_peak, passes_flops
 
     from mm_rl.job.run import convert_in
-    from mm_rl.trainer.grpo import build_trainer
+    from mm_rl.rollout.base import RolloutRequest, sampling_for
+    from mm_rl.trainer.grpo import build_trainer, sampling_seed
     from mm_rl.trainer.metrics import step_line
     from mm_rl.workers.megatron_worker import MegatronWorker
 
@@ -299,60 +430,138 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
     trainer = build_trainer(job, mm_dir)
     trainer.roles = meter = MeteredRoles(trainer.roles)
     baselines: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
     try:
+        threads = meter.roles.actor.run(MegatronWorker.threads)[0]
         if repeat:
-            threads = meter.roles.actor.run(MegatronWorker.threads)[0]
             spec = dataclasses.replace(meter.roles.worker_spec(trained=True), num_threads=threads)
-            baselines = {
-                "rank": RankPasses(spec, meter.roles.optimizer_spec(spec.bf16), str(mm_dir)),
-                "transformers": TransformersPasses(
-                    job.backend_config.megatron_training.tokenizer_name_or_path, threads
-                ),
-            }
-        rows = []
+            hf = TransformersPasses(job.backend_config.megatron_training.tokenizer_name_or_path, threads)
+            generate = TransformersGenerate(
+                hf, sampling_for(job.backend_config.generate_config), trainer.prompts.pad_id, eos_token(job)
+            )
+            baselines = {"rank": RankPasses(spec, meter.roles.optimizer_spec(spec.bf16), str(mm_dir)), "hf": hf}
+        rows, flops, positions = [], [], []
         for step in range(1, steps + 1):
             metrics = trainer.train_step(step)
             passes, images = meter.passes, meter.images
             shipped, per_sample = meter.take()
             metrics |= {"driver/bytes": float(shipped), "driver/bytes_per_sample_images": float(per_sample)}
+            work, mean_positions = passes_flops(job.backend_config.model, passes)
+            flops.append(work)
+            positions.append(mean_positions)
             trainer.step = step
             for name, baseline in baselines.items():  # the first call of each is its warm-up, as step 1 is the job's
                 metrics[f"baseline/{name}"] = statistics.median(
                     baseline(passes, images, meter.loss) for _ in range(repeat)
                 )
+            if baselines:
+                requests = [RolloutRequest.from_item(item, pixels=True) for item in trainer.prompts.cached.values()]
+                seconds, generated = generate(requests)
+                metrics |= {"baseline/hf_generate": seconds, "baseline/hf_generated_tokens": float(generated)}
             print(step_line(step, steps, metrics) + f" | {metrics['timing/step']:.2f} s")
             rows.append(metrics)
         if trainer.pending is not None:
             trainer.pending.result()
-        raw = raw_generate(trainer, steps, repeat) if repeat else None
+        if repeat:  # the last step's prompts, in their order, with its seed
+            last = trainer.prompts.requests(list(trainer.prompts.cached))
+            sampling = sampling_for(job.backend_config.generate_config)
+            seed = sampling_seed(trainer.seed, steps, 0)
+            extra["raw"] = raw_generate(meter.roles, last, sampling, seed, repeat)
     finally:
         if "rank" in baselines:
             baselines["rank"].close()
         trainer.close()
         ray.shutdown()
     if repeat:
-        ours = [sum(row.get(f"timing/{phase}", 0.0) for phase in ACTOR_PHASES) for row in rows[1:]]
-        alone, theirs = ([row[f"baseline/{name}"] for row in rows[1:]] for name in ("rank", "transformers"))
-        ratio = statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
-        ratio_alone = statistics.median(a / b for a, b in zip(alone, theirs, strict=True))
-        print(
-            f"actor passes ({' + '.join(ACTOR_PHASES)}), medians over the counted steps: "
-            f"{statistics.median(ours):.3f} s in the job; the same micro-batches right after each step through "
-            f"mm_rl's actor rank in one process {statistics.median(alone):.3f} s and through transformers in one "
-            f"process {statistics.median(theirs):.3f} s ({threads} threads) -> job {ratio:.2f}x, rank alone "
-            f"{ratio_alone:.2f}x (medians of the per-step ratios)"
-        )
-    return rows, raw
+        extra["flops"] = statistics.median(flops[1:])
+        extra["peak"] = matmul_peak(job.backend_config.model, statistics.median(positions[1:]), threads)
+        extra["threads"] = threads
+    return rows, extra
+
+
+def eos_token(job: Any) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(job.backend_config.megatron_training.tokenizer_name_or_path)
+    return int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+
+
+def report(rows: list[dict[str, float]], extra: dict[str, Any]) -> dict[str, float]:
+    """Print the tables and ratios of the counted steps; returns the numbers printed."""
+
+    def median(key: str) -> float:
+        return statistics.median(row.get(key, 0.0) for row in rows)
+
+    step = median("timing/step")
+    phases = {phase: median(f"timing/{phase}") for phase in PHASES if any(f"timing/{phase}" in r for r in rows)}
+    phases["(in no phase)"] = statistics.median(  # per step, then the median (a sum of medians is no median)
+        max(0.0, row["timing/step"] - sum(row.get(f"timing/{phase}", 0.0) for phase in PHASES)) for row in rows
+    )
+    print(f"\n{len(rows)} steps counted (first step skipped); medians")
+    print(f"{'phase':<16}{'seconds':>10}{'% of step':>12}")
+    for phase, seconds in phases.items():
+        print(f"{phase:<16}{seconds:>10.3f}{100 * seconds / step:>11.1f}%")
+    print(f"{'step':<16}{step:>10.3f}{100.0:>11.1f}%")
+    throughput = {key: median(key) for key in sorted({k for r in rows for k in r if k.startswith("throughput/")})}
+    for key, value in throughput.items():
+        print(f"{key:<32}{value:>12.2f}")
+    results = {f"timing/{k}": v for k, v in phases.items()} | {"timing/step": step} | throughput
+    before, after = median("driver/bytes_per_sample_images"), median("driver/bytes")
+    print(f"driver bytes per step: {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB ({before / after:.1f}x fewer)")
+    if not extra:
+        return results
+    rollout = throughput.get("throughput/rollout_tok_per_s", 0.0)
+    raw, raw_length = extra["raw"]
+    print(
+        f"\nrollout: the rollout phase {rollout:.1f} generated tok/s (responses {median('response_length/mean'):.1f} "
+        f"tokens) vs vLLM alone on the last step's prompts {raw:.1f} tok/s (responses {raw_length:.1f}) -> "
+        f"{rollout / raw:.2f}x; the phase {median('timing/rollout'):.3f} s, of which the engine's generate call in "
+        f"its process {median('rollout/wall_s'):.3f} s"
+    )
+    ours = [sum(row.get(f"timing/{phase}", 0.0) for phase in ACTOR_PHASES) for row in rows]
+    alone = [row["baseline/rank"] for row in rows]
+    job_vs_rank = statistics.median(a / b for a, b in zip(ours, alone, strict=True))
+    achieved = extra["flops"] / statistics.median(ours)
+    print(
+        f"actor passes ({' + '.join(ACTOR_PHASES)}): {statistics.median(ours):.3f} s in the job vs "
+        f"{statistics.median(alone):.3f} s through the actor rank alone -> {job_vs_rank:.2f}x (median of per-step "
+        f"ratios); matmul work {extra['flops'] / 1e9:.1f} GFLOP -> {achieved / 1e9:.1f} GFLOP/s in the job vs "
+        f"torch.mm at the same shapes {extra['peak'] / 1e9:.1f} GFLOP/s ({extra['threads']} threads) -> "
+        f"{100 * achieved / extra['peak']:.0f}% of the measured peak"
+    )
+    single = [row["baseline/hf_generate"] + row["baseline/hf"] for row in rows]
+    speedup = statistics.median(a / b for a, b in zip(single, (row["timing/step"] for row in rows), strict=True))
+    print(
+        f"single-process trainer (transformers generate {median('baseline/hf_generate'):.3f} s + its passes "
+        f"{median('baseline/hf'):.3f} s = {statistics.median(single):.3f} s) vs mm_rl's step {step:.3f} s -> "
+        f"mm_rl {speedup:.2f}x faster (median of per-step ratios)"
+    )
+    return results | {
+        "rollout_vs_raw": rollout / raw,
+        "raw_tok_per_s": raw,
+        "passes_vs_rank": job_vs_rank,
+        "passes_gflop_per_s": achieved / 1e9,
+        "matmul_peak_gflop_per_s": extra["peak"] / 1e9,
+        "passes_share_of_peak": achieved / extra["peak"],
+        "single_process_step": statistics.median(single),
+        "speedup_vs_single_process": speedup,
+        "driver/bytes_per_sample_images": before,
+        "driver/bytes": after,
+    }
 
 
 def main(argv: list[str]) -> int:
     args, overrides = parse_args(argv)
+    if args.workload == "realistic":
+        job_path, overrides = realistic_job(args.root, args.job), [*REALISTIC, *overrides]
+    else:
+        job_path, overrides = args.job, [*TINY, *overrides]
     with tempfile.TemporaryDirectory(prefix="bench_step_") as folder:
-        rows, raw = run_steps(load(args.job, Path(folder) / "sync", overrides), args.steps, args.repeat)
-        results = report(rows[1:], raw or 0.0)
+        rows, extra = run_steps(load(job_path, Path(folder) / "sync", overrides), args.steps, args.repeat)
+        results = report(rows[1:], extra)
         print("\nthe same steps with rl_config.one_step_off_policy (the next batch generates while the actor trains):")
         ahead = load(
-            args.job, Path(folder) / "ahead", [*overrides, "backend_config.rl_config.one_step_off_policy=true"]
+            job_path, Path(folder) / "ahead", [*overrides, "backend_config.rl_config.one_step_off_policy=true"]
         )
         pipelined, _ = run_steps(ahead, args.steps, 0)
     synchronous = results["timing/step"]

@@ -215,10 +215,7 @@ class _Engine:
     def ready(self) -> bool:
         return True
 
-    def reseed(self, seed: int) -> int:
-        return seed
-
-    def generate(self, requests: list[RolloutRequest], sampling: SamplingSpec) -> RolloutOutputs:
+    def generate(self, requests: list[RolloutRequest], sampling: SamplingSpec, seed: int) -> RolloutOutputs:
         return _outputs(requests, 0.1)
 
 

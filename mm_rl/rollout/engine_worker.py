@@ -111,8 +111,15 @@ class RolloutWorker:
         return torch.get_num_threads()
 
     def generate(
-        self, requests: Sequence[RolloutRequest], sampling: SamplingLike | SamplingSpec, n: int | None = None
+        self,
+        requests: Sequence[RolloutRequest],
+        sampling: SamplingLike | SamplingSpec,
+        n: int | None = None,
+        seed: int | None = None,
     ) -> RolloutOutputs:
+        """The engine's ``generate``; with ``seed``, its sampler restarted from it first (one call, not two)."""
+        if seed is not None:
+            self.engine.reseed(seed)
         return self.engine.generate(requests, sampling, n)
 
     def begin_weight_update(self) -> None:

@@ -556,6 +556,7 @@ class VllmEngine(RolloutEngine):
             top_p=spec.top_p,
             top_k=spec.top_k if spec.top_k > 0 else 0,
             logprobs=spec.logprobs,
+            detokenize=False,  # the trainer decodes what it scores itself: the engine's text is never read
         )
 
     def _generate(self, requests: Sequence[RolloutRequest], spec: SamplingSpec) -> list[list[RolloutSample]]:

@@ -426,10 +426,7 @@ class RayEngines:
 
         shares = split_requests(requests, sampling, len(self.actors))
         calls = [
-            (
-                engine.reseed.remote(replica_seed(seed, replica)),
-                engine.generate.remote([requests[i] for i in share], sampling),
-            )
+            engine.generate.remote([requests[i] for i in share], sampling, seed=replica_seed(seed, replica))
             if share
             else None
             for replica, (engine, share) in enumerate(zip(self.actors, shares, strict=True))
@@ -442,7 +439,7 @@ class RayRollout:
     """The replicas' generate calls under way (:class:`mm_rl.trainer.roles.PendingRollout`)."""
 
     shares: list[list[int]]  # the request indices of each replica
-    calls: list[tuple[Any, Any] | None]  # per replica: its reseed call (whose failure is the batch's) and generate
+    calls: list[Any | None]  # per replica: its generate call (reseeded first), None for an empty share
     names: list[str]  # how errors name each replica
 
     def result(self) -> RolloutOutputs:
@@ -453,7 +450,7 @@ class RayRollout:
         results = []
         for name, call in zip(self.names, self.calls, strict=True):
             with named(name):
-                results.append(None if call is None else ray.get(list(call))[1])
+                results.append(None if call is None else ray.get(call))
         return merge_outputs(self.shares, results)
 
 

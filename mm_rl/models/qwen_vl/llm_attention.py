@@ -143,6 +143,20 @@ class CausalSegments(PackedSeqParams):
     def context(self, span: int) -> tuple[int, int]:
         return self.contexts[span] if self.contexts else (0, 0)
 
+    @functools.cached_property
+    def pieces(self) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+        """The row cut at every sequence and context boundary: the pieces' sizes, and per non-empty sequence the
+        pieces of its context (none without) and its own, in order."""
+        cuts = sorted({0, *(p for span in self.spans for p in span), *(p for c in self.contexts for p in c if c[1])})
+        at = {position: index for index, position in enumerate(cuts)}
+        sizes = [b - a for a, b in itertools.pairwise(cuts)]
+        plan = []
+        for i, (a, b) in enumerate(self.spans):
+            if b > a:
+                c0, c1 = self.context(i)
+                plan.append((list(range(at[c0], at[c1])) if c1 > c0 else [], list(range(at[a], at[b]))))
+        return sizes, plan
+
     def mask(self, queries: int, context: int, device: torch.device) -> Tensor:
         """[queries, context + queries] True where a query of a sequence with a context may attend (the whole
         context, then causally within the sequence), kept for the other layers."""
@@ -201,22 +215,32 @@ class LLMCoreAttention(MegatronModule):
         # keeps the S x S probabilities for backward; torch 2.13, CPU)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         heads, head_dim = q.shape[1], q.shape[3]
-        k, v = _expand_groups(k, v, heads, dim=1)
-        # The sequences are contiguous spans: slices (views, whose backward is a plain copy) rather than a gather
-        # of equally long ones, whose backward would be an accumulating scatter (slow on the CPU).
-        outputs = [self._span(q, k, v, i, segments) for i, (a, b) in enumerate(segments.spans) if b > a]
-        return torch.cat(outputs, dim=2).permute(2, 0, 1, 3).reshape(-1, 1, heads * head_dim)
-
-    def _span(self, q: Tensor, k: Tensor, v: Tensor, span: int, segments: CausalSegments) -> Tensor:
-        """One sequence [1, h, s, d], causal; with a context, its keys and values follow the context's."""
-        (a, b), (c0, c1) = segments.spans[span], segments.context(span)
-        if c1 == c0:
-            return F.scaled_dot_product_attention(
-                q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=self.softmax_scale
+        native = q.device.type == "cpu"  # grouped-query heads native in SDPA (torch's CPU flash kernel), no copies
+        if not native:
+            k, v = _expand_groups(k, v, heads, dim=1)
+        # One split into the pieces between every sequence and context boundary: its backward is one concatenation,
+        # where slicing each sequence out would give each a zero-filled gradient of the whole row (CPU: as costly as
+        # the attention itself at tens of sequences per micro-batch).
+        sizes, plan = segments.pieces
+        qs, ks, vs = (torch.split(t, sizes, dim=2) for t in (q, k, v))
+        outputs = []
+        for context, own in plan:
+            keys = [*context, *own]
+            mask = (
+                segments.mask(sum(sizes[i] for i in own), sum(sizes[i] for i in context), q.device) if context else None
             )
-        keys, values = (torch.cat([t[:, :, c0:c1], t[:, :, a:b]], dim=2) for t in (k, v))
-        mask = segments.mask(b - a, c1 - c0, q.device)
-        return F.scaled_dot_product_attention(q[:, :, a:b], keys, values, attn_mask=mask, scale=self.softmax_scale)
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    _joined(qs, own),
+                    _joined(ks, keys),
+                    _joined(vs, keys),
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    scale=self.softmax_scale,
+                    enable_gqa=native and k.shape[1] != heads,
+                )
+            )
+        return torch.cat(outputs, dim=2).permute(2, 0, 1, 3).reshape(-1, 1, heads * head_dim)
 
     def _npu_varlen(self, query: Tensor, key: Tensor, value: Tensor, segments: CausalSegments) -> Tensor:
         """All spans in one ``torch_npu.npu_fusion_attention`` call: layout TND, ``actual_seq_qlen`` the spans'
@@ -280,6 +304,11 @@ class LLMCoreAttention(MegatronModule):
             q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None, scale=self.softmax_scale
         )
         return out.permute(2, 0, 1, 3).reshape(seq, rows, heads * head_dim)
+
+
+def _joined(pieces: tuple[Tensor, ...], indices: list[int]) -> Tensor:
+    """The pieces ``indices`` (consecutive along the sequence, or a context then a sequence) as one [1, h, s, d]."""
+    return pieces[indices[0]] if len(indices) == 1 else torch.cat([pieces[i] for i in indices], dim=2)
 
 
 def _with_contexts(k: Tensor, v: Tensor, segments: CausalSegments) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,75 @@
+"""The actor passes' matmul work against this machine's own fp32 matmul rate at the same shapes.
+
+The passes are compute-bound once the model is large enough: their weight matmuls (every LLM linear layer on each
+position the model computes, the output layer on the response tokens only) are what a faster step must do faster.
+``passes_flops`` counts them from the micro-batches a pass received (2 FLOPs per multiply-add; a forward-only pass
+once, an update's forward + backward three times, as 6 x params x tokens counts it); ``matmul_peak`` times
+``torch.mm`` at the same shapes (each linear's [positions, in] x [in, out] at the passes' mean positions per
+micro-batch) with the actor's threads: the rate the passes would reach if they were nothing but their matmuls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+
+def linear_shapes(model: Any) -> list[tuple[int, int]]:
+    """(in, out) of one LLM layer's weight matmuls (an MoE layer: the routed experts' top-k and any shared one, as
+    each token goes through them), ``model`` being the job's ``ModelConfig``."""
+    text = model.text_decoder
+    head = text.kv_channels or text.hidden_size // text.num_attention_heads
+    groups = text.num_query_groups if text.group_query_attention else text.num_attention_heads
+    qkv = head * (text.num_attention_heads + 2 * groups)
+    shapes = [(text.hidden_size, qkv), (head * text.num_attention_heads, text.hidden_size)]
+    if text.num_moe_experts:
+        width, copies = text.moe_intermediate_size, text.moe_router_topk
+    else:
+        width, copies = text.ffn_hidden_size, 1
+    mlp = [(text.hidden_size, width * (2 if text.swiglu else 1)), (width, text.hidden_size)]
+    return shapes + mlp * copies
+
+
+def computed_positions(batch: dict[str, Any]) -> tuple[int, int]:
+    """Positions the LLM computes for a micro-batch (real tokens; a shared prompt once) and response positions."""
+    shared = batch.get("shared_prompt")
+    positions = int(batch["attention_mask"].sum()) - (int(shared.sum()) if shared is not None else 0)
+    return positions, int(batch["response_mask"].sum())
+
+
+def passes_flops(model: Any, passes: Iterable[tuple[str, Sequence[dict[str, Any]], float]]) -> tuple[float, float]:
+    """Matmul FLOPs of a step's passes (``("log_probs" | "update", micro-batches, ...)``) and the mean positions
+    per micro-batch."""
+    per_position = 2 * sum(i * o for i, o in linear_shapes(model)) * model.text_decoder.num_layers
+    per_response = 2 * model.text_decoder.hidden_size * model.text_decoder.vocab_size
+    total, counts = 0.0, []
+    for kind, batches, _ in passes:
+        for batch in batches:
+            positions, responses = computed_positions(batch)
+            counts.append(positions)
+            total += (3 if kind == "update" else 1) * (per_position * positions + per_response * responses)
+    return total, sum(counts) / max(1, len(counts))
+
+
+def matmul_peak(model: Any, positions: float, threads: int, seconds: float = 1.0) -> float:
+    """FLOP/s of fp32 ``torch.mm`` over one layer's weight shapes at ``positions`` rows, repeated for ``seconds``,
+    with ``threads`` torch threads (restored after)."""
+    import torch
+
+    rows = max(1, round(positions))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        operands = [(torch.randn(rows, i), torch.randn(i, o)) for i, o in linear_shapes(model)]
+        work = sum(2 * rows * i * o for i, o in linear_shapes(model))
+        for a, b in operands:  # warm-up
+            torch.mm(a, b)
+        done, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            for a, b in operands:
+                torch.mm(a, b)
+            done += work
+        return done / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
