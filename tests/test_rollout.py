@@ -186,7 +186,7 @@ def test_vllm_prompt_ids_equal_the_actors_and_a_mismatch_raises(vllm_engine, ite
     collapsed = collapse_image_pads(request.prompt_ids, vllm_engine.bounds.image_token_id)
     assert len(image_runs(collapsed, vllm_engine.bounds.image_token_id)) == 1
     assert collapsed.count(vllm_engine.bounds.image_token_id) == 1
-    raw = vllm_engine.llm.generate([vllm_engine._prompt(r) for r in requests_], SamplingParams(max_tokens=1))
+    raw = vllm_engine.llm.generate([vllm_engine.prompt(r) for r in requests_], SamplingParams(max_tokens=1))
     assert [list(o.prompt_token_ids) for o in raw] == [item.input_ids.tolist() for item in items]
     run = image_runs(request.prompt_ids, vllm_engine.bounds.image_token_id)[0]
     one_pad_more = request.prompt_ids[: run[1]] + [vllm_engine.bounds.image_token_id] + request.prompt_ids[run[1] :]
