@@ -16,8 +16,8 @@ from typing import Any
 
 
 def linear_shapes(model: Any) -> list[tuple[int, int]]:
-    """(in, out) of one LLM layer's weight matmuls (an MoE layer: the routed experts' top-k and any shared one, as
-    each token goes through them), ``model`` being the job's ``ModelConfig``."""
+    """(in, out) of one LLM layer's weight matmuls (an MoE layer: its top-k routed experts, as each token goes
+    through them; the families here have no shared expert), ``model`` being the job's ``ModelConfig``."""
     text = model.text_decoder
     head = text.kv_channels or text.hidden_size // text.num_attention_heads
     groups = text.num_query_groups if text.group_query_attention else text.num_attention_heads

@@ -247,6 +247,33 @@ def test_llm_core_attention_keeps_no_scores_for_backward(packed):
         assert torch.allclose(out.detach()[span, row], expected, atol=1e-5), (span, row)
 
 
+def test_shared_prompt_keys_as_the_varlen_kernels_take_them():
+    """The layout the CUDA / NPU varlen kernels get for shared prompts (``kv_index`` gathers each sequence's context
+    then itself, ``cu_seqlens_kv`` / ``kv_ends`` their ends), read by the textbook attention those kernels compute
+    (the causal window aligned to the end of the keys), equals the CPU path's: sequences [0, 40) [40, 50) [50, 96),
+    the last two attending to the first one's 30 leading tokens, and a padding segment."""
+    import torch
+
+    from mm_rl.models.qwen_vl.llm_attention import CausalSegments, LLMCoreAttention
+
+    segments = CausalSegments.build(
+        torch.tensor([0, 40, 50, 96, 100], dtype=torch.int32), [(0, 0), (0, 30), (0, 30), (0, 0)]
+    )
+    assert segments.kv_ends == [40, 80, 156, 160] and segments.cu_seqlens_kv.tolist() == [0, 40, 80, 156, 160]
+    assert segments.max_seqlen_kv == 76 and segments.kv_index.numel() == 160
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(100, 1, n, 16, generator=generator) for n in (4, 2, 2))
+    out = LLMCoreAttention(_attention_config(), 1, None, "self")(q, k, v, None, packed_seq_params=segments)[:, 0]
+    keys, values = (t[:, 0].index_select(0, segments.kv_index) for t in (k, v))
+    starts = [0, *segments.kv_ends]
+    for (a, b), k0, k1 in zip(segments.spans, starts[:-1], starts[1:], strict=True):
+        kk, vv = (t.repeat_interleave(2, dim=1) for t in (keys[k0:k1], values[k0:k1]))
+        scores = torch.einsum("qhd,khd->hqk", q[a:b, 0], kk) / 4.0
+        hidden = torch.ones(b - a, k1 - k0, dtype=torch.bool).triu(k1 - k0 - (b - a) + 1)  # end-aligned causal
+        expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), vv)
+        assert torch.allclose(out[a:b], expected.reshape(b - a, -1), atol=1e-5), (a, b)
+
+
 def _causal_attention(q, k, v, scale: float):
     """softmax(q k^T scale + causal mask) v for one sequence [s, heads, d] (groups repeated), as [s, heads * d]."""
     import torch

@@ -39,8 +39,9 @@ def _image_tokens(grid: tuple[int, int, int]) -> list[int]:
 
 def micro_batches() -> tuple[list[dict[str, torch.Tensor]], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """The trainer's micro-batches (``mm_rl.trainer.batch.micro_batches``) of six samples, two per micro-batch:
-    one image + text beside text, text only, two images of different sizes beside text; with the per-token
-    fields of a training step. And the step's images they name (``step_images``)."""
+    one image + text beside text, two answers to one text-only prompt, two answers to a prompt with two images of
+    different sizes (a group's prompt: computed once, ``shared_prompt``); with the per-token fields of a training
+    step. And the step's images they name (``step_images``)."""
     from mm_rl.trainer.batch import Sample, by_count, step_images
     from mm_rl.trainer.batch import micro_batches as build
 
@@ -63,7 +64,7 @@ def micro_batches() -> tuple[list[dict[str, torch.Tensor]], dict[int, tuple[torc
     }
     samples = [
         Sample(index, group, prompts[index], text(length), "stop")
-        for group, (index, length) in enumerate([(0, 4), (1, 3), (1, 2), (1, 5), (2, 5), (1, 4)])
+        for group, (index, length) in enumerate([(0, 4), (1, 3), (1, 2), (1, 5), (2, 5), (2, 4)])
     ]
     for sample in samples:
         sample.old_log_probs = -torch.rand(sample.response_len, generator=g)
@@ -211,6 +212,12 @@ def _log_prob_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str)
         result["labelled"] = _host_copy(labelled)
         result["labelled_on_host"] = _on_host(labelled)
         result["images_on_host"] = _on_host(worker.images)
+        outputs = worker.vision_outputs()  # what the other role's rank at this place would receive
+        result["handed_on_host"] = _on_host(outputs)
+        worker.set_images(images)
+        worker.add_vision_outputs(outputs)
+        result["taken"] = sorted({str(t.device) for t in worker.model.image_encoder.cache.values()})
+        result["taken_log_probs"] = _host_copy(worker.compute_log_probs(batches))
         with mock.patch.object(
             megatron_worker,
             "to_device",  # the images put together, nothing moved
@@ -241,6 +248,7 @@ def test_log_probs_of_a_labelled_rank_come_back_on_the_host_equal_to_the_cpu_ran
     and activation of the rank on cuda:0: no op mixes devices, and the results are plain CPU tensors equal to
     the CPU rank's (CUDA's kernel choices computed on CPU: 1e-6). The step's images the rank keeps stay on the host
     (each micro-batch takes what it needs to the device); the frozen ViT's per-step cache fills on the device."""
+    assert [b["shared_prompt"].tolist() for b in micro_batches()[0]][1:] == [[0, 4], [0, 20]]  # groups' prompts
     assert log_prob_run["labelled_on_host"] is None
     assert log_prob_run["images_on_host"] is None
     assert log_prob_run["cache"][0] > 0 and log_prob_run["cache"][1] == ["cuda:0"]  # the ViT outputs stay there
@@ -248,6 +256,15 @@ def test_log_probs_of_a_labelled_rank_come_back_on_the_host_equal_to_the_cpu_ran
     assert len(plain) == len(labelled) == 3
     for ours, reference in zip(labelled, plain, strict=True):
         assert type(reference) is torch.Tensor and reference.device.type == "cpu"
+        torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
+
+
+def test_frozen_vit_outputs_leave_a_labelled_rank_on_the_host_and_enter_the_other_on_its_device(log_prob_run):
+    """The hand-over between the reference's and the actor's ranks: what a rank gives is plain host tensors (it
+    crosses processes through Ray), what a rank takes goes to its device, and its log-probs stay those computed."""
+    assert log_prob_run["handed_on_host"] is None
+    assert log_prob_run["taken"] == ["cuda:0"]
+    for ours, reference in zip(log_prob_run["taken_log_probs"], log_prob_run["plain"], strict=True):
         torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
 
 

@@ -396,14 +396,13 @@ def add_vision_outputs(model: Any, outputs: dict[tuple[int, int], torch.Tensor] 
     cache on its device, where it keeps one: the reference's ViT is the checkpoint's, and so is a frozen actor's, so
     the images one role encoded are not encoded again by the other. Images already here stay as they are."""
     from mm_rl.platform.device import current_device
+    from mm_rl.platform.transfer import to_device
 
     encoder = getattr(model, "image_encoder", None)
     if not outputs or encoder is None or not encoder.caches:
         return
-    device = current_device()
-    for key, value in outputs.items():
-        if key not in encoder.cache:
-            encoder.cache[key] = value.to(device, non_blocking=True)
+    missing = {key: value for key, value in outputs.items() if key not in encoder.cache}
+    encoder.cache.update(to_device(missing, current_device()))
 
 
 def optimizer_parts(optimizer: Any) -> list[Any]:

@@ -114,6 +114,7 @@ class CausalSegments(PackedSeqParams):
     spans: list[tuple[int, int]] = field(default_factory=list, repr=False)
     contexts: list[tuple[int, int]] = field(default_factory=list, repr=False)
     kv_index: Tensor | None = field(default=None, repr=False)
+    kv_ends: list[int] = field(default_factory=list, repr=False)  # cu_seqlens_kv[1:], read on the host
     masks: dict[tuple[int, int], Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -122,22 +123,22 @@ class CausalSegments(PackedSeqParams):
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
         contexts = contexts if contexts and any(b > a for a, b in contexts) else []
         longest = max((b - a for a, b in spans), default=0)
-        cu_kv, longest_kv, kv_index = cu_seqlens, longest, None
-        if contexts:
-            sizes = [(c1 - c0) + (b - a) for (a, b), (c0, c1) in zip(spans, contexts, strict=True)]
-            cu_kv = torch.tensor([0, *itertools.accumulate(sizes)], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
-            longest_kv = max(sizes, default=0)
-            pieces = [(range(c0, c1), range(a, b)) for (a, b), (c0, c1) in zip(spans, contexts, strict=True)]
-            kv_index = torch.tensor([i for context, own in pieces for i in (*context, *own)], device=cu_seqlens.device)
+        cu_kv, kv_ends, kv_index = cu_seqlens, bounds[1:], None
+        if contexts:  # the keys: each sequence's context, then itself
+            ranges = [r for (a, b), (c0, c1) in zip(spans, contexts, strict=True) for r in ((c0, c1), (a, b))]
+            kv_ends = list(itertools.accumulate(b - a for a, b in ranges))[1::2]
+            cu_kv = torch.tensor([0, *kv_ends], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+            kv_index = torch.cat([torch.arange(a, b) for a, b in ranges]).to(cu_seqlens.device)
         return cls(
             qkv_format="sbhd",
             cu_seqlens_q=cu_seqlens,
             cu_seqlens_kv=cu_kv,
             max_seqlen_q=longest,
-            max_seqlen_kv=longest_kv,
+            max_seqlen_kv=max(b - a for a, b in itertools.pairwise([0, *kv_ends])) if kv_ends else 0,
             spans=spans,
             contexts=contexts,
             kv_index=kv_index,
+            kv_ends=kv_ends,
         )
 
     def context(self, span: int) -> tuple[int, int]:
@@ -254,7 +255,6 @@ class LLMCoreAttention(MegatronModule):
         q, k, v = (t.squeeze(1) for t in (query, key, value))  # [T, heads, d]
         k, v = _with_contexts(k, v, segments)
         ends = [b for _, b in segments.spans]
-        kv_ends = segments.cu_seqlens_kv[1:].tolist() if segments.contexts else ends
         out = torch_npu.npu_fusion_attention(
             q,
             k,
@@ -265,7 +265,7 @@ class LLMCoreAttention(MegatronModule):
             scale=self.softmax_scale,
             sparse_mode=3,
             actual_seq_qlen=ends,
-            actual_seq_kvlen=kv_ends,
+            actual_seq_kvlen=segments.kv_ends,
         )[0]
         return out.reshape(-1, 1, q.shape[1] * q.shape[2])
 
