@@ -837,3 +837,57 @@ def test_model_config_from_a_qwen3_vl_moe_config_is_the_preset():
     assert model_config_from_hf(config) == load_section(ModelConfig, preset)
     with pytest.raises(ConversionError, match="mixes dense and MoE layers"):
         model_config_from_hf({**config, "text_config": {**config["text_config"], "mlp_only_layers": [0]}})
+
+
+# -------------------------------------------------------------------------------------------- Qwen3.5
+@pytest.fixture(scope="module")
+def tiny_qwen3_5(tmp_path_factory):
+    """The tiny Qwen3.5, redrawn, with a multi-token-prediction tensor as published checkpoints carry."""
+    built = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen3_5", seed=3, family="qwen3_5")
+    out = randomize(built, tmp_path_factory.mktemp("hf") / "qwen3_5", seed=17, files=1)
+    weights = hf_tensors(out)
+    weights["mtp.fc.weight"] = torch.randn(128, 256)
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2pp2"])
+def test_qwen3_5_round_trip_is_bit_exact(tiny_qwen3_5, layout, tmp_path):
+    """hf2mg -> mg2hf gives the checkpoint back bit for bit, less its multi-token-prediction tensors (not part of
+    the RL model)."""
+    tp, vit, llm = LAYOUTS[layout]
+    mm_dir = to_mg(tiny_qwen3_5, tmp_path / "mm", tp, vit, llm)
+    out = to_hf(tiny_qwen3_5, mm_dir, tmp_path / "hf", tp, vit, llm)
+    want = {name: t for name, t in hf_tensors(tiny_qwen3_5).items() if not name.startswith("mtp.")}
+    assert_same_tensors(want, hf_tensors(out))
+
+
+def test_qwen3_5_layout_is_mindspeed_mms(tiny_qwen3_5, tmp_path):
+    """MindSpeed-MM's Qwen3.5 layer layout at TP 2: a Gated DeltaNet's ``in_proj`` per rank [q_r, k_r, v_r, z_r, b_r,
+    a_r] and its ``conv1d`` [q_r, k_r, v_r]; the gated attention's ``linear_qkv`` per query group [q heads, their
+    gates, k, v]; zero-centred norms as stored; only the layers of each kind hold its tensors."""
+    hf = hf_tensors(tiny_qwen3_5)
+    mm_dir = to_mg(tiny_qwen3_5, tmp_path / "mm", 2, [2], [4])
+    ranks = [rank_state(mm_dir, r, 0, 1)["model"] for r in range(2)]
+    g, a = "model.language_model.layers.0.linear_attn.", "model.language_model.layers.3.self_attn."
+    qkv = hf[g + "in_proj_qkv.weight"]  # [q (256); k (256); v (256)], two heads of 128 each
+    for r, state in enumerate(ranks):
+
+        def rows(t: torch.Tensor, n: int, r: int = r) -> torch.Tensor:
+            return t.view(2, n, *t.shape[1:])[r]  # rank r's head of a two-head block
+
+        want = torch.cat([rows(qkv[:256], 128), rows(qkv[256:512], 128), rows(qkv[512:], 128),
+                          rows(hf[g + "in_proj_z.weight"], 128), rows(hf[g + "in_proj_b.weight"], 1),
+                          rows(hf[g + "in_proj_a.weight"], 1)])  # fmt: skip
+        assert torch.equal(state["text_decoder.decoder.layers.0.self_attention.in_proj.weight"], want)
+        conv = hf[g + "conv1d.weight"]
+        want = torch.cat([rows(conv[:256], 128), rows(conv[256:512], 128), rows(conv[512:], 128)])
+        assert torch.equal(state["text_decoder.decoder.layers.0.self_attention.conv1d.weight"], want)
+        q = hf[a + "q_proj.weight"].view(4, 2, 64, -1)  # 4 heads x (query, gate) x 64; group r: heads 2r, 2r + 1
+        k, v = (hf[a + f"{x}_proj.weight"].view(2, 64, -1)[r] for x in "kv")
+        want = torch.cat([q[2 * r, 0], q[2 * r + 1, 0], q[2 * r, 1], q[2 * r + 1, 1], k, v])
+        assert torch.equal(state["text_decoder.decoder.layers.3.self_attention.linear_qkv.weight"], want)
+    norm = hf["model.language_model.layers.3.self_attn.q_norm.weight"]
+    assert torch.equal(ranks[0]["text_decoder.decoder.layers.3.self_attention.q_layernorm.weight"], norm)
+    kinds = ("decoder.layers.3.self_attention.in_proj", "decoder.layers.0.self_attention.linear_qkv")
+    assert not any(kind in name for kind in kinds for name in ranks[0])

@@ -40,11 +40,12 @@ FAMILIES = {
     "qwen2vl": ("qwen2vl", 14, {}),
     "qwen3_vl": ("qwen3_vl", 16, {}),
     "qwen3_vl_moe": ("qwen3_vl", 16, {"num_experts": 4}),
+    "qwen3_5": ("qwen3_5", 16, {}),
 }
 _L1 = "text_decoder.decoder.layers.1.mlp."
 _HL1 = "model.language_model.layers.1.mlp."
 _V = "model.visual."
-_HL2 = "model.language_model.layers.2."
+_HL2, _HL3 = "model.language_model.layers.2.", "model.language_model.layers.3."
 GRAD_NAMES = {  # model_id: megatron name -> transformers' parameter name, for the TP1 gradient spot checks
     "qwen2vl": HF_GRAD_NAMES,
     "qwen3_vl": {
@@ -63,6 +64,15 @@ GRAD_NAMES["qwen3_vl_moe"] = {
     _L1 + "router.weight": _HL1 + "gate.weight",
     _L1 + "experts.local_experts.3.linear_fc1.weight": _HL1 + "experts.gate_up_proj#3",
     _L1 + "experts.local_experts.0.linear_fc2.weight": _HL1 + "experts.down_proj#0",
+}
+_A0, _HA0 = "text_decoder.decoder.layers.0.self_attention.", "model.language_model.layers.0.linear_attn."
+GRAD_NAMES["qwen3_5"] = {  # Gated DeltaNet tensors stored alike, the gated attention's output projection
+    **{mg: hf for mg, hf in GRAD_NAMES["qwen3_vl"].items() if "deepstack" not in mg and "q_layernorm" not in mg},
+    _A0 + "A_log": _HA0 + "A_log",
+    _A0 + "dt_bias": _HA0 + "dt_bias",
+    _A0 + "out_norm.weight": _HA0 + "norm.weight",
+    _A0 + "out_proj.weight": _HA0 + "out_proj.weight",
+    "text_decoder.decoder.layers.3.self_attention.k_layernorm.weight": _HL3 + "self_attn.k_norm.weight",
 }
 # name: (TP, PP, EP, model.json changes); vit_pp None: the ViT all on stage 0
 CASES = {"tp2": (2, 1, 1, {}), "pp2": (1, 2, 1, {"llm_pp": [2, 2], "vit_pp": None})}

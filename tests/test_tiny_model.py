@@ -180,10 +180,10 @@ def test_every_family_tiny_vocabulary_is_the_tiny_tokenizers():
     from mm_rl.models.registry import FAMILIES
 
     sizes = {f.name: f.tiny_module().TEXT_CONFIG["vocab_size"] for f in FAMILIES if f.tiny}
-    assert len(sizes) == 3 and set(sizes.values()) == {VOCAB_SIZE}
+    assert len(sizes) == 4 and set(sizes.values()) == {VOCAB_SIZE}
 
 
-@pytest.mark.parametrize("family", ["qwen2_5vl", "qwen2vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5vl", "qwen2vl", "qwen3_vl", "qwen3_5"])
 def test_the_jobs_model_json_is_written_back_into_the_checkpoints_config(family, tmp_path):
     """What model.json may change (fewer LLM layers and ViT blocks, rope_theta, mrope_section, the activation) goes
     back into config.json where the family's checkpoint spells it, and reading that config gives the job's model

@@ -153,11 +153,24 @@ class TextDecoderConfig:
     moe_z_loss_coeff: float | None = opt(None, "router z-loss weight; null: off")
     untie_embeddings_and_output_weights: bool = opt(True, "separate output layer (false: tied to embeddings)")
     layernorm_epsilon: float = opt(1e-6, "norm epsilon")
+    layernorm_zero_centered_gamma: bool = opt(False, "norm weights stored as offsets from 1: norm(x) (1 + w) (Qwen3.5)")
+    attention_output_gate: bool = opt(False, "sigmoid gate on each attention head's output, from the query projection")
+    rotary_percent: float = opt(1.0, "share of each head's channels the rotary turns (Qwen3.5: 0.25)")
+    layer_types: list[str] = opt(
+        [], "per LLM layer full_attention or linear_attention (Qwen3.5's Gated DeltaNet); empty: all full attention"
+    )
+    linear_num_key_heads: int = opt(16, "Gated DeltaNet query / key heads")
+    linear_num_value_heads: int = opt(32, "Gated DeltaNet value heads (a multiple of the key heads)")
+    linear_key_head_dim: int = opt(128, "Gated DeltaNet query / key head size")
+    linear_value_head_dim: int = opt(128, "Gated DeltaNet value head size")
+    linear_conv_kernel_dim: int = opt(4, "Gated DeltaNet causal convolution width")
 
 
 @dataclass
 class ModelConfig:
-    model_id: str = opt("qwen2_5vl", "model family: qwen2_5vl (Qwen2.5-VL), qwen2vl (Qwen2-VL), qwen3_vl (Qwen3-VL)")
+    model_id: str = opt(
+        "qwen2_5vl", "model family: qwen2_5vl (Qwen2.5-VL), qwen2vl (Qwen2-VL), qwen3_vl (Qwen3-VL), qwen3_5 (Qwen3.5)"
+    )
     img_context_token_id: int = opt(151655, "<|image_pad|> id; fixed by the tokenizer, never change")
     vision_start_token_id: int = opt(151652, "<|vision_start|> id; fixed by the tokenizer, never change")
     image_encoder: ImageEncoderConfig = section(ImageEncoderConfig, "vision encoder and projector")

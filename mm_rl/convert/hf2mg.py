@@ -42,6 +42,7 @@ from mm_rl.convert.mapping import (
     published_name,
     shard_from_hf,
     stage_tensors,
+    unused_tensor,
 )
 from mm_rl.convert.reshape import plan_reshape
 from mm_rl.convert.stages import Pipeline, plan_pipeline
@@ -152,7 +153,7 @@ def check_checkpoint(reader: HfReader, model: ModelConfig, bounds: list[Bound]) 
             f"{reader.dir} lacks tensors that model.json needs (another model, or an "
             "incomplete checkpoint?):\n" + listing(missing)
         )
-    unexpected = sorted(n for n in reader.names - needed if not dropped_layer(model, n))
+    unexpected = sorted(n for n in reader.names - needed if not (dropped_layer(model, n) or unused_tensor(model, n)))
     if unexpected:
         raise ConversionError(
             f"{reader.dir} holds tensors that model.json does not use (another model, or "

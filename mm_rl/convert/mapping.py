@@ -72,10 +72,13 @@ def stage_tensors(model: ModelConfig, stage: Stage, ep_rank: int = 0, ep: int = 
     flags = family.model_flags(model)
     experts = local_experts(model, ep_rank, ep)
     out: list[Bound] = []
+    kinds = model.text_decoder.layer_types
     for scope in SCOPES:
         entries = [e for e in family.tensors if e.scope == scope and (e.when is None or flags[e.when])]
         for local, index in stage.layers(scope):
             for e in entries:
+                if e.layer is not None and (kinds[index] if kinds else "full_attention") != e.layer:
+                    continue
                 out += [
                     Bound(e, e.mg.format(i=local, e=mine), tuple(h.format(i=index, e=glob) for h in e.hf))
                     for mine, glob in (experts if e.expert else [(0, 0)])
@@ -110,6 +113,11 @@ def dropped_layer(model: ModelConfig, name: str) -> bool:
         return False
     kept = model.image_encoder.vision_encoder.num_layers if found[0] == "vit_layer" else model.text_decoder.num_layers
     return found[1] >= kept
+
+
+def unused_tensor(model: ModelConfig, name: str) -> bool:
+    """A checkpoint tensor outside the RL model (the family's ``hf_unused``: Qwen3.5's multi-token prediction)."""
+    return name.startswith(model_family(model).hf_unused)
 
 
 @cache
@@ -150,8 +158,10 @@ class Piece:
 
 def pieces(entry: Entry, dims: Mapping[str, int], rank: int, tp: int) -> list[Piece]:
     """TP rank ``rank``'s shard of ``entry`` as HF ranges, in the order they are concatenated."""
-    if entry.layout in ("qkv", "fused_qkv"):
+    if entry.layout in ("qkv", "fused_qkv", "gated_qkv"):
         return _qkv_pieces(entry, dims, rank, tp)
+    if entry.layout == "sections":
+        return _section_pieces(entry, dims, rank, tp)
     dim = entry.split or 0
     out = []
     for part in range(len(entry.hf)):
@@ -171,8 +181,28 @@ def _qkv_pieces(entry: Entry, dims: Mapping[str, int], rank: int, tp: int) -> li
         parts, offsets = (0, 0, 0), (0, heads * hd, 2 * heads * hd)
     out = []
     for g in range(rank * groups // tp, (rank + 1) * groups // tp):
+        if entry.layout == "gated_qkv":  # q rows [q_h; gate_h] per head -> [q heads of g, their gates, k_g, v_g]
+            heads_of_g = range(g * per_group, (g + 1) * per_group)
+            out += [Piece(0, 2 * h * hd, (2 * h + 1) * hd) for h in heads_of_g]
+            out += [Piece(0, (2 * h + 1) * hd, (2 * h + 2) * hd) for h in heads_of_g]
+            out += [Piece(1, g * hd, (g + 1) * hd), Piece(2, g * hd, (g + 1) * hd)]
+            continue
         for part, offset, width in zip(parts, offsets, (per_group * hd, hd, hd), strict=True):
             out.append(Piece(part, offset + g * width, offset + (g + 1) * width))
+    return out
+
+
+def _section_pieces(entry: Entry, dims: Mapping[str, int], rank: int, tp: int) -> list[Piece]:
+    """Each HF part is blocks along the split dimension (``entry.sections``, e.g. Qwen3.5's ``in_proj_qkv`` = q, k,
+    v); rank r holds the r-th chunk of every block, in order: MindSpeed-MM's Gated DeltaNet ``in_proj`` per rank
+    [q_r, k_r, v_r, z_r, b_r, a_r] and ``conv1d`` [q_r, k_r, v_r]."""
+    out = []
+    for part, blocks in enumerate(entry.sections):
+        offset = 0
+        for name in blocks:
+            chunk = dims[name] // tp
+            out.append(Piece(part, offset + rank * chunk, offset + (rank + 1) * chunk))
+            offset += dims[name]
     return out
 
 

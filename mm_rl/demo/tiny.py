@@ -215,8 +215,9 @@ def _model_config(family: ModelFamily, tie_word_embeddings: bool, overrides: dic
             f"{sorted(module.VISION_CONFIG)}"
         )
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    if sum(text["mrope_section"]) * 2 != head_dim:
-        raise ValueError(f"mrope_section {text['mrope_section']} must sum to head_dim / 2 = {head_dim // 2}")
+    rotary = int(head_dim * text.get("partial_rotary_factor", 1.0))
+    if sum(text["mrope_section"]) * 2 != rotary:
+        raise ValueError(f"mrope_section {text['mrope_section']} must sum to the rotary dim / 2 = {rotary // 2}")
     if text["num_attention_heads"] % text["num_key_value_heads"]:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     if text["vocab_size"] <= BOXED_TOKEN_ID:

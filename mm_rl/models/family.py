@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 Scope = Literal[
     "patch_embed", "vit_layer", "merger", "deepstack", "embedding", "llm_layer", "final_norm", "output_layer"
 ]
-Layout = Literal["plain", "glu", "qkv", "fused_qkv"]
+Layout = Literal["plain", "glu", "qkv", "fused_qkv", "gated_qkv", "sections"]
 Shape = tuple[str, ...]
 SCOPES: tuple[Scope, ...] = (
     "patch_embed",
@@ -58,6 +58,8 @@ class Entry:
     when: str | None = None  # a ``model_flags`` key: the tensor exists only when that flag is true
     duplicate: bool = False  # a Megatron-only copy of another entry's HF tensor (tied output layer)
     expert: bool = False  # one per routed expert (``{e}``: local to the EP rank in ``mg``, global in ``hf``)
+    layer: str | None = None  # an LLM layer kind (``text_decoder.layer_types``) it exists in; None: every layer
+    sections: tuple[tuple[str, ...], ...] = ()  # "sections" layout: per HF part, its blocks along the split dim
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,8 @@ class ModelFamily:
         hf_aliases: other spellings of HF tensor names (prefix, published prefix), mapped when reading.
         hf_fused: stored tensors that hold several of the table's HF tensors (fused experts).
         vision_tokens: special tokens a response may not contain (the trainer cuts a response before one).
+        hf_unused: prefixes of checkpoint tensors the RL model does not hold (hf2mg leaves them out, mg2hf
+            writes the model without them).
     """
 
     name: str
@@ -146,6 +150,7 @@ class ModelFamily:
     hf_aliases: tuple[tuple[str, str], ...] = ()
     hf_fused: tuple[Fused, ...] = ()
     vision_tokens: tuple[str, ...] = QWEN_VISION_TOKENS
+    hf_unused: tuple[str, ...] = ()
 
     def build_model(
         self, model: ModelConfig, flags: TrainingFlags | None = None, actor: ActorConfig | None = None, **options: Any

@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 from mm_rl.models.family import ModelFamily, UnknownFamily
 from mm_rl.models.qwen2_5_vl.family import FAMILY as QWEN2_5_VL
 from mm_rl.models.qwen2_vl.family import FAMILY as QWEN2_VL
+from mm_rl.models.qwen3_5.family import FAMILY as QWEN3_5
 from mm_rl.models.qwen3_vl.family import FAMILY as QWEN3_VL
 
 if TYPE_CHECKING:
     from mm_rl.config.schema import ModelConfig
 
-FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN2_VL, QWEN3_VL)
+FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN2_VL, QWEN3_VL, QWEN3_5)
 
 
 def family(model_id: str) -> ModelFamily:

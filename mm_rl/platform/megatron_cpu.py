@@ -87,6 +87,7 @@ _TORCH_VIEW_MODULES: tuple[str, ...] = (
     "megatron.core.transformer.moe.router",  # current_device() for the router weight and aux-loss buffers
     "megatron.core.transformer.moe.experts",  # current_device() for the grouped experts' weights
     "megatron.core.transformer.moe.moe_utils",  # device="cuda" aux-loss tracker, current_stream()
+    "megatron.core.ssm.gated_delta_net",  # current_device() for the conv1d, dt_bias and A_log (Qwen3.5)
     "megatron.core.transformer.moe.token_dispatcher",  # the all-to-all dispatcher's device-to-host copy stream
 )
 

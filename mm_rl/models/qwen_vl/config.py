@@ -46,6 +46,24 @@ def query_groups(text: TextDecoderConfig) -> int:
     return text.num_query_groups if text.group_query_attention else text.num_attention_heads
 
 
+def rotary_dim(text: TextDecoderConfig) -> int:
+    """The channels of each head the rotary turns (the first ones; the rest pass through)."""
+    return int(head_dim(text) * text.rotary_percent)
+
+
+def linear_attention_kwargs(text: TextDecoderConfig) -> dict[str, Any]:
+    """megatron's Gated DeltaNet sizes (read by ``GatedDeltaNet`` from the config) when any layer has one."""
+    if "linear_attention" not in text.layer_types:
+        return {}
+    return {
+        "linear_conv_kernel_dim": text.linear_conv_kernel_dim,
+        "linear_key_head_dim": text.linear_key_head_dim,
+        "linear_value_head_dim": text.linear_value_head_dim,
+        "linear_num_key_heads": text.linear_num_key_heads,
+        "linear_num_value_heads": text.linear_num_value_heads,
+    }
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Embedding rows after Megatron's padding to a multiple of ``divisible_by * tp`` (each TP rank an equal
     slice). Rows past ``vocab_size`` are never real tokens; the log-prob code masks them out."""
@@ -126,8 +144,8 @@ def text_decoder_config(
     if text.activation_func not in ACTIVATIONS:
         raise ValueError(f"activation_func {text.activation_func!r} is not one of {sorted(ACTIVATIONS)}")
     dim = head_dim(text)
-    if sum(text.mrope_section) * 2 != dim:
-        raise ValueError(f"mrope_section {text.mrope_section} must sum to head_dim / 2 = {dim // 2}")
+    if sum(text.mrope_section) * 2 != rotary_dim(text):
+        raise ValueError(f"mrope_section {text.mrope_section} must sum to the rotary dim / 2 = {rotary_dim(text) // 2}")
     kwargs: dict[str, Any] = {
         "num_layers": text.num_layers,
         "hidden_size": text.hidden_size,
@@ -143,6 +161,8 @@ def text_decoder_config(
         # megatron's finalize_model_grads sums the per-head q / k norms' gradients over TP (each rank's heads)
         "qk_layernorm": text.qk_layernorm,
         "add_bias_linear": not text.disable_bias_linear,
+        "layernorm_zero_centered_gamma": text.layernorm_zero_centered_gamma,
+        "attention_output_gate": text.attention_output_gate,
         "mrope_section": list(text.mrope_section),  # GPTModel takes the type ("mrope") and rope_theta itself
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
@@ -166,6 +186,7 @@ def text_decoder_config(
         **cpu_safe_transformer_kwargs(),
     }
     kwargs.update(moe_kwargs(text, ep))
+    kwargs.update(linear_attention_kwargs(text))
     if flags is not None and flags.no_gradient_accumulation_fusion:
         kwargs["gradient_accumulation_fusion"] = False
     kwargs.update(overrides)

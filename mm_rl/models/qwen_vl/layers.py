@@ -7,6 +7,7 @@ loading either.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,6 +25,8 @@ class TorchNorm:
     (``distributed/finalize_model_grads.py``, ``_allreduce_non_tensor_model_parallel_grads``; apex's
     ``FusedLayerNorm`` marks its own the same way)."""
 
+    zero_centered: bool | None = None  # None: as the config's ``layernorm_zero_centered_gamma``
+
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:  # type: ignore[misc]
         import torch
 
@@ -32,10 +35,40 @@ class TorchNorm:
             raise ValueError(f"normalization {config.normalization!r}: one of {sorted(norms)} is needed")
         # in the model's dtype, as megatron's own norms: an fp32 weight on bf16 activations makes torch's rms_norm /
         # layer_norm take their unfused path (ATen native/layer_norm.cpp, "Cannot dispatch to fused implementation")
-        norm = norms[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
+        zero_centered = config.layernorm_zero_centered_gamma if cls.zero_centered is None else cls.zero_centered
+        if zero_centered and config.normalization != "RMSNorm":
+            raise ValueError("a zero-centred norm weight is taken for RMSNorm only")
+        kind = _zero_centered_rms_norm() if zero_centered else norms[config.normalization]
+        norm = kind(hidden_size, eps=eps, dtype=config.params_dtype)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
         return norm
+
+
+class PlainNorm(TorchNorm):
+    """:class:`TorchNorm` with its weight as it is (a Gated DeltaNet's output norm in a zero-centred model)."""
+
+    zero_centered = False
+
+
+@functools.cache
+def _zero_centered_rms_norm() -> type:
+    import torch
+
+    class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+        """RMSNorm whose weight is stored as an offset from one: y = x / rms(x) * (1 + w), in fp32 then cast back
+        (Qwen3-Next's and Qwen3.5's norms; megatron's ``layernorm_zero_centered_gamma``, which its torch norms
+        refuse). The weight starts at zero, as megatron initialises a zero-centred gamma."""
+
+        def reset_parameters(self) -> None:
+            if self.weight is not None:
+                torch.nn.init.zeros_(self.weight)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            normed = torch.nn.functional.rms_norm(x.float(), self.normalized_shape, eps=self.eps)
+            return (normed * (1.0 + self.weight.float())).type_as(x)
+
+    return ZeroCenteredRMSNorm
 
 
 def llm_layer_spec(

@@ -197,13 +197,14 @@ class QwenVLModel(torch.nn.Module):
             share_embeddings_and_output_weights=not text.untie_embeddings_and_output_weights,
             position_embedding_type="mrope",
             rotary_base=text.rope_theta,  # type: ignore[arg-type]  # megatron annotates int; rope_theta is float
+            rotary_percent=text.rotary_percent,
             scatter_embedding_sequence_parallel=False,  # images are spliced in first (see decoder_input)
         )
         if text.mrope_interleaved:
             from mm_rl.models.qwen_vl.rotary import InterleavedMultimodalRotaryEmbedding
 
             decoder.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(
-                kv_channels=self.config.kv_channels, rotary_percent=1.0, rotary_base=text.rope_theta
+                kv_channels=self.config.kv_channels, rotary_percent=text.rotary_percent, rotary_base=text.rope_theta
             )
         if self.cp is not None:
             # positions arrive already cut to this rank's contiguous chunk: megatron must not re-slice the
@@ -483,10 +484,12 @@ class QwenVLModel(torch.nn.Module):
     def _sharing(self, shared_prompt: Tensor | None, output_mask: Tensor | None, return_logits: bool) -> Tensor | None:
         """``shared_prompt`` where computing a shared prompt once changes nothing the caller reads: only the
         output mask's positions are returned, and no router loss counts tokens (megatron's load-balancing and
-        z-losses average over the tokens routed, which the shared ones would then weigh once, not once per row)."""
+        z-losses average over the tokens routed, which the shared ones would then weigh once, not once per row), and no
+        layer is recurrent (a Gated DeltaNet sample would need the state at the end of the shared prompt)."""
         aux = self.config.moe_aux_loss_coeff  # a float, or one per load-balancing type
         router_loss = any(aux if isinstance(aux, list) else [aux]) or self.config.moe_z_loss_coeff
-        if shared_prompt is None or output_mask is None or return_logits or router_loss:
+        recurrent = "linear_attention" in self.model_cfg.text_decoder.layer_types  # a state, not keys, per prompt
+        if shared_prompt is None or output_mask is None or return_logits or router_loss or recurrent:
             return None
         return shared_prompt
 

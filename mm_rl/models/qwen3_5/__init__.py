@@ -1,0 +1,1 @@
+"""Qwen3.5 (dense; hybrid Gated DeltaNet and gated full attention) as a model family."""

@@ -1,0 +1,60 @@
+"""The tiny Qwen3.5 (``mm_rl.demo.tiny`` builds it): 4 LLM layers, three Gated DeltaNet layers then one gated
+full-attention layer (Qwen3.5's 3 : 1 pattern), and a 2-block ViT with 16-pixel patches and a 4 x 4 learned position
+table (Qwen3-VL's ViT without DeepStack).
+
+The linear-attention heads are 128 wide, as in every published Qwen3.5: vLLM 0.32's CPU Gated DeltaNet kernel
+(``cpu_gdn_attention_core``) refuses 16 and 32. Two key and two value heads, so TP 2 gives each rank one of each. The
+full attention has 4 query heads of 64 in 2 groups, the rotary on the first quarter of each head (16 channels:
+interleaved mRoPE sections [3, 3, 2])."""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROCESSOR_CLASS = "Qwen3VLProcessor"
+IMAGE_PROCESSOR: dict[str, Any] = {"patch_size": 16}
+VISION_CONFIG: dict[str, Any] = {
+    "depth": 2,
+    "hidden_size": 64,
+    "num_heads": 4,
+    "intermediate_size": 128,
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": 128,
+    "in_channels": 3,
+    "hidden_act": "gelu_pytorch_tanh",
+    "num_position_embeddings": 16,
+}
+TEXT_CONFIG: dict[str, Any] = {
+    "hidden_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "partial_rotary_factor": 0.25,
+    "intermediate_size": 256,
+    "rope_theta": 1e7,
+    "mrope_section": [3, 3, 2],
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "vocab_size": 1024,  # the tiny tokenizer's ids (mm_rl.demo.tiny.VOCAB_SIZE)
+    "hidden_act": "silu",
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+}
+
+
+def hf_config(**fields: Any) -> Any:
+    """transformers' Qwen3.5 config (the rotary share and interleaving live in ``rope_parameters``)."""
+    from transformers import Qwen3_5Config
+
+    text = fields["text_config"]
+    rope = text["rope_parameters"]
+    rope["mrope_interleaved"] = True
+    rope["partial_rotary_factor"] = text.pop("partial_rotary_factor")
+    return Qwen3_5Config(**fields)
