@@ -374,7 +374,7 @@ backend_config:
 def test_error_names_key_value_rule_and_fix():
     (problem,) = validate(job(f"{TEXT}.mrope_section=[16,24,16]"), check_paths=False)
     text = str(problem)
-    assert text.startswith(f"{TEXT}.mrope_section = [16, 24, 16]: must sum to head_dim / 2 = 64")
+    assert text.startswith(f"{TEXT}.mrope_section = [16, 24, 16]: must sum to the rotary dim / 2 = 64")
     assert "Fix:" in text
 
 

@@ -502,13 +502,15 @@ def model_family(cfg: JobConfig) -> Iterator[Violation]:
 
 @rule
 def mrope_sum(cfg: JobConfig) -> Iterator[Violation]:
-    section = cfg.backend_config.model.text_decoder.mrope_section
-    if sum(section) * 2 != head_dim(cfg):
+    text = cfg.backend_config.model.text_decoder
+    section, rotary = text.mrope_section, int(head_dim(cfg) * text.rotary_percent)
+    if sum(section) * 2 != rotary:
         yield Violation(
             f"{TEXT}.mrope_section",
             section,
-            f"must sum to head_dim / 2 = {head_dim(cfg) // 2} (sums to {sum(section)})",
-            "split head_dim / 2 over (time, height, width), e.g. [16, 24, 24] for head_dim 128",
+            f"must sum to the rotary dim / 2 = {rotary // 2} (head_dim {head_dim(cfg)} x rotary_percent "
+            f"{text.rotary_percent} / 2; sums to {sum(section)})",
+            "split it over (time, height, width), e.g. [16, 24, 24] for head_dim 128",
         )
 
 

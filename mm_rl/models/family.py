@@ -129,6 +129,7 @@ class ModelFamily:
         hf_aliases: other spellings of HF tensor names (prefix, published prefix), mapped when reading.
         hf_fused: stored tensors that hold several of the table's HF tensors (fused experts).
         vision_tokens: special tokens a response may not contain (the trainer cuts a response before one).
+        cpu_engine_dtype: the engine's precision on CPU where ``generate_config.dtype`` is auto.
         hf_unused: prefixes of checkpoint tensors the RL model does not hold (hf2mg leaves them out, mg2hf
             writes the model without them).
     """
@@ -151,6 +152,7 @@ class ModelFamily:
     hf_fused: tuple[Fused, ...] = ()
     vision_tokens: tuple[str, ...] = QWEN_VISION_TOKENS
     hf_unused: tuple[str, ...] = ()
+    cpu_engine_dtype: str = "float32"
 
     def build_model(
         self, model: ModelConfig, flags: TrainingFlags | None = None, actor: ActorConfig | None = None, **options: Any

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
@@ -36,16 +38,23 @@ GREEDY_BELOW = 1e-5  # below this temperature an engine samples greedily (vLLM u
 MEMORY_TAGS = ("weights", "kv_cache")  # what a sleeping engine releases (vLLM's wake_up tags)
 
 
-def engine_dtype(config: GenerateConfig, override: str | None = None) -> str:
-    """The engine's precision: ``override``, else ``generate_config.dtype``, where ``auto`` is float32 on CPU (oneDNN
-    bf16 falls back to slow paths on AVX2) and bfloat16 on accelerators."""
+def engine_dtype(config: GenerateConfig, override: str | None = None, model_path: str | Path | None = None) -> str:
+    """The engine's precision: ``override``, else ``generate_config.dtype``, where ``auto`` is bfloat16 on
+    accelerators and on CPU the model family's ``cpu_engine_dtype`` (float32 but for a family whose vLLM CPU kernels
+    take bf16 only; oneDNN bf16 falls back to slow paths on AVX2)."""
     from mm_rl.platform.device import device_kind
 
     if override:
         return override
     if config.dtype != "auto":
         return config.dtype
-    return "float32" if device_kind() == "cpu" else "bfloat16"
+    if device_kind() != "cpu":
+        return "bfloat16"
+    if model_path is None:
+        return "float32"
+    from mm_rl.models.registry import family_for_hf
+
+    return family_for_hf(json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))).cpu_engine_dtype
 
 
 # ------------------------------------------------------------------------------------------------ requests

@@ -76,7 +76,7 @@ class HfEngine(RolloutEngine):
 
         super().__init__(policy_from_config(config, model_path, min_pixels, max_pixels))
         self.device = current_device()
-        dtype = engine_dtype(config, dtype)
+        dtype = engine_dtype(config, dtype, model_path)
         self.processor = PromptProcessor(model_path, min_pixels, max_pixels)
         model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model = model.to(self.device).eval()

@@ -324,7 +324,7 @@ def engine_kwargs(
     ``dummy_weights``: the caller sends every weight before the first generate (the trainer's first sync), so the
     checkpoint is not read at start-up (vLLM's ``load_format: dummy``; see
     :meth:`WeightReceiver.mm_rl_after_dummy_load`)."""
-    dtype = engine_dtype(config, dtype)
+    dtype = engine_dtype(config, dtype, model_path)
     kwargs: dict[str, Any] = {
         "model": str(model_path),
         "dtype": dtype,

@@ -201,4 +201,7 @@ FAMILY = ModelFamily(
     tiny=tiny,
     rules=rules,
     hf_unused=("mtp.",),
+    # vLLM 0.32's CPU Gated DeltaNet kernel takes bf16 only (``cpu_gdn_attention_core`` asserts it,
+    # vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py)
+    cpu_engine_dtype="bfloat16",
 )
