@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def hf_config_json(model: dict) -> dict:
-    """The config.json (transformers 5 spelling) of a Qwen2.5-VL, Qwen2-VL or Qwen3-VL (-MoE) checkpoint whose
+    """The config.json (transformers 5 spelling) of a Qwen2.5-VL, Qwen2-VL, Qwen3-VL (-MoE) or Qwen3.5 checkpoint whose
     model.json is ``model``."""
     text, vit = model["text_decoder"], model["image_encoder"]["vision_encoder"]
     vision = {
@@ -29,6 +29,9 @@ def hf_config_json(model: dict) -> dict:
             "num_heads": vit["num_attention_heads"],
             "mlp_ratio": vit["ffn_hidden_size"] // vit["hidden_size"],
         }
+    if model["model_id"] == "qwen3_5":
+        model_type, architecture = "qwen3_5", "Qwen3_5ForConditionalGeneration"
+    hybrid = {key: text[key] for key in text if key == "layer_types" or key.startswith("linear_")}
     experts = {}
     if text.get("num_moe_experts"):
         model_type, architecture = "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"
@@ -56,10 +59,12 @@ def hf_config_json(model: dict) -> dict:
                 "rope_theta": text["rope_theta"],
                 "mrope_section": text["mrope_section"],
                 "mrope_interleaved": text.get("mrope_interleaved", False),
+                **({"partial_rotary_factor": text["rotary_percent"]} if hybrid else {}),
             },
             "head_dim": text.get("kv_channels") or text["hidden_size"] // text["num_attention_heads"],
             "tie_word_embeddings": not text["untie_embeddings_and_output_weights"],
             **experts,
+            **hybrid,
         },
         "vision_config": vision,
     }

@@ -459,3 +459,28 @@ def test_token_budgets_that_hold_the_longest_sample_are_accepted_and_free_gbs_fr
     assert (
         check(f"{MT}.global_batch_size=12", f"{RL}.rollout_batch_size=3", f"{RL}.n_samples_per_prompt=4") != []
     )  # without a budget it must be
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_yaml(tmp_path_factory):
+    """The job `config --af_model_name tiny_qwen3_5` writes (without building its model and data)."""
+    node, _, plan = create_job("tiny_qwen3_5", "tiny_checks", ClusterSpec())
+    return write_job(node, plan, tmp_path_factory.mktemp("qwen3_5_job") / "job.yaml", "tiny_qwen3_5")
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "words"),
+    [
+        (f"{TRAIN}.context-parallel-size=2", f"{TRAIN}.context-parallel-size", "recurrent state"),
+        (f"{ACTOR}.remove_padding=false", f"{ACTOR}.remove_padding", "packed sequences"),
+        (f"{GEN}.dtype=float32", f"{GEN}.dtype", "bfloat16 only"),
+        (f"{TEXT}.linear_num_value_heads=3", f"{TEXT}.linear_num_value_heads", "multiple of linear_num_key_heads"),
+    ],
+)
+def test_what_gated_deltanet_layers_cannot_run_is_rejected(qwen3_5_yaml, tmp_path, override, key, words):
+    write_hf_dir(tmp_path / "tiny_hf", model="tiny_qwen3_5")
+    write_data_dir(tmp_path / "geo3k_synthetic")
+    load = lambda *o: validate(load_job(qwen3_5_yaml, [f"af_output_dir={tmp_path}", *o]))  # noqa: E731
+    assert load() == []
+    problems = [p for p in load(override) if p.key == key]
+    assert problems and words in problems[0].rule and problems[0].fix

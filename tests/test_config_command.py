@@ -233,6 +233,13 @@ def test_tiny_config_builds_its_model_and_data_and_passes_check(tiny_base, capsy
         ("qwen3_vl_32b", 33.4),
         ("qwen3_vl_30b_a3b", 31.1),
         ("qwen3_vl_235b_a22b", 236),
+        # Qwen3.5: transformers' Qwen3_5ForConditionalGeneration built from each preset's config.json on the meta
+        # device (the cards round to 0.8B, 2B, 4B, 9B, 27B; the 9B's LLM alone, as GGUF counts it: 8.95B)
+        ("qwen3_5_0_8b", 0.853),
+        ("qwen3_5_2b", 2.213),
+        ("qwen3_5_4b", 4.539),
+        ("qwen3_5_9b", 9.410),
+        ("qwen3_5_27b", 27.36),
     ],
 )
 def test_presets_have_the_published_parameter_counts(model, billions):
@@ -274,6 +281,27 @@ def test_moe_plans_spread_the_experts(model, tmp_path, paths):
     ep, tp = b.actor_config.expert_model_parallel_size, b.actor_config.tensor_model_parallel_size
     assert tp == 1 and ep > 1 and 128 % ep == 0
     assert b.convert_ckpt_hf2mg.cfg.parallel_config.ep_size == ep
+
+
+@pytest.mark.parametrize("model", ["qwen3_5_9b", "qwen3_5_27b"])
+def test_qwen3_5_plans_pass_check_and_count_the_engines_recurrent_states(model, tmp_path, paths):
+    """A Qwen3.5 preset's plan on 8-device nodes passes check; a colocated engine's share holds its weights and the
+    Gated DeltaNet states of max_num_seqs sequences (tens of MiB each at 27B)."""
+    from mm_rl.config.plan import engine_state_gb, recurrent_state_bytes
+
+    write_hf_dir(tmp_path / "hf", model=model)
+    out = tmp_path / "job.yaml"
+    argv = ["config", "--backend", "mm_rl", "--af_model_name", model, "--exp_name", "e", "--output_file_path",
+            str(out), "--nnodes", "2", "--nproc_per_node", "8", "--device", "npu", *paths,
+            f"--af_output_dir={tmp_path / 'out'}", "--allow-oversubscribe"]  # fmt: skip
+    assert main(argv) == 0 and main(["check", str(out)]) == 0
+    cfg = load_job(out)
+    text = cfg.backend_config.model.text_decoder
+    layers = text.layer_types.count("linear_attention")
+    assert layers == text.num_layers * 3 // 4
+    per_layer = text.linear_num_value_heads * 128 * 128 + (2 * 16 * 128 + text.linear_num_value_heads * 128) * 3
+    assert recurrent_state_bytes(text) == layers * per_layer * 2
+    assert engine_state_gb(cfg) > 0
 
 
 def test_the_planner_keeps_deepstack_layers_with_the_vit():

@@ -24,7 +24,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from mm_rl.config.schema import JobConfig, ModelConfig
+from mm_rl.config.schema import JobConfig, ModelConfig, TextDecoderConfig
 from mm_rl.config.topology import topology
 
 GIB = 1024**3
@@ -56,13 +56,53 @@ class LayerCounts:
     patch_embed: int
 
 
+def linear_attention_share(text: TextDecoderConfig) -> float:
+    """The share of LLM layers that are Gated DeltaNet (linear attention); the plan spreads them evenly."""
+    kinds = text.layer_types
+    return kinds.count("linear_attention") / len(kinds) if kinds else 0.0
+
+
+def gated_delta_net_parameters(text: TextDecoderConfig) -> int:
+    """One Gated DeltaNet mixer: in_proj (q, k, v, z, beta, alpha), the causal convolution, out_proj, A / dt, norm."""
+    keys, values = (
+        text.linear_num_key_heads * text.linear_key_head_dim,
+        text.linear_num_value_heads * text.linear_value_head_dim,
+    )
+    heads = text.linear_num_value_heads
+    conv = 2 * keys + values
+    return (
+        text.hidden_size * (conv + values + 2 * heads)
+        + conv * text.linear_conv_kernel_dim
+        + values * text.hidden_size
+        + 2 * heads
+        + text.linear_value_head_dim
+    )
+
+
+def recurrent_state_bytes(text: TextDecoderConfig, element: int = 2) -> int:
+    """One sequence's Gated DeltaNet state in an engine, all layers: per layer the recurrent state (value heads x
+    key dim x value dim) and the convolution's last kernel - 1 inputs, in the engine's precision (vLLM keeps them
+    per running sequence, beside the KV cache of the full-attention layers)."""
+    layers = text.layer_types.count("linear_attention")
+    keys, values = (
+        text.linear_num_key_heads * text.linear_key_head_dim,
+        text.linear_num_value_heads * text.linear_value_head_dim,
+    )
+    state = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim
+    conv = (2 * keys + values) * (text.linear_conv_kernel_dim - 1)
+    return layers * (state + conv) * element
+
+
 def layer_counts(model: ModelConfig) -> LayerCounts:
     text, vit = model.text_decoder, model.image_encoder.vision_encoder
     proj = model.image_encoder.vision_projector
     head_dim = text.kv_channels or text.hidden_size // text.num_attention_heads
     groups = text.num_query_groups if text.group_query_attention else text.num_attention_heads
     h, f = text.hidden_size, text.ffn_hidden_size
-    llm = h * (text.num_attention_heads + 2 * groups) * head_dim + text.num_attention_heads * head_dim * h
+    gate = 2 if text.attention_output_gate else 1  # a gated attention's query projection also gives the gates
+    attention = h * (gate * text.num_attention_heads + 2 * groups) * head_dim + text.num_attention_heads * head_dim * h
+    linear = linear_attention_share(text)
+    llm = round((1 - linear) * attention + linear * gated_delta_net_parameters(text))
     experts = text.num_moe_experts or 0
     if experts:  # the router, and the experts' SwiGLU MLPs in place of the dense one
         llm += experts * h
@@ -107,16 +147,22 @@ def engine_weights_gb(cfg: JobConfig) -> float:
     return model_parameters(cfg.backend_config.model) * (4 if g.dtype == "float32" else 2) / 2**30
 
 
+def engine_state_gb(cfg: JobConfig) -> float:
+    """GiB of the Gated DeltaNet states an engine holds for ``max_num_seqs`` running sequences (0 for a model
+    without linear attention); vLLM takes them out of the same share as the KV cache."""
+    g = cfg.backend_config.generate_config
+    element = 4 if g.dtype == "float32" else 2
+    return g.max_num_seqs * recurrent_state_bytes(cfg.backend_config.model.text_decoder, element) / 2**30
+
+
 def colocated_engine_tp(cfg: JobConfig) -> int | None:
-    """The smallest engine TP (a divisor of the devices per node) whose weight share per device leaves a KV cache
-    room in a colocated engine's ``gpu_memory_utilization`` share; None when no TP within a node does."""
+    """The smallest engine TP (a divisor of the devices per node) whose weight share per device (with the recurrent
+    states of a hybrid model) leaves a KV cache room in a colocated engine's ``gpu_memory_utilization`` share; None
+    when no TP within a node does."""
     share = cfg.backend_config.generate_config.gpu_memory_utilization * device_memory_gb(cfg)
     per_node = cfg.env.NPROC_PER_NODE
-    fitting = [
-        tp
-        for tp in range(1, per_node + 1)
-        if per_node % tp == 0 and engine_weights_gb(cfg) / tp <= ENGINE_WEIGHTS_SHARE * share
-    ]
+    held = engine_weights_gb(cfg) + engine_state_gb(cfg)
+    fitting = [tp for tp in range(1, per_node + 1) if per_node % tp == 0 and held / tp <= ENGINE_WEIGHTS_SHARE * share]
     return fitting[0] if fitting else None
 
 
@@ -324,6 +370,10 @@ def _stage_activations(cfg: JobConfig, s: int, vit_layers: list[int], llm_layers
     llm_act = per_layer(
         micro_batch_tokens(cfg) / cp, seq, text.hidden_size, text.num_attention_heads, scores=False, split=tp
     )
+    # a Gated DeltaNet layer also keeps its chunked recurrent states for backward (fp32, one per 64 tokens: value
+    # heads x key dim x value dim), cut by TP with the heads
+    states = 4 * text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim / 64 / tp
+    llm_act += linear_attention_share(text) * micro_batch_tokens(cfg) / cp * states
     return llm_layers[s] * llm_act + vit_layers[s] * vit_act
 
 
@@ -474,6 +524,9 @@ def sharded_sizes(cfg: JobConfig) -> dict[str, int]:
     groups = text.num_query_groups if text.group_query_attention else text.num_attention_heads
     if groups >= 1 and text.num_attention_heads % groups == 0:
         sizes[f"{_TEXT}.num_query_groups"] = groups
+    if "linear_attention" in text.layer_types:  # Gated DeltaNet heads split over TP like attention heads
+        sizes[f"{_TEXT}.linear_num_key_heads"] = text.linear_num_key_heads
+        sizes[f"{_TEXT}.linear_num_value_heads"] = text.linear_num_value_heads
     return sizes
 
 

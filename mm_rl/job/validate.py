@@ -583,6 +583,38 @@ def context_parallel(cfg: JobConfig) -> Iterator[Violation]:
 
 
 @rule
+def recurrent_layers(cfg: JobConfig) -> Iterator[Violation]:
+    """What a model with Gated DeltaNet layers (Qwen3.5) cannot run: context parallelism (a layer's recurrent state
+    runs through the whole sequence; Ulysses would hand each rank whole heads over all tokens, which megatron-core
+    0.16's GatedDeltaNet, with no CP of its own, and mm_rl's packed forward do not do yet), padded rows (a left-padded
+    row would feed its padding into the state; packing cuts each sequence out), and a float32 engine on CPU
+    (vLLM 0.32's CPU Gated DeltaNet kernel asserts bf16)."""
+    b = cfg.backend_config
+    if "linear_attention" not in b.model.text_decoder.layer_types:
+        return
+    why = "the model has Gated DeltaNet (linear-attention) layers"
+    if b.training.context_parallel_size > 1:
+        yield Violation(
+            f"{TRAIN}.context-parallel-size",
+            b.training.context_parallel_size,
+            f"{why}, whose recurrent state spans the whole sequence: context parallelism is not supported for them",
+            "set it to 1; for long sequences raise TP (sequence parallelism cuts the activations) or PP",
+        )
+    if not b.actor_config.remove_padding:
+        yield Violation(
+            f"{ACTOR}.remove_padding", False, f"{why}: they run packed sequences (each from a zero state)",
+            "set it to true",
+        )  # fmt: skip
+    from mm_rl.platform.device import device_kind
+
+    if b.generate_config.backend == "vllm" and b.generate_config.dtype == "float32" and device_kind() == "cpu":
+        yield Violation(
+            f"{GEN}.dtype", "float32", f"{why}: vLLM's CPU kernel for them runs bfloat16 only",
+            "set it to auto (bfloat16 for this family on CPU) or bfloat16",
+        )  # fmt: skip
+
+
+@rule
 def freeze_flags(cfg: JobConfig) -> Iterator[Violation]:
     enc = cfg.backend_config.model.image_encoder
     if not enc.vision_encoder.freeze:
