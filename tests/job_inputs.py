@@ -33,7 +33,10 @@ def hf_config_json(model: dict) -> dict:
         model_type, architecture = "qwen3_5", "Qwen3_5ForConditionalGeneration"
     hybrid = {key: text[key] for key in text if key == "layer_types" or key.startswith("linear_")}
     experts = {}
-    if text.get("num_moe_experts"):
+    if text.get("num_moe_experts") and model["model_id"] == "qwen3_5":
+        model_type, architecture = "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"
+        experts = {"shared_expert_intermediate_size": text["moe_shared_expert_intermediate_size"]}
+    elif text.get("num_moe_experts"):
         model_type, architecture = "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"
         experts = {
             "num_experts": text["num_moe_experts"],
@@ -42,6 +45,12 @@ def hf_config_json(model: dict) -> dict:
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
+    if text.get("num_moe_experts"):
+        experts.update(
+            num_experts=text["num_moe_experts"],
+            num_experts_per_tok=text["moe_router_topk"],
+            moe_intermediate_size=text["moe_intermediate_size"],
+        )
     return {
         "model_type": model_type,
         "architectures": [architecture],

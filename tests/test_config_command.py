@@ -240,6 +240,9 @@ def test_tiny_config_builds_its_model_and_data_and_passes_check(tiny_base, capsy
         ("qwen3_5_4b", 4.539),
         ("qwen3_5_9b", 9.410),
         ("qwen3_5_27b", 27.36),
+        ("qwen3_5_35b_a3b", 35.11),
+        ("qwen3_5_122b_a10b", 122.56),
+        ("qwen3_5_397b_a17b", 396.8),
     ],
 )
 def test_presets_have_the_published_parameter_counts(model, billions):
@@ -283,7 +286,7 @@ def test_moe_plans_spread_the_experts(model, tmp_path, paths):
     assert b.convert_ckpt_hf2mg.cfg.parallel_config.ep_size == ep
 
 
-@pytest.mark.parametrize("model", ["qwen3_5_9b", "qwen3_5_27b"])
+@pytest.mark.parametrize("model", ["qwen3_5_9b", "qwen3_5_27b", "qwen3_5_35b_a3b"])
 def test_qwen3_5_plans_pass_check_and_count_the_engines_recurrent_states(model, tmp_path, paths):
     """A Qwen3.5 preset's plan on 8-device nodes passes check; a colocated engine's share holds its weights and the
     Gated DeltaNet states of max_num_seqs sequences (tens of MiB each at 27B)."""

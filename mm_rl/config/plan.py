@@ -104,8 +104,9 @@ def layer_counts(model: ModelConfig) -> LayerCounts:
     linear = linear_attention_share(text)
     llm = round((1 - linear) * attention + linear * gated_delta_net_parameters(text))
     experts = text.num_moe_experts or 0
-    if experts:  # the router, and the experts' SwiGLU MLPs in place of the dense one
-        llm += experts * h
+    if experts:  # the router, and the experts' SwiGLU MLPs in place of the dense one (and a gated shared expert)
+        shared = text.moe_shared_expert_intermediate_size or 0
+        llm += experts * h + 3 * h * shared + (h if text.moe_shared_expert_gate else 0)
     else:
         llm += (3 if text.swiglu else 2) * h * f
     hv, fv = vit.hidden_size, vit.ffn_hidden_size

@@ -145,6 +145,10 @@ class TextDecoderConfig:
     moe_router_topk: int = opt(2, "experts each token is routed to")
     moe_intermediate_size: int | None = opt(None, "one expert's SwiGLU width (MoE only)")
     norm_topk_prob: bool = opt(True, "renormalise the top-k routing weights to sum to 1 (Qwen3-VL-MoE: true)")
+    moe_shared_expert_intermediate_size: int | None = opt(
+        None, "the shared expert's SwiGLU width beside the routed ones (Qwen3.5-MoE); null: none"
+    )
+    moe_shared_expert_gate: bool = opt(False, "a sigmoid gate on the shared expert's output (Qwen3.5-MoE)")
     moe_aux_loss_coeff: float = opt(
         0.0,
         "load-balancing loss weight (megatron's aux_loss); RL usually leaves it off: the routing then follows "

@@ -372,10 +372,12 @@ def tiny_overrides(model: ModelConfig) -> dict[str, Any]:
     text = model.text_decoder
     if not text.num_moe_experts:
         return {}
+    shared = {"shared_expert_intermediate_size": text.moe_shared_expert_intermediate_size}
     return {
         "num_experts": text.num_moe_experts,
         "num_experts_per_tok": text.moe_router_topk,
         "moe_intermediate_size": text.moe_intermediate_size,
+        **(shared if text.moe_shared_expert_intermediate_size else {}),
     }
 
 

@@ -1,4 +1,4 @@
-"""Qwen3.5 (dense) as a model family: a hybrid LLM (``layer_types``: Gated DeltaNet linear attention, and every
+"""Qwen3.5 (dense and MoE) as a model family: a hybrid LLM (``layer_types``: Gated DeltaNet linear attention, and every
 fourth layer gated full attention) behind Qwen3-VL's ViT without DeepStack.
 
 The layers' tensors in MindSpeed-MM's megatron layout for Qwen3.5 (its bridge, ``bridge/models/qwen_vl/
@@ -55,6 +55,21 @@ GATED_DELTA_NET: tuple[Entry, ...] = (
     Entry("llm_layer", A + "out_norm.weight", (G + "norm.weight",), (("lvd",),), layer=LINEAR),
     Entry("llm_layer", A + "out_proj.weight", (G + "out_proj.weight",), (("h", "lv"),), split=1, layer=LINEAR),
 )
+EH, S = LH + "mlp.experts.{e}.", L + "mlp.shared_experts."
+SH = LH + "mlp.shared_expert."
+# Qwen3-VL-MoE's router and experts (stored one tensor per expert, as transformers' qwen2_moe conversion reads them),
+# and a gated shared expert
+MOE: tuple[Entry, ...] = (
+    Entry("llm_layer", L + "mlp.router.weight", (LH + "mlp.gate.weight",), (("experts", "h"),), when="moe"),
+    Entry("llm_layer", L + "mlp.experts.local_experts.{e}.linear_fc1.weight", (EH + "gate_proj.weight",
+          EH + "up_proj.weight"), (("eff", "h"), ("eff", "h")), "glu", 0, when="moe", expert=True),
+    Entry("llm_layer", L + "mlp.experts.local_experts.{e}.linear_fc2.weight", (EH + "down_proj.weight",),
+          (("h", "eff"),), split=1, when="moe", expert=True),
+    Entry("llm_layer", S + "linear_fc1.weight", (SH + "gate_proj.weight", SH + "up_proj.weight"),
+          (("sffn", "h"), ("sffn", "h")), "glu", 0, when="moe"),
+    Entry("llm_layer", S + "linear_fc2.weight", (SH + "down_proj.weight",), (("h", "sffn"),), split=1, when="moe"),
+    Entry("llm_layer", S + "gate_weight", (LH + "mlp.shared_expert_gate.weight",), (("one", "h"),), when="moe"),
+)
 GATED_ATTENTION: tuple[Entry, ...] = (
     Entry("llm_layer", A + "linear_qkv.weight", tuple(AH + f"{x}_proj.weight" for x in "qkv"),
           (("q2", "h"), ("kv", "h"), ("kv", "h")), "gated_qkv", 0, LLM_HEADS, layer=FULL),
@@ -64,8 +79,10 @@ GATED_ATTENTION: tuple[Entry, ...] = (
 )
 # fmt: on
 VISION = tuple(e for e in qwen3_vl.TENSORS if e.scope in ("patch_embed", "vit_layer", "merger"))
-TEXT = tuple(e for e in text_table("model.language_model.", dense_mlp(LH)) if "self_attention." not in e.mg)
-TENSORS: tuple[Entry, ...] = (*VISION, *TEXT, *GATED_DELTA_NET, *GATED_ATTENTION)
+TEXT = tuple(
+    e for e in text_table("model.language_model.", dense_mlp(LH, when="dense")) if "self_attention." not in e.mg
+)
+TENSORS: tuple[Entry, ...] = (*VISION, *TEXT, *GATED_DELTA_NET, *GATED_ATTENTION, *MOE)
 
 
 def qwen3_5_dims(model: ModelConfig) -> dict[str, int]:
@@ -83,6 +100,7 @@ def qwen3_5_dims(model: ModelConfig) -> dict[str, int]:
         "lvd": text.linear_value_head_dim,
         "lkw": text.linear_conv_kernel_dim,
         "one": 1,
+        "sffn": text.moe_shared_expert_intermediate_size or 0,
     }
 
 
@@ -105,10 +123,11 @@ def model_json(config: Mapping[str, Any]) -> dict[str, Any]:
     text = config.get("text_config")
     if not isinstance(text, Mapping):
         raise HfConfigError(f"config.json has no text_config: not a {LABEL} checkpoint")
-    if text.get("num_experts"):
-        raise HfConfigError(f"{LABEL}-MoE checkpoints are not supported yet: mm_rl builds the dense {LABEL}")
+    moe = bool(text.get("num_experts"))
+    if moe:  # no dense MLP: the shared expert's width stands in for the field every Qwen text config has
+        text = {"intermediate_size": need(text, "shared_expert_intermediate_size", LABEL), **text}
     vision = {**vision_json(config, LABEL), "deepstack_visual_indexes": []}
-    out = qwen3_vl.model_json({**config, "vision_config": vision})
+    out = qwen3_vl.model_json({**config, "text_config": text, "vision_config": vision})
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     out["model_id"] = MODEL_ID
     out["text_decoder"].update(
@@ -121,6 +140,9 @@ def model_json(config: Mapping[str, Any]) -> dict[str, Any]:
             **{key: need(text, key, LABEL) for key in _LINEAR_KEYS},
         }
     )
+    if moe:
+        out["text_decoder"]["moe_shared_expert_intermediate_size"] = text["shared_expert_intermediate_size"]
+        out["text_decoder"]["moe_shared_expert_gate"] = True
     return out
 
 
@@ -141,7 +163,6 @@ _TEXT_FIXED: dict[str, Any] = {
 _FIXED = {
     **fixed_keys(qwen3_vl._VISION_FIXED, _TEXT_FIXED, "LayerNorm"),
     "image_encoder.vision_encoder.deepstack_visual_indexes": [],
-    "text_decoder.num_moe_experts": None,
 }
 
 
@@ -164,8 +185,18 @@ def _linear_rules(text: TextDecoderConfig) -> Iterator[ModelFinding]:
 
 
 def rules(model: ModelConfig) -> Iterator[ModelFinding]:
+    text = model.text_decoder
     yield from fixed_fields(model, _FIXED, LABEL)
-    yield from _linear_rules(model.text_decoder)
+    yield from _linear_rules(text)
+    yield from qwen3_vl.moe_rules(text)
+    shared = bool(text.moe_shared_expert_intermediate_size) and text.moe_shared_expert_gate
+    if bool(text.num_moe_experts) != shared:
+        yield (
+            "text_decoder.moe_shared_expert_intermediate_size",
+            text.moe_shared_expert_intermediate_size,
+            f"{LABEL}-MoE layers have a gated shared expert (moe_shared_expert_gate true) and dense ones none",
+            "set both from config.json's shared_expert_intermediate_size (or remove them for a dense model)",
+        )
 
 
 def qwen3_5_flags(model: ModelConfig) -> dict[str, bool]:
@@ -177,7 +208,7 @@ def decoder_layer(text: TextDecoderConfig, index: int, ulysses: bool) -> Any:
     config), with megatron-core's Gated DeltaNet as its mixer where ``layer_types`` says linear attention."""
     from mm_rl.models.qwen_vl.layers import PlainNorm, llm_layer_spec
 
-    spec = llm_layer_spec(text.normalization, ulysses, qk_layernorm=True)
+    spec = llm_layer_spec(text.normalization, ulysses, qk_layernorm=True, num_experts=text.num_moe_experts)
     if text.layer_types[index] == LINEAR:
         from mm_rl.models.qwen3_5.linear_attention import gated_delta_net_spec
 
@@ -189,7 +220,7 @@ FAMILY = ModelFamily(
     name="qwen3_5",
     label=LABEL,
     model_id=MODEL_ID,
-    hf_model_types=("qwen3_5",),
+    hf_model_types=("qwen3_5", "qwen3_5_moe"),
     hf_architecture="Qwen3_5ForConditionalGeneration",
     tensors=TENSORS,
     model_dims=qwen3_5_dims,

@@ -1,6 +1,7 @@
 """The tiny Qwen3.5 (``mm_rl.demo.tiny`` builds it): 4 LLM layers, three Gated DeltaNet layers then one gated
 full-attention layer (Qwen3.5's 3 : 1 pattern), and a 2-block ViT with 16-pixel patches and a 4 x 4 learned position
-table (Qwen3-VL's ViT without DeepStack).
+table (Qwen3-VL's ViT without DeepStack). With ``num_experts=4`` it is the tiny Qwen3.5-MoE: every layer's MLP is 4
+experts of width 32, top-2, and a gated shared expert of width 64 (``tiny_qwen3_5_moe``).
 
 The linear-attention heads are 128 wide, as in every published Qwen3.5: vLLM 0.32's CPU Gated DeltaNet kernel
 (``cpu_gdn_attention_core``) refuses 16 and 32. Two key and two value heads, so TP 2 gives each rank one of each. The
@@ -46,15 +47,28 @@ TEXT_CONFIG: dict[str, Any] = {
     "linear_value_head_dim": 128,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 2,
+    # Qwen3.5-MoE when num_experts > 0: every layer routes each token to 2 of the experts, beside a gated shared
+    # expert
+    "num_experts": 0,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
 }
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 def hf_config(**fields: Any) -> Any:
-    """transformers' Qwen3.5 config (the rotary share and interleaving live in ``rope_parameters``)."""
-    from transformers import Qwen3_5Config
+    """transformers' Qwen3.5 config, or Qwen3.5-MoE's when the text fields ask for experts (the rotary share and
+    interleaving live in ``rope_parameters``)."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
     text = fields["text_config"]
     rope = text["rope_parameters"]
     rope["mrope_interleaved"] = True
     rope["partial_rotary_factor"] = text.pop("partial_rotary_factor")
+    if text["num_experts"]:
+        del text["intermediate_size"]
+        return Qwen3_5MoeConfig(**fields)
+    for key in MOE_FIELDS:
+        del text[key]
     return Qwen3_5Config(**fields)

@@ -108,6 +108,8 @@ def moe_kwargs(text: TextDecoderConfig, ep: int) -> dict[str, Any]:
         "moe_grouped_gemm": False,  # megatron's local experts (SequentialMLP): no TE / grouped-gemm kernels needed
         "moe_permute_fusion": False,
         "expert_model_parallel_size": ep,
+        "moe_shared_expert_intermediate_size": text.moe_shared_expert_intermediate_size,
+        "moe_shared_expert_gate": text.moe_shared_expert_gate,
     }
 
 
