@@ -6,7 +6,8 @@ DEVICE ?= cpu
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mm_rl-installed
-# The embedded model of `make demo`: tiny (Qwen2.5-VL), tiny_qwen2_vl, tiny_qwen3_vl or tiny_qwen3_vl_moe.
+# The embedded model of `make demo`: tiny (Qwen2.5-VL), tiny_qwen2_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe, tiny_qwen3_5
+# or tiny_qwen3_5_moe.
 MODEL ?= tiny
 DEMO := output/$(MODEL)_grpo
 # Extra pip arguments for torch, e.g. the CPU wheel index on machines without the wheel on disk.

@@ -18,9 +18,11 @@ Checks, each one line (ok / skip with the reason / FAIL with the error), exit st
 4. attention: the LLM's packed core attention in bf16 (flash varlen on CUDA) against fp32 SDPA, outputs and
    gradients, for separate sequences and for two that share the first one's prompt (keys gathered, the causal
    window aligned to the end of the keys);
-5. rank_dense / rank_moe: one megatron rank on its device's backend in bf16 (fp32 in the dry run) from the hf2mg
-   rank file: log-probs, one update that changes them, offload and onload of parameters, gradients and Adam state
-   giving identical log-probs (the MoE rank routes its tokens over 4 experts);
+5. rank_dense / rank_moe / rank_hybrid: one megatron rank on its device's backend in bf16 (fp32 in the dry run)
+   from the hf2mg rank file: log-probs, one update that changes them, offload and onload of parameters, gradients
+   and Adam state giving identical log-probs (the MoE rank routes its tokens over 4 experts; the hybrid, the tiny
+   Qwen3.5, runs its Gated DeltaNet layers on packed sequences and names the kernel: fla's on CUDA when installed,
+   megatron-core's torch reference otherwise);
 6. timed_update: actor updates at real widths (4 LLM layers of Qwen2.5-VL-7B, ~4k packed tokens of 4 sequences):
    seconds per update, achieved TFLOP/s and MFU against the device's bf16 dense peak.
 """
@@ -51,7 +53,7 @@ if str(REPO) not in sys.path:
 # not imported); antlr4's runtime is published as source only and is built into a wheel here
 WHEELS = ("megatron-core==0.16.1", "omegaconf==2.3.0")
 SOURCE_WHEELS = ("antlr4-python3-runtime==4.9.3",)
-MODELS = {"dense": ("qwen2_5vl", {}), "moe": ("qwen3_vl", {"num_experts": 4})}
+MODELS = {"dense": ("qwen2_5vl", {}), "moe": ("qwen3_vl", {"num_experts": 4}), "hybrid": ("qwen3_5", {})}
 # bf16 dense tensor-core peaks, TFLOP/s, by the name torch reports (vendor data sheets; SXM parts unless named)
 BF16_PEAK_TFLOPS = (
     ("H100 PCIe", 756.0),
@@ -368,6 +370,10 @@ def _rank(name: str, out: str, dry_run: bool) -> str:
     assert all(torch.equal(a, b) for a, b in zip(again, after, strict=True)), "log-probs changed by offload / onload"
     assert moved > 0 and math.isfinite(metrics["grad_norm"]), (moved, metrics)
     moe = f", expert load max {metrics['moe/load_max']:.2f}" if "moe/load_max" in metrics else ""
+    if "linear_attention" in model.text_decoder.layer_types:
+        from mm_rl.models.qwen3_5.linear_attention import kernel_name
+
+        moe += f", Gated DeltaNet kernel: {kernel_name(torch.device(device_kind()))}"
     torch.distributed.destroy_process_group()
     kind = "bf16" if bf16 else "fp32"
     return (f"{kind} on {device_kind()}: update moved log-probs by {moved:.2e}, grad norm {metrics['grad_norm']:.3f}, "
@@ -438,6 +444,10 @@ def check_rank_moe(ctx: Context) -> str:
     return _in_child(_rank, "moe", str(ctx.out), ctx.dry_run)
 
 
+def check_rank_hybrid(ctx: Context) -> str:
+    return _in_child(_rank, "hybrid", str(ctx.out), ctx.dry_run)
+
+
 def check_timed_update(ctx: Context) -> str:
     return _in_child(_timed, str(ctx.out), ctx.dry_run)
 
@@ -449,6 +459,7 @@ CHECKS: dict[str, Callable[[Context], str]] = {
     "attention": check_attention,
     "rank_dense": check_rank_dense,
     "rank_moe": check_rank_moe,
+    "rank_hybrid": check_rank_hybrid,
     "timed_update": check_timed_update,
 }
 

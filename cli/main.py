@@ -36,8 +36,9 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--af_model_name",
         required=True,
-        help="qwen2_5_vl_3b|7b|32b|72b, qwen2_vl_2b|7b|72b, qwen3_vl_2b|4b|8b|32b|30b_a3b|235b_a22b, tiny, "
-        "tiny_qwen2_vl, tiny_qwen3_vl or tiny_qwen3_vl_moe",
+        help="qwen2_5_vl_3b|7b|32b|72b, qwen2_vl_2b|7b|72b, qwen3_vl_2b|4b|8b|32b|30b_a3b|235b_a22b, "
+        "qwen3_5_0_8b|2b|4b|9b|27b|35b_a3b|122b_a10b|397b_a17b, tiny, tiny_qwen2_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe, "
+        "tiny_qwen3_5 or tiny_qwen3_5_moe",
     )
     p.add_argument("--exp_name", default="mm_rl", help="experiment name")
     p.add_argument("--output_file_path", default="job.yaml", help="where to write the yaml")

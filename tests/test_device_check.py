@@ -44,6 +44,8 @@ def test_the_device_check_rehearses_on_cpu_without_ray_or_vllm(tmp_path):
         "attention": "ok",
         "rank_dense": "ok",
         "rank_moe": "ok",
+        "rank_hybrid": "ok",
         "timed_update": "ok",
     }
     assert "expert load max" in next(line for line in lines if "rank_moe" in line)
+    assert "Gated DeltaNet kernel: megatron-core" in next(line for line in lines if "rank_hybrid" in line)

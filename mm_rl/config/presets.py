@@ -75,6 +75,6 @@ def load_preset(name: str) -> Preset:
     if not path.is_file():
         raise KeyError(f"unknown model '{name}'; known models: {', '.join(model_names())}")
     model = json.loads(path.read_text())
-    if name.startswith("tiny"):  # tiny (Qwen2.5-VL), tiny_qwen2_vl, tiny_qwen3_vl: the family's tiny builder
+    if name.startswith("tiny"):  # tiny (Qwen2.5-VL), tiny_qwen2_vl, tiny_qwen3_vl, tiny_qwen3_5...: the family's tiny
         return Preset(name, model, _TINY_RUN, target_gbs=32, target_prompts=8, embedded=True)
     return Preset(name, model, _REAL_RUN)

@@ -36,6 +36,13 @@ def l2_normalised(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def kernel_name(device: torch.device) -> str:
+    """Which delta-rule kernel :func:`gated_delta_rule` runs on ``device`` (for reports)."""
+    if device.type == "cuda" and gated_delta_net.chunk_gated_delta_rule is not None:
+        return "fla chunk_gated_delta_rule"
+    return "megatron-core torch_chunk_gated_delta_rule"
+
+
 def gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor) -> Tensor:
     """The gated delta rule over [rows, S, heads, d] from a zero state: fla's chunked kernel on CUDA, megatron-core's
     torch reference elsewhere (see the module docstring); q and k come l2-normalised."""
