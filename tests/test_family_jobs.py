@@ -56,12 +56,11 @@ CHANGES = {
     ("preset", "family", "variant", "layout", "rank_dirs"),
     [
         ("tiny_qwen2_vl", "qwen2vl", {}, (), ONE_RANK),
-        ("tiny_qwen3_vl", "qwen3_vl", {}, (), ONE_RANK),
         (*MOE, EP2, ["mp_rank_00_000", "mp_rank_00_001"]),
         (*MOE, TP2, ["mp_rank_00", "mp_rank_01"]),
         ("tiny_qwen3_5", "qwen3_5", {}, TP2, ["mp_rank_00", "mp_rank_01"]),
     ],
-    ids=["qwen2_vl", "qwen3_vl", "qwen3_vl_moe_ep2", "qwen3_vl_moe_tp2", "qwen3_5_tp2"],
+    ids=["qwen2_vl", "qwen3_vl_moe_ep2", "qwen3_vl_moe_tp2", "qwen3_5_tp2"],
 )
 def test_a_family_job_trains_syncs_and_converts_back(
     tiny_base: Path,
@@ -75,7 +74,11 @@ def test_a_family_job_trains_syncs_and_converts_back(
     """EP2: two actor ranks (DP 2), each holding two of the four experts; the sync gathers them, the checkpoint
     has one rank directory per EP rank, and mg2hf puts the experts back together. TP2: every expert split over
     two ranks, which train under sequence parallelism (each routes its half of the tokens). The MoE at EP1 is
-    checked the same way by the family's learning run below."""
+    checked the same way by the family's learning run below; the dense Qwen3-VL is the MoE's every other part (its
+    dense MLP is the Qwen2 one the other jobs run). Qwen3.5 at TP2: its Gated DeltaNet heads split over the ranks
+    and merged by the sync into vLLM's bf16 engine (the MoE variant's jobs, measured: engine-actor gap max 0.33 /
+    0.56, means 1.9e-2 / 1.4e-2 at TP1 and TP2 alike, inside transformers' own bf16-vs-fp32 spread on that model,
+    0.42 / 4.3e-2: the top-2 of 4 near-even random experts flips in bf16)."""
     from omegaconf import OmegaConf
 
     from mm_rl.demo.tiny import build_tiny_checkpoint
