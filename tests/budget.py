@@ -34,6 +34,7 @@ SHARE_S: dict[str, float] = {
     "test_tiny_warmup.py": 50,
     "test_family_parity.py": 75,  # the ranks fork from a pre-loaded server (tests/mp_utils.py); 55 s with Qwen3.5
     "test_accelerator_path.py": 30,
+    "test_device_check.py": 50,  # the CPU rehearsal: three ranks (dense, MoE, Qwen3.5 hybrid), 36 s
     "test_model_parity.py": 25,
     "test_config_command.py": 25,
     "test_console.py": 25,
