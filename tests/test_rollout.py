@@ -487,6 +487,24 @@ def test_hf_seed_repeats_samples(model_dir, config, requests_):
     assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG was not consumed
 
 
+def test_hf_engine_takes_per_expert_weights_into_its_fused_experts(tmp_path, config):
+    """The weight sync names routed experts one tensor per expert and part; transformers holds them fused
+    (``gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F]): the transformers engine writes each into its slice."""
+    from safetensors.torch import load_file
+
+    from mm_rl.rollout.hf_engine import HfEngine
+
+    hf = tiny.build_tiny_checkpoint(tmp_path / "moe", seed=0, family="qwen3_5", num_experts=4)
+    engine = HfEngine(hf, config, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    sent = {n: t + 1.0 for n, t in load_file(hf / "model.safetensors").items() if ".mlp.experts." in n}
+    assert engine.update_weights(sent.items()) == len(sent) == 4 * 4 * 3  # layers x experts x parts
+    layer = "model.language_model.layers.1.mlp.experts."
+    gate_up, down = engine.tensors[layer + "gate_up_proj"], engine.tensors[layer + "down_proj"]
+    assert torch.equal(gate_up[2, :32], sent[layer + "2.gate_proj.weight"])
+    assert torch.equal(gate_up[2, 32:], sent[layer + "2.up_proj.weight"])
+    assert torch.equal(down[3], sent[layer + "3.down_proj.weight"])
+
+
 # ------------------------------------------------------------------------------------------------------- Ray
 def test_ray_rollout_worker(model_dir, config, lean_requests, items, weights):
     import ray

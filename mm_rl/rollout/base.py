@@ -40,8 +40,8 @@ MEMORY_TAGS = ("weights", "kv_cache")  # what a sleeping engine releases (vLLM's
 
 def engine_dtype(config: GenerateConfig, override: str | None = None, model_path: str | Path | None = None) -> str:
     """The engine's precision: ``override``, else ``generate_config.dtype``, where ``auto`` is bfloat16 on
-    accelerators and on CPU the model family's ``cpu_engine_dtype`` (float32 but for a family whose vLLM CPU kernels
-    take bf16 only; oneDNN bf16 falls back to slow paths on AVX2)."""
+    accelerators and on CPU float32 (oneDNN bf16 falls back to slow paths on AVX2), or for vLLM (``model_path``
+    given) the model family's ``cpu_engine_dtype`` (bf16 where vLLM's CPU kernels take nothing else)."""
     from mm_rl.platform.device import device_kind
 
     if override:

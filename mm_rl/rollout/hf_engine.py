@@ -23,6 +23,7 @@ How it keeps the contract:
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,30 @@ _CHECKPOINT_PREFIXES = (
     ("visual.", "model.visual."),
     ("language_model.", "model.language_model."),
 )
+
+
+# one routed expert's part, as the weight sync (and vLLM) names it
+_EXPERT_PART = re.compile(r"^(?P<layer>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def expert_slice(name: str, tensors: dict[str, Any]) -> Any:
+    """The slice of transformers' fused in-memory experts that one expert's part ``name`` is, or None.
+
+    transformers 5.19 holds a MoE layer's experts fused whatever the checkpoint stores: ``gate_up_proj`` [E, 2F, H]
+    (gate rows, then up) and ``down_proj`` [E, H, F] (Qwen3-VL-MoE and Qwen3.5-MoE alike), while the sync sends one
+    tensor per expert and part."""
+    match = _EXPERT_PART.match(name)
+    if match is None:
+        return None
+    fused = "down_proj" if match["part"] == "down_proj" else "gate_up_proj"
+    target = module_name(f"{match['layer']}.{fused}", tensors)
+    if target is None:
+        return None
+    expert = tensors[target][int(match["e"])]
+    if fused == "down_proj":
+        return expert
+    half = expert.shape[0] // 2
+    return expert[:half] if match["part"] == "gate_proj" else expert[half:]
 
 
 def module_name(name: str, known: Iterable[str] | dict[str, Any]) -> str | None:
@@ -76,7 +101,7 @@ class HfEngine(RolloutEngine):
 
         super().__init__(policy_from_config(config, model_path, min_pixels, max_pixels))
         self.device = current_device()
-        dtype = engine_dtype(config, dtype, model_path)
+        dtype = engine_dtype(config, dtype)  # transformers runs every family in fp32 on CPU
         self.processor = PromptProcessor(model_path, min_pixels, max_pixels)
         model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model = model.to(self.device).eval()
@@ -227,9 +252,9 @@ class HfEngine(RolloutEngine):
         with torch.no_grad():
             for name, tensor in named_tensors:
                 target = module_name(name, self.tensors)
-                if target is None:
+                parameter = self.tensors[target] if target is not None else expert_slice(name, self.tensors)
+                if parameter is None:
                     raise KeyError(f"update_weights: the model has no tensor for {name!r}")
-                parameter = self.tensors[target]
                 if tuple(parameter.shape) != tuple(tensor.shape):
                     raise ValueError(
                         f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
