@@ -126,7 +126,9 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         if isinstance(packed_seq_params, CausalSegments):
             if packed_seq_params.contexts:
                 raise ValueError("Gated DeltaNet cannot continue a shared prompt (its family turns sharing off)")
-            segments = SegmentBatch.of(packed_seq_params, seq, projected.device)
+            segments = packed_seq_params.derived.get(seq)
+            if segments is None:  # once per micro-batch, for every Gated DeltaNet layer
+                segments = packed_seq_params.derived[seq] = SegmentBatch.of(packed_seq_params, seq, projected.device)
             x = segments.batch(projected.view(seq, width))
         elif attention_mask is not None:
             raise ValueError(

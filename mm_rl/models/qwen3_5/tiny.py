@@ -12,20 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from mm_rl.models.qwen3_vl.tiny import VISION_CONFIG as QWEN3_VL_VISION
+
 PROCESSOR_CLASS = "Qwen3VLProcessor"
 IMAGE_PROCESSOR: dict[str, Any] = {"patch_size": 16}
+# Qwen3-VL's tiny ViT, two blocks, without DeepStack
 VISION_CONFIG: dict[str, Any] = {
+    **{key: value for key, value in QWEN3_VL_VISION.items() if key != "deepstack_visual_indexes"},
     "depth": 2,
-    "hidden_size": 64,
-    "num_heads": 4,
-    "intermediate_size": 128,
-    "patch_size": 16,
-    "temporal_patch_size": 2,
-    "spatial_merge_size": 2,
-    "out_hidden_size": 128,
-    "in_channels": 3,
-    "hidden_act": "gelu_pytorch_tanh",
-    "num_position_embeddings": 16,
 }
 TEXT_CONFIG: dict[str, Any] = {
     "hidden_size": 128,

@@ -116,6 +116,8 @@ class CausalSegments(PackedSeqParams):
     kv_index: Tensor | None = field(default=None, repr=False)
     kv_ends: list[int] = field(default_factory=list, repr=False)  # cu_seqlens_kv[1:], read on the host
     masks: dict[tuple[int, int], Tensor] = field(default_factory=dict, repr=False)
+    # what another layer kind derives once per micro-batch for all its layers (Qwen3.5's Gated DeltaNet batch)
+    derived: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, cu_seqlens: Tensor, contexts: list[tuple[int, int]] | None = None) -> CausalSegments:
