@@ -54,7 +54,7 @@ def configure(preset: str, job: Path, *overrides: str) -> Path:
             check=True,
             capture_output=True,
             text=True,
-            timeout=1200,
+            timeout=2400,  # the tiny Qwen3.5's warm-up: ~17 min on 2 cores (transformers' torch Gated DeltaNet)
         )
     return job
 
@@ -123,18 +123,30 @@ def deterministic(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k.startswith(DETERMINISTIC_PREFIXES)}
 
 
-def assert_learns(records: list[dict[str, Any]], label: str) -> None:
-    """The learning bar of an embedded default's 40 steps (validation before training and every 10 steps): the
-    sampled reward of the last 5 steps clearly above that of the first 5, and greedy validation accuracy from few
-    answers right (the warm-up's off-by-one habit) to most."""
+# An embedded default's learning bar: the sampled reward's rise from the first 5 steps to the last 5, greedy validation
+# accuracy at the end and its rise. The warm-up's weights, and so where RL starts, depend on the CPU's rounding.
+# Measured (tiny, on policy): AMD EPYC (AVX2) reward 0.47 -> 0.92, greedy val 0.14 .. 1.0; Intel Xeon (AVX-512)
+# 0.55 -> 0.92, 0.33 .. 1.0. The tiny Qwen3.5 (Gated DeltaNet and attention in turn, a bf16 engine) learns less
+# far, and the suite runs its first 10 steps only (~11 s a step on 2 cores): Intel Xeon, TP1, 40 steps: reward 0.40
+# -> 0.61, greedy 0.22, 0.70, 0.67, 0.67, 0.67; its first 10 steps at TP1: 0.40 -> 0.48, greedy 0.22 -> 0.70; at TP2
+# 0.40 -> 0.47, 0.22 -> 0.67. Greedy validation is the sharp check there; the sampled reward only has to rise.
+LEARNING_BAR = {"reward_gain": 0.25, "val_end": 0.7, "val_gain": 0.4}
+QWEN3_5_LEARNING_BAR = {"reward_gain": 0.03, "val_end": 0.6, "val_gain": 0.35}
+
+
+def assert_learns(
+    records: list[dict[str, Any]], label: str, steps: int = 40, bar: dict[str, float] = LEARNING_BAR
+) -> None:
+    """The learning bar of an embedded default's first ``steps`` steps (validation before training and every 10
+    steps): the sampled reward of the last 5 steps clearly above that of the first 5, and greedy validation
+    accuracy from few answers right (the warm-up's off-by-one habit) to most."""
     rewards = [r["reward/score"] for r in records if r["step"] > 0]
     val = [r["val/reward/accuracy"] for r in records if "val/reward/accuracy" in r]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(
         f"\n{label}: reward of the first 5 steps {first:.3f}, of the last 5 {last:.3f}; greedy val accuracy at "
-        f"steps 0, 10, .., 40: {[round(v, 3) for v in val]}"
+        f"steps 0, 10, .., {steps}: {[round(v, 3) for v in val]}"
     )
-    # The warm-up's weights, and so where RL starts, depend on the CPU's rounding. Measured (tiny, on policy): AMD
-    # EPYC (AVX2) reward 0.47 -> 0.92, greedy val 0.14 .. 1.0; Intel Xeon (AVX-512) 0.55 -> 0.92, 0.33 .. 1.0.
-    assert len(rewards) == 40 and first <= 0.6 and last >= first + 0.25
-    assert len(val) == 5 and val[0] <= 0.4 and val[-1] >= 0.7 and val[-1] >= val[0] + 0.4
+    assert len(rewards) == steps and first <= 0.6 and last >= first + bar["reward_gain"]
+    assert len(val) == steps // 10 + 1 and val[0] <= 0.4
+    assert val[-1] >= bar["val_end"] and val[-1] >= val[0] + bar["val_gain"]

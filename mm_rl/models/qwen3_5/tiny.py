@@ -1,5 +1,6 @@
-"""The tiny Qwen3.5 (``mm_rl.demo.tiny`` builds it): 4 LLM layers, three Gated DeltaNet layers then one gated
-full-attention layer (Qwen3.5's 3 : 1 pattern), and a 2-block ViT with 16-pixel patches and a 4 x 4 learned position
+"""The tiny Qwen3.5 (``mm_rl.demo.tiny`` builds it): 4 LLM layers, Gated DeltaNet and gated full attention in turn
+(``full_attention_interval`` 2; the published models have 3 : 1, which the parity tests build with
+``full_attention_interval=4``), and a 2-block ViT with 16-pixel patches and a 4 x 4 learned position
 table (Qwen3-VL's ViT without DeepStack). With ``num_experts=4`` it is the tiny Qwen3.5-MoE: every layer's MLP is 4
 experts of width 32, top-2, and a gated shared expert of width 64 (``tiny_qwen3_5_moe``).
 
@@ -35,7 +36,9 @@ TEXT_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "vocab_size": 1024,  # the tiny tokenizer's ids (mm_rl.demo.tiny.VOCAB_SIZE)
     "hidden_act": "silu",
-    "full_attention_interval": 4,
+    # 1 : 1, as one attention layer in four leaves the 4-layer tiny unable to learn to copy the question's number
+    # (warm-up accuracy 0.16; GRPO moved greedy validation 0.11 -> 0.34 -> 0.23 over 30 steps)
+    "full_attention_interval": 2,
     "linear_conv_kernel_dim": 4,
     "linear_key_head_dim": 128,
     "linear_value_head_dim": 128,
