@@ -34,7 +34,8 @@ EXTRAS = {
         "vllm-ascend==0.23.0.post1",
         "transformers==5.5.4",
     ],
-    "dev": ["pytest>=8", "ruff>=0.6"],
+    # peft: the tests load mm_rl's LoRA adapter directory with it (mm_rl writes the format without importing it)
+    "dev": ["pytest>=8", "ruff>=0.6", "peft==0.21.2"],
 }
 
 setup(

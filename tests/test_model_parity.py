@@ -270,6 +270,7 @@ def _build_and_load(
     from megatron.core import parallel_state
 
     from mm_rl.convert.layout import rank_file
+    from mm_rl.models.lora import load_stage
     from mm_rl.models.registry import family_of
 
     model_cfg = load_model_config(data)
@@ -283,7 +284,7 @@ def _build_and_load(
             parallel_state.get_expert_model_parallel_rank(),
             parallel_state.get_expert_model_parallel_world_size(),
         )
-        model.load_state_dict(torch.load(path, weights_only=True)["model"])
+        load_stage(model, torch.load(path, weights_only=True)["model"])  # with LoRA adapters: the base's tensors
     return model
 
 

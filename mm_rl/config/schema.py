@@ -244,6 +244,38 @@ class MegatronTrainingConfig:
     max_keep_ckpts: int = opt(2, "keep the last k checkpoints; 0 keeps all")
 
 
+# Megatron's names of the linears an adapter can sit on: attention (linear_qkv, linear_proj), MLP (linear_fc1,
+# linear_fc2) and Qwen3.5's Gated DeltaNet projections (in_proj, out_proj).
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = opt(0, "adapter rank r; 0: full-weight training (no adapters)")
+    alpha: float = opt(32.0, "the adapter's output is scaled by alpha / rank")
+    dropout: float = opt(0.0, "dropout on the adapter's input while training, in [0, 1)")
+    target_modules: list[str] = opt(
+        list(LORA_TARGETS),
+        "megatron linears that get adapters (each LLM layer's; the ViT's too with vision): linear_qkv, "
+        "linear_proj, linear_fc1, linear_fc2, and Qwen3.5's Gated DeltaNet in_proj, out_proj",
+    )
+    experts: bool = opt(False, "MoE: each routed expert's linear_fc1 / linear_fc2 get adapters too")
+    vision: bool = opt(False, "the ViT blocks and the merger get adapters too (their weights stay frozen)")
+    separate_reference: bool = opt(
+        False,
+        "reference log-probs from a separate copy of the base model; false: the actor with its adapters "
+        "switched off (the same numbers, no second copy of the weights)",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclass
 class ActorConfig:
     tensor_model_parallel_size: int = opt(1, "TP: splits every layer's weights across this many devices")
@@ -276,6 +308,12 @@ class ActorConfig:
     offload_train_optimizer: bool = opt(False, "colocated: move optimizer state off the device during rollout")
     offload_train_grad: bool = opt(False, "colocated: move grads off the device during rollout")
     offload_train_param: bool = opt(False, "colocated: move params off the device during rollout")
+    lora: LoRAConfig = section(LoRAConfig, "LoRA: adapters on the LLM's linears, the base model frozen")
+
+    @property
+    def trains_vision(self) -> bool:
+        """The ViT's output changes during training (unfrozen, or adapted): no frozen-ViT caches then."""
+        return self.unfreeze_vision_encoder or (self.lora.enabled and self.lora.vision)
 
     def token_budget(self, grad: bool) -> int | None:
         """Tokens per micro-batch of the update (``grad``) or of a log-prob pass; None: micro_batch_size rows."""

@@ -21,6 +21,7 @@ import socket
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -185,8 +186,9 @@ class _Inert:
         pass
 
 
-def load_model_state(path: Path) -> dict[str, torch.Tensor]:
-    """The "model" dict of a rank file, memory-mapped (pages are read only when a tensor is used)."""
+def load_model_state(path: Path) -> Mapping[str, torch.Tensor]:
+    """The "model" dict of a rank file, memory-mapped (pages are read only when a tensor is used); a LoRA
+    checkpoint's: its base's with the adapters merged (:func:`lora_merged_state`)."""
     if not path.is_file():
         raise ConversionError(f"{path} is missing (an incomplete checkpoint, or another TP/PP layout?)")
     try:
@@ -204,7 +206,29 @@ def load_model_state(path: Path) -> dict[str, torch.Tensor]:
             f"{path} has no 'model' state dict (it holds {keys}); virtual-pipeline checkpoints "
             "(model0, model1, ...) are not supported"
         )
+    if isinstance(data.get("lora"), Mapping):
+        return lora_merged_state(path, data)
     return dict(data["model"])
+
+
+def lora_meta(path: Path) -> dict[str, Any] | None:
+    """A LoRA checkpoint rank file's ``lora`` entry (its base, rank, alpha, scale); None for a whole model."""
+    data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return dict(data["lora"]) if isinstance(data, Mapping) and isinstance(data.get("lora"), Mapping) else None
+
+
+def lora_merged_state(path: Path, data: Mapping[str, Any]) -> Mapping[str, torch.Tensor]:
+    """A LoRA checkpoint's rank file holds only adapters: the model is the same rank file of the base iteration
+    it names (``lora.base``, the job's converted checkpoint) with each adapter merged into its weight as read."""
+    from mm_rl.models.lora import MergedState
+
+    base = Path(data["lora"]["base"]) / path.parent.name / path.name
+    if not base.is_file():
+        raise ConversionError(
+            f"{path} holds LoRA adapters of {base}, which is missing: convert where the job's converted base "
+            "checkpoint is (or put it back at that path)"
+        )
+    return MergedState({**load_model_state(base), **data["model"]}, float(data["lora"]["scale"]))
 
 
 def save_model_state(path: Path, state: Mapping[str, torch.Tensor], zip_crc32: bool = False) -> None:

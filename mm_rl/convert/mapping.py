@@ -142,6 +142,15 @@ def published_name(model: ModelConfig, name: str) -> str:
     return name
 
 
+def module_name(model: ModelConfig, name: str) -> str:
+    """transformers' in-memory spelling of a published HF name (the inverse of :func:`published_name`): the
+    names PEFT's adapters carry."""
+    for alias, published in model_family(model).hf_aliases:
+        if name.startswith(published):
+            return alias + name[len(published) :]
+    return name
+
+
 # -------------------------------------------------------------------------------------------- pieces
 @dataclass(frozen=True)
 class Piece:

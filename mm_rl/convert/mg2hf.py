@@ -13,6 +13,7 @@ whole (its completion marker vouches for every file): otherwise the error names 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from mm_rl.convert.layout import (
     incomplete_reason,
     iteration_name,
     load_model_state,
+    lora_meta,
     rank_file,
     resolve_iteration,
     staged_dir,
@@ -48,7 +50,9 @@ def mg2hf(
     iteration: Iteration | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
-    """Convert ``iteration`` of ``cfg.load_dir`` (None: the latest) into ``cfg.save_hf_dir``; returns it.
+    """Convert ``iteration`` of ``cfg.load_dir`` (None: the latest) into ``cfg.save_hf_dir``; returns it. A LoRA
+    checkpoint's adapters are merged into their base's weights, and its PEFT adapter directory goes beside them
+    (``lora_adapter/``, see ``mm_rl.convert.lora``; not for adapters on experts).
 
     ``hf_dir`` is the HF checkpoint the model came from: its config, tokenizer, processor and chat template
     files are copied (config.json adjusted when model.json keeps fewer layers)."""
@@ -77,6 +81,11 @@ def mg2hf(
         finally:
             writer.abort()
         copy_side_files(source, staging, model)
+        lora = lora_meta(rank_file(iteration_dir, 0, 0, pipeline.pp, 0, pipeline.ep))
+        if lora is not None:
+            from mm_rl.convert.lora import ADAPTER_DIR, write_peft_adapter
+
+            write_peft_adapter(iteration_dir, model, pipeline, lora, staging / ADAPTER_DIR, str(source))
     return out
 
 
@@ -144,10 +153,10 @@ class _StageFiles:
             rank_file(iteration_dir, r, stage.pp_rank, pipeline.pp, ep_rank, pipeline.ep) for r in range(pipeline.tp)
         ]
         self.budget = max(p.stat().st_size for p in self.paths) if all(p.is_file() for p in self.paths) else 0
-        self._states: list[dict[str, torch.Tensor] | None] = [None] * pipeline.tp
+        self._states: list[Mapping[str, torch.Tensor] | None] = [None] * pipeline.tp
         self._read = 0
 
-    def state(self, rank: int) -> dict[str, torch.Tensor]:
+    def state(self, rank: int) -> Mapping[str, torch.Tensor]:
         loaded = self._states[rank]
         if loaded is None:
             loaded = self._states[rank] = load_model_state(self.paths[rank])

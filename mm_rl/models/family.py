@@ -158,8 +158,14 @@ class ModelFamily:
         self, model: ModelConfig, flags: TrainingFlags | None = None, actor: ActorConfig | None = None, **options: Any
     ) -> torch.nn.Module:
         """This rank's pipeline stage of the model, after megatron's ``initialize_model_parallel`` (imports
-        megatron-core); ``options`` as the stage module's ``build_model`` takes them."""
-        return self.stage().build_model(model, flags, actor, decoder_layer=self.decoder_layer, **options)
+        megatron-core); ``options`` as the stage module's ``build_model`` takes them. With ``actor.lora`` on, the
+        stage is frozen and its target linears get adapters (``mm_rl.models.lora``)."""
+        stage = self.stage().build_model(model, flags, actor, decoder_layer=self.decoder_layer, **options)
+        if actor is not None and actor.lora.enabled:
+            from mm_rl.models.lora import add_adapters
+
+            add_adapters(stage, actor.lora, seed=int(flags.seed) if flags is not None else 0)
+        return stage
 
     def embedding_ranks(self, model: ModelConfig) -> Callable[..., list[int]]:
         """``get_embedding_ranks`` for megatron's ``initialize_model_parallel`` (imports megatron-core)."""

@@ -137,9 +137,10 @@ def stage_hf_tensors(
     from megatron.core import parallel_state
 
     from mm_rl.convert.mapping import hf_from_shards, model_dims, stage_tensors
+    from mm_rl.models.lora import export_state
 
     group, experts = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_expert_model_parallel_group()
-    dims, state = model_dims(model_cfg), model.state_dict()
+    dims, state = model_dims(model_cfg), export_state(model)  # LoRA: each adapted weight merged as it is read
     stage = pipeline.stages[parallel_state.get_pipeline_model_parallel_rank()]
     # every EP rank names its experts local_experts.0.. (its own bounds); the sender renames each rank's block
     by_rank = [stage_tensors(model_cfg, stage, r, pipeline.ep) for r in range(pipeline.ep)]

@@ -350,7 +350,7 @@ class RayRoles:
             return
         if role == self.vision_from or role in self.vision_given or self.ref is None:
             return
-        if self.job.backend_config.actor_config.unfreeze_vision_encoder:
+        if self.job.backend_config.actor_config.trains_vision:
             return
         self._group(role).take_vision_outputs(self._group(self.vision_from))
         self.vision_given.add(role)

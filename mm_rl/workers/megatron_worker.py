@@ -109,6 +109,7 @@ class MegatronWorker:
         setup_process(num_threads=spec.num_threads)
         self.spec, self.rank = spec, rank
         self.model: Any = None
+        self.base_iteration: Path | None = None
         self.coords: RankCoords | None = None
         self.images: StepImages = {}
         self._memory = MemorySwitch()
@@ -164,6 +165,7 @@ class MegatronWorker:
         """Build this rank's stage; load its mp_rank file from ``mm_dir`` (latest iteration unless given)."""
         import torch
 
+        from mm_rl.models.lora import load_stage
         from mm_rl.models.registry import family_of
         from mm_rl.platform.device import current_device
 
@@ -184,7 +186,8 @@ class MegatronWorker:
             # holds its model once, not twice (file contents + parameters)
             path = self._rank_file(Path(mm_dir), iteration)
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["model"]
-            self.model.load_state_dict(state)
+            load_stage(self.model, state)
+            self.base_iteration = path.parent.parent.resolve()  # a LoRA checkpoint names the base it adapts
 
     def _rank_file(self, mm_dir: Path, iteration: int | str | None) -> Path:
         from mm_rl.convert.layout import rank_file, resolve_iteration
@@ -232,7 +235,7 @@ class MegatronWorker:
             encoder.cache = cache
 
     def compute_log_probs(
-        self, micro_batches: Sequence[MicroBatch], temperature: float = 1.0
+        self, micro_batches: Sequence[MicroBatch], temperature: float = 1.0, adapters: bool = True
     ) -> list[torch.Tensor] | None:
         """Log-probs [B, S] of each micro-batch's ``labels`` (forward only, through the pipeline schedule).
 
@@ -241,8 +244,11 @@ class MegatronWorker:
         prompt among the step's images, see :meth:`set_images`) or their ``pixel_values``, and optionally
         ``response_mask``: then only those positions get log-probs (0 elsewhere; the model's ``output_mask``). Every
         rank must run this; the last stage's TP-rank 0 of each DP replica returns the list, the others None.
+        ``adapters`` false: a LoRA actor's passes without its adapters, the base model's (the reference's).
         """
         import torch
+
+        from mm_rl.models.lora import adapters_enabled
 
         model, coords = self._require_model(), self._require_coords()
         captured: list[torch.Tensor] = []
@@ -253,7 +259,7 @@ class MegatronWorker:
 
         was_training = model.training
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), adapters_enabled(model, adapters):
             run_schedule(model, micro_batches, keep_log_probs, temperature, forward_only=True, images=self.images)
         model.train(was_training)
         keep = model.layout.has_output and coords.leads_replica_stage()

@@ -254,7 +254,7 @@ class TrainingWorker(MegatronWorker):
             save_torch_synced(shards, rank_dir / DISTRIB_OPTIM_FILE.format(dp=_optimizer_shard()))
         if coords.holds_unique_weights():
             state = {
-                "model": self._require_model().state_dict(),
+                **self._model_state(),
                 "optimizer": self.optimizer.state_dict(),
                 "opt_param_scheduler": self.scheduler.state_dict(),
                 "rng_state": rng_state(),
@@ -275,12 +275,13 @@ class TrainingWorker(MegatronWorker):
 
         from mm_rl.checkpoint import CheckpointManager
         from mm_rl.convert.layout import iteration_name
+        from mm_rl.models.lora import load_stage
 
         coords = self._require_coords()
         state = CheckpointManager(save_dir, 0).load(
             step, coords.tp_rank, coords.pp_rank, load_optim, load_rng, coords.ep_rank
         )
-        self._require_model().load_state_dict(state["model"])
+        load_stage(self._require_model(), state["model"])
         if "optimizer" in state:
             with torch.no_grad():  # the distributed optimizer copies into views of parameters that require grad
                 self.optimizer.load_state_dict(state["optimizer"])
@@ -291,6 +292,18 @@ class TrainingWorker(MegatronWorker):
         if "rng_state" in state:
             set_rng_state(state["rng_state"])
         torch.distributed.barrier()
+
+    def _model_state(self) -> dict[str, Any]:
+        """The model's part of this rank's checkpoint: the whole stage, or with LoRA its adapters and the base
+        they adapt (``lora``: the converted iteration's directory, rank and scale), which mg2hf merges."""
+        from mm_rl.models.lora import adapter_state, has_adapters
+
+        model, actor = self._require_model(), self.spec.actor
+        if not has_adapters(model) or actor is None:
+            return {"model": model.state_dict()}
+        lora = actor.lora
+        meta = {"base": str(self.base_iteration), "rank": lora.rank, "alpha": lora.alpha, "scale": lora.scale}
+        return {"model": adapter_state(model), "lora": meta}
 
     def _load_optimizer_shards(self, rank_dir: Path) -> None:
         """This DP rank's shard of the distributed Adam state (megatron 0.16's own dp-zero gather / scatter

@@ -520,8 +520,9 @@ def _build_image_encoder(
 ) -> torch.nn.Module:
     """The vision module (ViT blocks of this stage + merger) with the actor's freeze switches.
 
-    The ViT trains only with ``unfreeze_vision_encoder`` (model.json's ``freeze`` marker is not the switch),
-    the merger unless ``freeze_vision_projector``; a frozen part runs without an autograd graph.
+    The ViT trains only with ``unfreeze_vision_encoder`` or LoRA adapters on it (model.json's ``freeze`` marker is
+    not the switch), the merger unless ``freeze_vision_projector`` or LoRA without ``vision``; a frozen part runs
+    without an autograd graph.
     """
     from mm_rl.models.qwen_vl.vision import QwenVisionModel
 
@@ -535,8 +536,11 @@ def _build_image_encoder(
         layer_offset=layout.vit_layers.start,
         pre_process=layout.has_patch_embed,
         post_process=layout.has_merger,
-        freeze_encoder=not (actor and actor.unfreeze_vision_encoder),
-        freeze_projector=bool(actor and actor.freeze_vision_projector),
+        freeze_encoder=not (actor and actor.trains_vision),
+        # with LoRA the base is frozen: the merger trains only through its adapters (``lora.vision``)
+        freeze_projector=bool(
+            actor and (actor.freeze_vision_projector or (actor.lora.enabled and not actor.lora.vision))
+        ),
     )
 
 
