@@ -507,3 +507,17 @@ def test_megatrons_torch_adam_is_switched_to_the_fused_kernel_in_place():
     assert fuse_adam(SimpleNamespace(optimizer=built)) == 1 and built.param_groups[0]["fused"]
     fused = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, fused=True)
     assert all(torch.equal(a, b) for a, b in zip(steps(built, ours), steps(fused, theirs), strict=True))
+
+
+def test_memory_plan_of_lora_keeps_the_base_and_trains_only_adapters():
+    """LoRA on the 7B (8 NPUs): the same bf16 weights (plus adapters), grads and Adam state of the adapters only
+    (< 2% of full training's), no reference copy unless a separate one is asked for."""
+    from mm_rl.config.plan import estimate_memory
+
+    lora = "backend_config.actor_config.lora"
+    full, adapted = estimate_memory(_plan_job()), estimate_memory(_plan_job(**{f"{lora}.rank": 16}))
+    separate = estimate_memory(_plan_job(**{f"{lora}.rank": 16, f"{lora}.separate_reference": True}))
+    for f, a, s in zip(full, adapted, separate, strict=True):
+        assert f.weights < a.weights < 1.01 * f.weights
+        assert 0 < a.grads < 0.02 * f.grads and 0 < a.optimizer < 0.02 * f.optimizer
+        assert f.reference > 0 and a.reference == 0 and s.reference == f.reference

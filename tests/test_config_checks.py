@@ -484,3 +484,29 @@ def test_what_gated_deltanet_layers_cannot_run_is_rejected(qwen3_5_yaml, tmp_pat
     assert load() == []
     problems = [p for p in load(override) if p.key == key]
     assert problems and words in problems[0].rule and problems[0].fix
+
+
+LORA = f"{ACTOR}.lora"
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ([f"{LORA}.rank=-1"], f"{LORA}.rank"),
+        ([f"{LORA}.rank=8", f"{LORA}.alpha=0"], f"{LORA}.alpha"),
+        ([f"{LORA}.rank=8", f"{LORA}.dropout=1.0"], f"{LORA}.dropout"),
+        ([f"{LORA}.rank=8", f"{LORA}.target_modules=[q_proj]"], f"{LORA}.target_modules"),
+        ([f"{LORA}.rank=8", f"{LORA}.target_modules=[in_proj]"], f"{LORA}.target_modules"),  # no Gated DeltaNet
+        ([f"{LORA}.rank=8", f"{LORA}.experts=true"], f"{LORA}.experts"),  # a dense model
+        ([f"{LORA}.rank=8", f"{ACTOR}.unfreeze_vision_encoder=true"], f"{ACTOR}.unfreeze_vision_encoder"),
+    ],
+)
+def test_lora_settings_no_run_can_use_are_rejected(check, overrides, key):
+    rejected(check(*overrides), key)
+
+
+def test_lora_settings_are_accepted(check):
+    assert (
+        check(f"{LORA}.rank=8", f"{LORA}.dropout=0.05", f"{LORA}.vision=true", f"{LORA}.target_modules=[linear_qkv]")
+        == []
+    )

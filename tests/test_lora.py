@@ -141,6 +141,7 @@ def _worker(rank: int, world: int, port: int, case: dict[str, Any], shared: str,
     with_grad = {name for name, p in model.named_parameters() if p.grad is not None}
     result["only_adapters_train"] = with_grad == {n for n, _ in model.named_parameters() if is_adapter_key(n)}
     result["adapters"] = len(with_grad) // 2
+    result["adapter_numel"] = sum(p.numel() for n, p in model.named_parameters() if is_adapter_key(n))
     _clear_grads(model)
     _set_random_adapters(model, world)
     adapted = _full(run_schedule(model, batches), batches)
@@ -179,6 +180,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
+def _planned_adapters(data: dict[str, Any], tp: int) -> float:
+    from mm_rl.config.plan import adapter_parameters
+
+    model = load_model_config(data)
+    llm, block, merger = adapter_parameters(model, _lora_actor().lora, tp)
+    return model.text_decoder.num_layers * llm + model.image_encoder.vision_encoder.num_layers * block + merger
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_adapters_on_off_merged(runs: dict[str, Any], tp: int) -> None:
     run = runs[tp]
@@ -187,6 +196,7 @@ def test_adapters_on_off_merged(runs: dict[str, Any], tp: int) -> None:
         + ", ".join(f"{k} {run[k]:.2e}" for k in ("zero_b", "adapted_vs_base", "off_vs_base", "merged_vs_adapted"))
     )
     assert run["adapters"] == 4 * 4 + 4 * 2 + 2  # LLM: qkv, proj, fc1, fc2 x 4 layers; ViT: 4 x 2 blocks; merger 2
+    assert run["adapter_numel"] == _planned_adapters(runs["json"], tp)  # what the memory plan counts per rank
     assert run["zero_b"] == 0.0  # B = 0 at the start: exactly the base model
     assert run["only_adapters_train"]
     assert run["adapted_vs_base"] > 0.5  # the random adapters change the model: the checks below can fail

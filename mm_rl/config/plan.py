@@ -24,7 +24,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from mm_rl.config.schema import JobConfig, ModelConfig, TextDecoderConfig
+from mm_rl.config.schema import JobConfig, LoRAConfig, ModelConfig, TextDecoderConfig
 from mm_rl.config.topology import topology
 
 GIB = 1024**3
@@ -123,6 +123,55 @@ def layer_counts(model: ModelConfig) -> LayerCounts:
         patch_embed=vit.in_channels * vit.temporal_patch_size * vit.patch_size**2 * hv
         + vit.num_position_embeddings * hv,
     )
+
+
+def adapter_parameters(model: ModelConfig, lora: LoRAConfig, tp: int, ep: int = 1) -> tuple[float, float, float]:
+    """LoRA adapter parameters on one rank: (per LLM layer, per ViT block, the merger). An adapter on a linear
+    (in -> out) holds r x (in + out), its split half cut by TP (B of a column-parallel linear, A of a row-parallel
+    one); the experts' count per EP rank."""
+    text, vit = model.text_decoder, model.image_encoder.vision_encoder
+    proj, r, targets = model.image_encoder.vision_projector, lora.rank, set(lora.target_modules)
+
+    def column(name: str, n_in: float, n_out: float) -> float:
+        return r * (n_in + n_out / tp) if name in targets else 0.0
+
+    def row(name: str, n_in: float, n_out: float) -> float:
+        return r * (n_in / tp + n_out) if name in targets else 0.0
+
+    def mlp(n_in: int, n_hidden: int, swiglu: bool) -> float:
+        return column("linear_fc1", n_in, (2 if swiglu else 1) * n_hidden) + row("linear_fc2", n_hidden, n_in)
+
+    def attention(n_in: int, heads: int, groups: int, head_dim: int, gate: int) -> float:
+        qkv = (gate * heads + 2 * groups) * head_dim
+        return column("linear_qkv", n_in, qkv) + row("linear_proj", heads * head_dim, n_in)
+
+    h, head_dim = text.hidden_size, text.kv_channels or text.hidden_size // text.num_attention_heads
+    groups = text.num_query_groups if text.group_query_attention else text.num_attention_heads
+    gate = 2 if text.attention_output_gate else 1
+    values = text.linear_num_value_heads * text.linear_value_head_dim
+    conv = 2 * text.linear_num_key_heads * text.linear_key_head_dim + values
+    recurrent = column("in_proj", h, conv + values + 2 * text.linear_num_value_heads) + row("out_proj", values, h)
+    share = linear_attention_share(text)
+    llm = (1 - share) * attention(h, text.num_attention_heads, groups, head_dim, gate) + share * recurrent
+    if text.num_moe_experts:
+        llm += (
+            mlp(h, text.moe_shared_expert_intermediate_size or 0, True)
+            if text.moe_shared_expert_intermediate_size
+            else 0
+        )
+        if lora.experts:  # expert TP is 1 (the check): whole adapters, this EP rank's experts
+            llm += text.num_moe_experts / ep * r * (3 * h + 3 * (text.moe_intermediate_size or 0))
+    else:
+        llm += mlp(h, text.ffn_hidden_size, text.swiglu)
+    if not lora.vision:
+        return llm, 0.0, 0.0
+    block = attention(
+        vit.hidden_size, vit.num_attention_heads, vit.num_attention_heads, vit.hidden_size // vit.num_attention_heads, 1
+    )
+    block += mlp(vit.hidden_size, vit.ffn_hidden_size, vit.swiglu)
+    merged = proj.ffn_hidden_size  # the merger: merged patches -> hidden -> the LLM's width (and DeepStack's alike)
+    merger = column("linear_fc1", merged, merged) + row("linear_fc2", merged, proj.hidden_size)
+    return llm, block, merger * (1 + len(vit.deepstack_visual_indexes))
 
 
 def model_parameters(model: ModelConfig) -> int:
@@ -279,9 +328,18 @@ def estimate_memory(cfg: JobConfig) -> list[StageMemory]:
     vit_layers = model.image_encoder.vision_encoder.pipeline_num_layers
     llm_layers = model.text_decoder.pipeline_num_layers
     out = []
+    lora = b.actor_config.lora
+    adapters = adapter_parameters(model, lora, tp, b.actor_config.expert_model_parallel_size) if lora.enabled else None
     for s in range(pp):
         frozen, trainable = _stage_params(cfg, counts, s, vit_layers, llm_layers)
         total_params = (frozen + trainable) / tp
+        reference = total_params * weight_bytes if b.rl_config.colocate_ref else 0.0
+        if adapters is not None:  # the base frozen whole, only the adapters train; the reference: the actor without
+            # them, unless a separate one is asked for
+            trained = llm_layers[s] * adapters[0] + vit_layers[s] * adapters[1]
+            trained += adapters[2] if s == max((i for i, n in enumerate(vit_layers) if n > 0), default=0) else 0.0
+            total_params, trainable = total_params + trained, trained * tp
+            reference = reference if lora.separate_reference else 0.0
         in_flight = min(pp - s, micro_batches)
         act = in_flight * _stage_activations(cfg, s, vit_layers, llm_layers, tp, cp)
         if s == pp - 1:
@@ -291,7 +349,7 @@ def estimate_memory(cfg: JobConfig) -> list[StageMemory]:
             weights=total_params * weight_bytes / GIB,
             grads=trainable / tp * 4 / GIB,
             optimizer=trainable / tp * opt_bytes / GIB,
-            reference=total_params * weight_bytes / GIB if b.rl_config.colocate_ref else 0.0,
+            reference=reference / GIB,
             activations=act / GIB,
         )
         out.append(dataclasses.replace(stage, rollout=_rollout_phase(cfg, stage)))

@@ -633,6 +633,51 @@ def freeze_flags(cfg: JobConfig) -> Iterator[Violation]:
         )
 
 
+@rule
+def lora_settings(cfg: JobConfig) -> Iterator[Violation]:
+    """What the adapters need: a rank, a positive alpha, known target linears that the model has, and splits this
+    version supports."""
+    from mm_rl.config.schema import LORA_TARGETS
+
+    b = cfg.backend_config
+    lora, key = b.actor_config.lora, f"{ACTOR}.lora"
+    if lora.rank < 0:
+        yield Violation(f"{key}.rank", lora.rank, "must be >= 0 (0: full-weight training)", "use e.g. 16, or 0")
+    if not lora.enabled:
+        return
+    if lora.alpha <= 0:
+        yield Violation(
+            f"{key}.alpha", lora.alpha, "must be > 0 (the adapters' scale is alpha / rank)", "use e.g. 2 x rank"
+        )
+    if not 0 <= lora.dropout < 1:
+        yield Violation(f"{key}.dropout", lora.dropout, "must lie in [0, 1)", "use 0 (or e.g. 0.05)")
+    unknown = [name for name in lora.target_modules if name not in LORA_TARGETS]
+    if unknown or not lora.target_modules:
+        yield Violation(
+            f"{key}.target_modules", list(lora.target_modules), f"names {unknown or 'nothing'}: megatron's linears "
+            f"are {', '.join(LORA_TARGETS)}", "list some of those",
+        )  # fmt: skip
+    text = b.model.text_decoder
+    recurrent = {"in_proj", "out_proj"}
+    if set(lora.target_modules) <= recurrent and "linear_attention" not in text.layer_types:
+        yield Violation(
+            f"{key}.target_modules", list(lora.target_modules), "in_proj / out_proj are Gated DeltaNet layers' "
+            "linears, which this model has none of", "add linear_qkv, linear_proj, linear_fc1, linear_fc2",
+        )  # fmt: skip
+    if lora.experts and not text.num_moe_experts:
+        yield Violation(f"{key}.experts", True, "the model has no experts", "set it to false")
+    if lora.experts and b.actor_config.tensor_model_parallel_size > 1:
+        yield Violation(
+            f"{key}.experts", True, "adapters on experts split over tensor parallelism are not supported",
+            f"set it to false (adapters on attention and shared experts) or {ACTOR}.tensor_model_parallel_size: 1",
+        )  # fmt: skip
+    if b.actor_config.unfreeze_vision_encoder:
+        yield Violation(
+            f"{ACTOR}.unfreeze_vision_encoder", True, "LoRA keeps the whole base model frozen",
+            f"set it to false; {key}.vision: true puts adapters on the ViT",
+        )  # fmt: skip
+
+
 # ------------------------------------------------------------------------------- optimisation / RL
 @rule
 def optimizer_settings(cfg: JobConfig) -> Iterator[Violation]:

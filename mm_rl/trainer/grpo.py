@@ -384,11 +384,11 @@ class GRPOTrainer:
 
     def _on_policy_count(self, n_samples: int) -> int:
         """How many leading samples take their old log-probs from the update's own forward rather than a pass
-        before it: the first mini-batch of the first epoch sees the weights that generated it (dropout is off
-        throughout), so a separate pass would give the same numbers. None when the KL-in-reward needs them
-        before the update, or when no mini-batch is full (no update runs)."""
-        mini = self.rl.mini_batch_size
-        return 0 if self.rl.use_kl_in_reward or n_samples < mini else mini
+        before it: the first mini-batch of the first epoch sees the weights that generated it (no dropout), so a
+        separate pass would give the same numbers. None when the KL-in-reward needs them before the update, when
+        no mini-batch is full (no update runs), or under LoRA dropout (the update's forward drops inputs)."""
+        mini, dropout = self.rl.mini_batch_size, self.job.backend_config.actor_config.lora.dropout
+        return 0 if self.rl.use_kl_in_reward or n_samples < mini or dropout > 0 else mini
 
     # ------------------------------------------------------------------------------------------ advantages
     def compute_advantages(self, samples: list[Sample]) -> dict[str, float]:

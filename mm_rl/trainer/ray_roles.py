@@ -62,7 +62,14 @@ class RayRoles:
 
     @property
     def has_reference(self) -> bool:
-        return self.ref is not None
+        return self.ref is not None or self._reference_is_actor()
+
+    def _reference_is_actor(self) -> bool:
+        """LoRA: the reference is the actor with its adapters off (no second copy of the weights), unless the
+        config asks for a separate one; only where a KL term needs a reference at all."""
+        b = self.job.backend_config
+        lora, rl = b.actor_config.lora, b.rl_config
+        return lora.enabled and not lora.separate_reference and (rl.use_kl_loss or rl.use_kl_in_reward)
 
     def _start(self, mm_dir: Path) -> None:
         self.resources = plan_resources(self.job)
@@ -183,7 +190,7 @@ class RayRoles:
         from mm_rl.workers.group import WorkerGroup
 
         rl, res = self.job.backend_config.rl_config, self.resources
-        if not (rl.use_kl_loss or rl.use_kl_in_reward):
+        if not (rl.use_kl_loss or rl.use_kl_in_reward) or self._reference_is_actor():
             return
         placement = self.placement if rl.colocate_ref else make_placement(res, report=self.report)
         self.ref = WorkerGroup(
@@ -330,6 +337,8 @@ class RayRoles:
         self.vision_from, self.vision_given = None, set()
 
     def log_probs(self, role: Role, shards: Sequence[MicroBatches], temperature: float) -> list[list[torch.Tensor]]:
+        if role == "reference" and self._reference_is_actor():
+            return self.actor.compute_log_probs_sharded(shards, temperature, adapters=False)
         self._step_vision(role)
         return self._group(role).compute_log_probs_sharded(shards, temperature)
 

@@ -170,11 +170,12 @@ class WorkerGroup:
         return f" (tp {c.tp_rank}, pp {c.pp_rank}, dp {c.dp_rank}" + (f", cp {c.cp_rank})" if self.spec.cp > 1 else ")")
 
     def compute_log_probs_sharded(
-        self, shards: Sequence[Sequence[dict[str, Any]]], temperature: float = 1.0
+        self, shards: Sequence[Sequence[dict[str, Any]]], temperature: float = 1.0, adapters: bool = True
     ) -> list[Any]:
-        """Each DP replica scores its own shard of micro-batches; the last stage's results per replica."""
+        """Each DP replica scores its own shard of micro-batches; the last stage's results per replica
+        (``adapters`` false: a LoRA actor's base model, see ``MegatronWorker.compute_log_probs``)."""
         return self.per_replica(
-            self.run_sharded(MegatronWorker.compute_log_probs, list(map(list, shards)), temperature)
+            self.run_sharded(MegatronWorker.compute_log_probs, list(map(list, shards)), temperature, adapters)
         )
 
     def per_replica(self, results: Sequence[Any]) -> list[Any]:
