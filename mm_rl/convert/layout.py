@@ -186,9 +186,9 @@ class _Inert:
         pass
 
 
-def load_model_state(path: Path) -> Mapping[str, torch.Tensor]:
-    """The "model" dict of a rank file, memory-mapped (pages are read only when a tensor is used); a LoRA
-    checkpoint's: its base's with the adapters merged (:func:`lora_merged_state`)."""
+def load_rank_data(path: Path) -> Mapping[str, Any]:
+    """A rank file's whole dict, memory-mapped (pages are read only when a tensor is used); its non-tensor entries
+    (optimizer, RNG, args) are never constructed. It must hold a "model" state dict."""
     if not path.is_file():
         raise ConversionError(f"{path} is missing (an incomplete checkpoint, or another TP/PP layout?)")
     try:
@@ -206,6 +206,13 @@ def load_model_state(path: Path) -> Mapping[str, torch.Tensor]:
             f"{path} has no 'model' state dict (it holds {keys}); virtual-pipeline checkpoints "
             "(model0, model1, ...) are not supported"
         )
+    return data
+
+
+def load_model_state(path: Path) -> Mapping[str, torch.Tensor]:
+    """The "model" dict of a rank file (see :func:`load_rank_data`); a LoRA checkpoint's: its base's with the
+    adapters merged (:func:`lora_merged_state`)."""
+    data = load_rank_data(path)
     if isinstance(data.get("lora"), Mapping):
         return lora_merged_state(path, data)
     return dict(data["model"])
@@ -213,8 +220,8 @@ def load_model_state(path: Path) -> Mapping[str, torch.Tensor]:
 
 def lora_meta(path: Path) -> dict[str, Any] | None:
     """A LoRA checkpoint rank file's ``lora`` entry (its base, rank, alpha, scale); None for a whole model."""
-    data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return dict(data["lora"]) if isinstance(data, Mapping) and isinstance(data.get("lora"), Mapping) else None
+    lora = load_rank_data(path).get("lora")
+    return dict(lora) if isinstance(lora, Mapping) else None
 
 
 def lora_merged_state(path: Path, data: Mapping[str, Any]) -> Mapping[str, torch.Tensor]:

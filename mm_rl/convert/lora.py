@@ -26,7 +26,7 @@ import torch
 
 from mm_rl.config.schema import ModelConfig
 from mm_rl.convert.errors import ConversionError
-from mm_rl.convert.layout import rank_file
+from mm_rl.convert.layout import load_rank_data, rank_file
 from mm_rl.convert.mapping import Bound, hf_from_shards, model_dims, module_name, shard_from_hf, stage_tensors
 from mm_rl.convert.stages import Pipeline
 from mm_rl.models.lora import LORA_A, LORA_B
@@ -107,11 +107,7 @@ def write_peft_adapter(
     for stage in pipeline.stages:
         for ep_rank in range(pipeline.ep):
             states = [
-                torch.load(
-                    rank_file(iteration_dir, r, stage.pp_rank, pipeline.pp, ep_rank, pipeline.ep),
-                    map_location="cpu",
-                    weights_only=True,
-                )["model"]
+                load_rank_data(rank_file(iteration_dir, r, stage.pp_rank, pipeline.pp, ep_rank, pipeline.ep))["model"]
                 for r in range(pipeline.tp)
             ]
             for bound in stage_tensors(model, stage, ep_rank, pipeline.ep):

@@ -337,7 +337,7 @@ class RayRoles:
         self.vision_from, self.vision_given = None, set()
 
     def log_probs(self, role: Role, shards: Sequence[MicroBatches], temperature: float) -> list[list[torch.Tensor]]:
-        if role == "reference" and self._reference_is_actor():
+        if role == "reference" and self._reference_is_actor():  # the same ranks: their ViT cache serves both
             return self.actor.compute_log_probs_sharded(shards, temperature, adapters=False)
         self._step_vision(role)
         return self._group(role).compute_log_probs_sharded(shards, temperature)
@@ -375,7 +375,7 @@ class RayRoles:
         self.actor.load_checkpoint(str(save_dir), step, load_optim, load_rng)
 
     def _group(self, role: Role) -> Any:
-        group = self.actor if role == "actor" else self.ref
+        group = self.actor if role == "actor" or self._reference_is_actor() else self.ref
         if group is None:
             raise RuntimeError(f"the job has no {role} model")
         return group
