@@ -233,6 +233,12 @@ class MergedState(Mapping[str, "torch.Tensor"]):
         return len(self._keys)
 
 
+def is_adapted(state: Mapping[str, torch.Tensor], key: str) -> bool:
+    """Whether ``key`` of an :func:`export_state` belongs to an adapted linear: its (merged) weight or its bias, the
+    tensors an engine must receive together (vLLM rebuilds a linear whole: half of it would be garbage)."""
+    return isinstance(state, MergedState) and f"{key.rpartition('.')[0]}.{LORA_A}" in state.state
+
+
 def export_state(model: torch.nn.Module) -> Mapping[str, torch.Tensor]:
     """The stage's ``state_dict`` as HF and the engine see the model: adapters merged (a model without: as is)."""
     state = model.state_dict()

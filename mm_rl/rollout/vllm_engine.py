@@ -598,7 +598,9 @@ class VllmEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
 
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        ready = _Counted(self.assembler.feed(named_tensors))
+        # inside a sync's session vLLM's layerwise reload waits for each layer's own tensors (and a LoRA sync sends
+        # only its adapted linears, whole): the assembler's whole-layer groups are for loads outside a session
+        ready = _Counted(named_tensors if self.session else self.assembler.feed(named_tensors))
         if self.in_process:
             self._reload_in_process(ready)
         else:

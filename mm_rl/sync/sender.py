@@ -123,7 +123,7 @@ class GatherTimer:
 
 
 def stage_hf_tensors(
-    model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clock: GatherTimer
+    model: Any, model_cfg: ModelConfig, pipeline: Pipeline, clock: GatherTimer, adapted_only: bool = False
 ) -> Iterator[NamedTensor]:
     """(HF name, tensor) of this rank's stage, TP shards merged, in the mapping's order (layer by layer).
 
@@ -132,12 +132,13 @@ def stage_hf_tensors(
     tensor is one block of a shard, one concatenation otherwise): the same rules as ``merge_tp_shards`` followed
     by ``megatron_to_hf``, without building the TP-merged Megatron tensor in between (measured: that round
     allocated and copied every split tensor twice more). The tied output-layer copy is not even gathered: HF
-    has one embedding, which the embedding's stage sends."""
+    has one embedding, which the embedding's stage sends. ``adapted_only``: only the LoRA-adapted linears' weights
+    (merged), which are all that change between syncs once the engine has the frozen base."""
     import torch
     from megatron.core import parallel_state
 
     from mm_rl.convert.mapping import hf_from_shards, model_dims, stage_tensors
-    from mm_rl.models.lora import export_state
+    from mm_rl.models.lora import export_state, is_adapted
 
     group, experts = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_expert_model_parallel_group()
     dims, state = model_dims(model_cfg), export_state(model)  # LoRA: each adapted weight merged as it is read
@@ -145,7 +146,7 @@ def stage_hf_tensors(
     # every EP rank names its experts local_experts.0.. (its own bounds); the sender renames each rank's block
     by_rank = [stage_tensors(model_cfg, stage, r, pipeline.ep) for r in range(pipeline.ep)]
     for position, bound in enumerate(by_rank[0]):
-        if bound.entry.duplicate:
+        if bound.entry.duplicate or (adapted_only and not is_adapted(state, bound.mg)):
             continue
         start = time.perf_counter()
         with torch.no_grad():
@@ -168,15 +169,17 @@ def push_stage(
     ep: int,
     sink_factory: Callable[[int], BucketSink] | None,
     bucket_bytes: int,
+    adapted_only: bool = False,
 ) -> SyncStats | None:
     """Run this rank's part of the sync: TP ranks gather; the sender (``sink_factory`` given) merges, renames,
-    buckets and sends, then closes the sink and returns its statistics."""
+    buckets and sends, then closes the sink and returns its statistics (``adapted_only``: see
+    :func:`stage_hf_tensors`)."""
     from megatron.core import parallel_state
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pipeline = stage_pipeline(model_cfg, tp, parallel_state.get_pipeline_model_parallel_world_size(), ep)
     clock, started = GatherTimer(), time.perf_counter()
-    named = stage_hf_tensors(model, model_cfg, pipeline, clock)
+    named = stage_hf_tensors(model, model_cfg, pipeline, clock, adapted_only)
     if sink_factory is None:
         for _ in named:  # a non-sender TP rank: only its part of each gather
             pass

@@ -242,6 +242,7 @@ class RayRoles:
             b.actor_config,
             reference=self.ref if b.rl_config.colocate_ref else None,
             shared_bundles=self.plan.shared_bundles,
+            sleep_level=1 if b.actor_config.lora.enabled else 2,  # LoRA: the frozen base stays in the engine
         )
         with named("rollout engines going to sleep"):
             self.schedule.engine_started()

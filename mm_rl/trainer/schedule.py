@@ -11,7 +11,8 @@ is switched alike, and only the ranks on a device that holds a replica (``shared
 4. the engine takes back its KV cache, into the memory the actor freed.
 
 Before training the engine sleeps at level 2 (weights dropped, not copied to the host: the next sync rewrites all
-of them) and the actor loads its state back. At start-up the engine is started and put to sleep before the actor
+of them) and the actor loads its state back; under LoRA at level 1 (weights kept on the host), so that each sync
+after the first sends only the adapted linears. At start-up the engine is started and put to sleep before the actor
 builds its model (:meth:`RolloutSchedule.engine_started`): vLLM refuses to start unless ``gpu_memory_utilization``
 of the device is free. On a CPU-only machine engine and actor share host memory, so the trainer runs the separate
 schedule there (only the sync); the colocated one is the same calls, and tests check their order.
@@ -50,6 +51,7 @@ class RolloutSchedule:
         self.sleep_level, self.route = sleep_level, route  # route: device to device (else the object store)
         self.offloaded_bytes = 0  # what the actor (and reference) ranks freed on their devices for the last rollout
         self.engines_current = False  # every replica holds the actor's weights as they are now
+        self.engines_synced = False  # every replica holds weights of a sync (a LoRA base's frozen part is current)
 
     def weights_changed(self) -> None:
         """The actor's weights moved (an optimizer step, a checkpoint load): the next rollout syncs them."""
@@ -88,8 +90,14 @@ class RolloutSchedule:
             if self.reference is not None and switches["params"]:
                 freed += self.reference.offload(params=True, grads=False, optimizer=False, bundles=shared)
             self._engines("wake_up", ["weights"])
-        report = sync_weights(self.group, self.rollouts, bucket_bytes_of(self.generate), route=self.route)
-        self.engines_current = True
+        report = sync_weights(
+            self.group,
+            self.rollouts,
+            bucket_bytes_of(self.generate),
+            route=self.route,
+            adapted_only=self.engines_synced,
+        )
+        self.engines_current = self.engines_synced = True
         if self.generate.colocate:
             freed += self.group.offload(params=switches["params"], grads=False, optimizer=False, bundles=shared)
             self.offloaded_bytes = freed
@@ -102,6 +110,7 @@ class RolloutSchedule:
             return
         self._engines("sleep", self.sleep_level)
         self.engines_current = self.engines_current and self.sleep_level < 2  # level 1 keeps them on the host
+        self.engines_synced = self.engines_synced and self.sleep_level < 2
         self.group.onload(**self.offload_switches, bundles=self.shared_bundles)
         if self.reference is not None and self.actor.offload_train_param:
             self.reference.onload(params=True, grads=False, optimizer=False, bundles=self.shared_bundles)

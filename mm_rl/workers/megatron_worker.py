@@ -292,7 +292,11 @@ class MegatronWorker:
             join_group(key, coords.pp_rank, *senders[coords.pp_rank], rank=0, world=worlds[coords.pp_rank])
 
     def push_weights(
-        self, sink_factory: Callable[[int], BucketSink], bucket_bytes: int, stage: int | None = None
+        self,
+        sink_factory: Callable[[int], BucketSink],
+        bucket_bytes: int,
+        stage: int | None = None,
+        adapted_only: bool = False,
     ) -> SyncStats | None:
         """Stream this stage's weights, TP-merged and HF-named, in buckets of about ``bucket_bytes``.
 
@@ -300,22 +304,25 @@ class MegatronWorker:
         TP-rank 0 of DP replica 0 builds the buckets and hands them to ``sink_factory(stage)`` (the transport
         seam, see mm_rl.sync.transport). Returns that rank's statistics, None elsewhere (other DP replicas hold
         the same weights: they do nothing). With ``stage``, only that pipeline stage's ranks push (the driver
-        takes the stages one after another); the gathers stay inside a stage's TP and EP groups.
+        takes the stages one after another); the gathers stay inside a stage's TP and EP groups. ``adapted_only``:
+        the engines hold the frozen base already, so a LoRA stage sends only its adapted linears (merged).
         """
+        from mm_rl.models.lora import has_adapters
         from mm_rl.sync.sender import push_stage
 
-        coords = self._require_coords()
+        coords, model = self._require_coords(), self._require_model()
         stats = None
         if stage is not None and coords.pp_rank != stage:
             return None
         if coords.holds_unique_weights():  # other replicas and CP ranks hold the same weights
             stats = push_stage(
-                self._require_model(),
+                model,
                 self.spec.model,
                 self.spec.tp,
                 self.spec.ep,
                 sink_factory if coords.is_sender() else None,
                 bucket_bytes,
+                adapted_only=adapted_only and has_adapters(model),
             )
         return stats
 
