@@ -165,6 +165,15 @@ def _check_console(console: str, out: Path) -> None:
     assert ENGINE_LINE not in console
 
 
+# LoRA on the LLM's linears: its usual 10x the full-weight lr (the tiny's default 2e-4)
+LORA = (
+    "backend_config.actor_config.lora.rank=16",
+    "backend_config.actor_config.lora.alpha=32",
+    "backend_config.actor_config.lr=2e-3",
+    "backend_config.actor_config.min_lr=2e-4",
+)
+
+
 # TP2's whole job is the other families' (tests/test_family_jobs.py: the Qwen3-VL-MoE's 2 steps, dense attention
 # and split experts under sequence parallelism, engine gap < 1e-3; the Qwen3.5 learning run); Qwen2.5-VL's TP2 sync
 # and model are tests/test_weight_sync.py's and tests/test_model_parity.py's
@@ -176,6 +185,7 @@ def _check_console(console: str, out: Path) -> None:
                 "backend_config.actor_config.pipeline_model_parallel_size=2",
                 "backend_config.model.text_decoder.pipeline_num_layers=[2,2]",
                 "backend_config.model.image_encoder.vision_encoder.pipeline_num_layers=[2,0]",
+                *LORA,
             ),
             2,
         ),
@@ -190,7 +200,9 @@ def _check_console(console: str, out: Path) -> None:
     ids=["pp2", "cp2"],
 )
 def test_model_parallel_actor_trains(assets, tmp_path, layout, rank_dirs):
-    """Two ranks (PP2 or CP2) through full steps, with dynamic sampling drawing extra batches."""
+    """Two ranks (PP2 or CP2) through full steps, with dynamic sampling drawing extra batches. PP2 trains LoRA
+    adapters: each stage's, synced merged (the second sync only the adapted linears), merged by mg2hf and written
+    as a PEFT adapter directory."""
     job_yaml, root = assets
     out = tmp_path / "run"
     job = job_for(
@@ -211,6 +223,7 @@ def test_model_parallel_actor_trains(assets, tmp_path, layout, rank_dirs):
     ranks = sorted(p.name for p in (out / "ckpt" / "iter_0000002").iterdir() if p.name.startswith("mp_rank"))
     assert len(ranks) == rank_dirs
     assert (result.hf_dir / "config.json").is_file()
+    assert (result.hf_dir / "lora_adapter" / "adapter_model.safetensors").is_file() == (LORA[0] in layout)
 
 
 LEARNING = (
@@ -233,24 +246,39 @@ def test_the_embedded_default_learns(assets, tmp_path):
     assert_learns(read_metrics(out / "metrics.jsonl"), "tiny, on policy")
 
 
-def test_one_step_off_policy_learns_overlaps_the_rollout_and_resumes_exactly(assets, tmp_path):
+def test_one_step_off_policy_lora_learns_overlaps_the_rollout_and_resumes_exactly(assets, tmp_path):
     """The default with the one-step-off-policy pipeline (samples one version behind, importance-sampling
-    correction on) passes the same learning bar. Each step's batch generates while the previous step trains: from
-    step 2 on the steps wait for their batches less than the batches took to generate (the rest ran beside the
-    updates), and the samples are one version behind. A run resumed from the step-38 checkpoint (which keeps step
-    39's batch, generated from step 37's weights) repeats steps 39 and 40 of the uninterrupted run exactly."""
+    correction on), training LoRA adapters (the reference: the actor without them), passes the same learning bar.
+    Each step's batch generates while the previous step trains: from step 2 on the steps wait for their batches
+    less than the batches took to generate (the rest ran beside the updates), and the samples are one version
+    behind. The checkpoints hold the adapters and name their base; a run resumed from the step-38 checkpoint
+    (which keeps step 39's batch, generated from step 37's weights) repeats steps 39 and 40 of the uninterrupted
+    run exactly. mg2hf merges the adapters (the LLM changed, the ViT not) and writes their PEFT directory."""
     import shutil
 
     job_yaml, root = assets
     steps = (
         *LEARNING,
+        *LORA,
         "backend_config.rl_config.one_step_off_policy=true",
         "backend_config.megatron_training.save_interval=38",
         "backend_config.megatron_training.max_keep_ckpts=2",
     )
-    _run_job(job_for(job_yaml, root, tmp_path / "straight", *steps))
+    result, _ = _run_job(job_for(job_yaml, root, tmp_path / "straight", *steps))
     records = read_metrics(tmp_path / "straight" / "metrics.jsonl")
-    assert_learns(records, "tiny, one step off policy")
+    assert_learns(records, "tiny, one step off policy, LoRA")
+    assert records[-1]["actor/kl_loss"] > 0  # the reference pass: the base model, which the adapters moved from
+    saved = torch.load(
+        tmp_path / "straight" / "ckpt" / "iter_0000040" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False
+    )
+    assert saved["model"] and all(k.endswith((".lora_a", ".lora_b")) for k in saved["model"])
+    assert (Path(saved["lora"]["base"]) / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    trained, initial = _hf_weights(result.hf_dir), _hf_weights(root / "tiny_hf")
+    changed = {name for name, tensor in trained.items() if not torch.equal(tensor, initial[name])}
+    assert any(".layers." in n for n in changed) and not any(
+        n.startswith(("visual.", "model.visual.")) for n in changed
+    )
+    assert (result.hf_dir / "lora_adapter" / "adapter_config.json").is_file()
     straight = [r for r in records if r["step"] > 0]
     assert [r["rollout/staleness_max"] for r in straight] == [0.0] + [1.0] * 39
     later = straight[1:]
