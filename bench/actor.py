@@ -14,6 +14,10 @@ one rank with all cores:
   pass (the step is one mini-batch and one epoch: the update's own forward gives the old log-probs), the reference
   pass, the update; in every pass only the response tokens reach the output layer (the model's ``output_mask``).
 
+With ``--lora R``, a third path: the new one training LoRA adapters of rank R on the LLM's linears (the base
+frozen; the reference pass is the same rank with its adapters off), printed against the new path's full-weight
+update as ``lora update: U.UUx the full-weight update``.
+
 Both start from the same weights, so the update's loss and grad norm must agree (printed). Per path: wall time
 per pass, tokens computed (padding included) against tokens needed, ViT images encoded against the distinct images
 of its passes (the step's images, once per pass), peak RSS. The last line:
@@ -67,8 +71,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--log-prob-budget", type=int, default=2048, help="tokens per log-prob micro-batch of the new path"
     )
     parser.add_argument("--max-response", type=int, default=128, help="the response length limit")
+    parser.add_argument("--lora", type=int, default=0, help="also the new path with LoRA adapters of this rank")
     parser.add_argument("--json", action="store_true", help="also print the results as one json line")
-    parser.add_argument("--path", choices=["before", "now"], help=argparse.SUPPRESS)  # one path, in a child
+    parser.add_argument("--path", choices=["before", "now", "lora"], help=argparse.SUPPRESS)  # one path, in a child
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.mbs < 1 or args.max_response < 1:
@@ -128,7 +133,7 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from flops import computed_positions, matmul_peak, passes_flops
 
-    from mm_rl.config.schema import RLConfig
+    from mm_rl.config.schema import ActorConfig, LoRAConfig, RLConfig
     from mm_rl.convert import model_config_from_hf
     from mm_rl.trainer.batch import (
         by_count,
@@ -144,9 +149,12 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|apex).* not installed")
-    now = args.path == "now"
+    now, lora = args.path in ("now", "lora"), args.path == "lora"
     samples, items = workload(args.prompts, args.max_response)
-    spec = WorkerSpec(model_config_from_hf(args.root / "hf"), num_threads=os.cpu_count() or 1, remove_padding=now)
+    actor = ActorConfig(lora=LoRAConfig(rank=args.lora, alpha=2.0 * args.lora)) if lora else None
+    spec = WorkerSpec(
+        model_config_from_hf(args.root / "hf"), num_threads=os.cpu_count() or 1, remove_padding=now, actor=actor
+    )
     worker = TrainingWorker(spec, 0)
     worker.init_distributed("127.0.0.1", _free_port())
     worker.build(str(args.root / "mm"))
@@ -209,7 +217,7 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
         runs = cut(grad=False)
         built = batches(runs, ())
         start = time.perf_counter()
-        rows = worker.compute_log_probs(built)
+        rows = worker.compute_log_probs(built, adapters=not (lora and name == "ref_log_probs"))
         seconds[name] = time.perf_counter() - start
         computed[name] = positions(runs, built)
         for sample, values in zip(samples, response_values(runs, rows), strict=True):
@@ -219,7 +227,8 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
     if not now:
         log_prob_pass("old_log_probs")
     log_prob_pass("ref_log_probs")
-    own_process()
+    if not lora:  # LoRA: the reference pass ran on the actor's own rank (adapters off), its ViT cache serves both
+        own_process()
     runs = cut(grad=True)
     fields = ("advantages", "ref_log_probs") + (() if now else ("old_log_probs",))
     loss = LossSpec(RLConfig(use_kl_loss=True, kl_loss_coef=0.01), args.max_response)
@@ -229,6 +238,7 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
     seconds["update"] = time.perf_counter() - start
     computed["update"] = positions(runs, built)
     assert result is not None and result.metrics is not None
+    trained = sum(p.numel() for p in worker.model.parameters() if p.requires_grad)
     worker.shutdown()
     flops, mean_positions = passes_flops(spec.model, passes) if now else (0.0, 0.0)
     return {
@@ -243,6 +253,7 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "loss": result.metrics["loss"],
         "grad_norm": result.metrics["grad_norm"],
+        "trained_params": trained,
     }
 
 
@@ -273,6 +284,8 @@ def child(args: argparse.Namespace, path: str, root: Path) -> dict[str, Any]:
         str(args.log_prob_budget),
         "--max-response",
         str(args.max_response),
+        "--lora",
+        str(args.lora),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode:
@@ -323,6 +336,20 @@ def report(before: dict[str, Any], now: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def report_lora(full: dict[str, Any], lora: dict[str, Any], rank: int) -> dict[str, float]:
+    """The LoRA path against the full-weight new path: pass times, trained parameters (grads + Adam state)."""
+    f, a = full["seconds"], lora["seconds"]
+    print(
+        f"lora (rank {rank}): reference {a['ref_log_probs']:.2f}s vs {f['ref_log_probs']:.2f}s, update "
+        f"{a['update']:.2f}s vs {f['update']:.2f}s; trained parameters {lora['trained_params']:,} vs "
+        f"{full['trained_params']:,} ({100 * lora['trained_params'] / full['trained_params']:.1f}%); peak RSS "
+        f"{lora['peak_rss_gb']:.2f} vs {full['peak_rss_gb']:.2f} GB"
+    )
+    ratio = a["update"] / f["update"]
+    print(f"lora update: {ratio:.2f}x the full-weight update")
+    return {"lora_update_ratio": ratio, "lora_trained_share": lora["trained_params"] / full["trained_params"]}
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.path:
@@ -337,7 +364,10 @@ def main(argv: list[str]) -> int:
             f"{len(samples)} samples, responses {lengths[0]}-{lengths[-1]} tokens (median "
             f"{lengths[len(lengths) // 2]}), {args.prompts} images of {len(GRIDS)} sizes"
         )
-        results = report(child(args, "before", root), child(args, "now", root))
+        now = child(args, "now", root)
+        results = report(child(args, "before", root), now)
+        if args.lora:
+            results.update(report_lora(now, child(args, "lora", root), args.lora))
     if args.json:
         print(json.dumps(results))
     return 0

@@ -160,7 +160,7 @@ def adapter_parameters(model: ModelConfig, lora: LoRAConfig, tp: int, ep: int = 
             else 0
         )
         if lora.experts:  # expert TP is 1 (the check): whole adapters, this EP rank's experts
-            llm += text.num_moe_experts / ep * r * (3 * h + 3 * (text.moe_intermediate_size or 0))
+            llm += text.num_moe_experts / ep * r * (2 * h + 3 * (text.moe_intermediate_size or 0))  # fc1 + fc2
     else:
         llm += mlp(h, text.ffn_hidden_size, text.swiglu)
     if not lora.vision:
