@@ -91,6 +91,16 @@ def convert_out(job: JobConfig, report: Callable[[str], None]) -> Path:
             "HuggingFace checkpoint without training again"
         ) from err
     report(f"      done in {time.perf_counter() - start:.1f} s")
+    if b.actor_config.lora.enabled:
+        from mm_rl.convert.lora import ADAPTER_DIR
+
+        adapter, base = out / ADAPTER_DIR, b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir
+        report(
+            f"      LoRA: the adapters merged into {out}; as a PEFT adapter of {base}: {adapter}"
+            if adapter.is_dir()
+            else "      LoRA: the adapters merged; no PEFT adapter directory (adapters on experts: transformers keeps "
+            "a layer's experts in one fused tensor)"
+        )
     return out
 
 
