@@ -51,6 +51,17 @@ def _hf_weights(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
+def _tensors_named(state, key: str) -> list[torch.Tensor]:
+    """Every tensor stored under ``key`` anywhere in a nested state dict (an optimizer's, whatever its wrapping)."""
+    if isinstance(state, dict):
+        return [v for k, v in state.items() if k == key and isinstance(v, torch.Tensor)] + [
+            t for k, v in state.items() if k != key for t in _tensors_named(v, key)
+        ]
+    if isinstance(state, list | tuple):
+        return [t for v in state for t in _tensors_named(v, key)]
+    return []
+
+
 def _wait_for(predicate, proc, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -186,6 +197,7 @@ LORA = (
                 "backend_config.model.text_decoder.pipeline_num_layers=[2,2]",
                 "backend_config.model.image_encoder.vision_encoder.pipeline_num_layers=[2,0]",
                 *LORA,
+                "backend_config.actor_config.lora.vision=true",
             ),
             2,
         ),
@@ -201,8 +213,8 @@ LORA = (
 )
 def test_model_parallel_actor_trains(assets, tmp_path, layout, rank_dirs):
     """Two ranks (PP2 or CP2) through full steps, with dynamic sampling drawing extra batches. PP2 trains LoRA
-    adapters: each stage's, synced merged (the second sync only the adapted linears), merged by mg2hf and written
-    as a PEFT adapter directory."""
+    adapters, the ViT's too: each stage's, synced merged (the second sync only the adapted linears), merged by mg2hf
+    and written as a PEFT adapter directory."""
     job_yaml, root = assets
     out = tmp_path / "run"
     job = job_for(
@@ -272,6 +284,8 @@ def test_one_step_off_policy_lora_learns_overlaps_the_rollout_and_resumes_exactl
         tmp_path / "straight" / "ckpt" / "iter_0000040" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False
     )
     assert saved["model"] and all(k.endswith((".lora_a", ".lora_b")) for k in saved["model"])
+    moments = _tensors_named(saved["optimizer"], "exp_avg")
+    assert sum(t.numel() for t in moments) == sum(t.numel() for t in saved["model"].values())  # Adam: adapters only
     assert (Path(saved["lora"]["base"]) / "mp_rank_00" / "model_optim_rng.pt").is_file()
     trained, initial = _hf_weights(result.hf_dir), _hf_weights(root / "tiny_hf")
     changed = {name for name, tensor in trained.items() if not torch.equal(tensor, initial[name])}
