@@ -98,8 +98,14 @@ class ProbeWorker(TrainingWorker):
                 self._poison = None
 
     # ------------------------------------------------------------------------------ sync and memory log
-    def push_weights(self, sink_factory: Callable[[int], Any], bucket_bytes: int, stage: int | None = None) -> Any:
-        stats = super().push_weights(sink_factory, bucket_bytes, stage)
+    def push_weights(
+        self,
+        sink_factory: Callable[[int], Any],
+        bucket_bytes: int,
+        stage: int | None = None,
+        adapted_only: bool = False,
+    ) -> Any:
+        stats = super().push_weights(sink_factory, bucket_bytes, stage, adapted_only)
         self._events.append(("push_weights", stats.tensors if stats else 0))
         return stats
 

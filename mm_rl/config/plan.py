@@ -407,7 +407,7 @@ def _stage_activations(cfg: JobConfig, s: int, vit_layers: list[int], llm_layers
     vit_tokens = image_tokens(cfg) * vit.spatial_merge_size**2
     # A frozen ViT runs without autograd: it keeps no activations for backward. Under a token budget a micro-batch
     # holds at most one image per image's worth of tokens.
-    trains_vit = b.actor_config.unfreeze_vision_encoder
+    trains_vit = b.actor_config.trains_vision  # unfrozen, or adapted (LoRA): its activations stay for the backward
     images = (
         b.actor_config.micro_batch_size
         if b.actor_config.max_tokens_per_micro_batch is None

@@ -75,25 +75,27 @@ def add_adapters(model: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[str
 
     for param in model.parameters():
         param.requires_grad_(False)
-    switch = Switch()
+    switch, local_experts = Switch(), _local_expert_count(model)
     model.lora_switch = switch  # type: ignore[assignment]
     adapted = []
     for name, module in model.named_modules():
-        if not targeted(name, cfg):
+        kind = (
+            "column"
+            if isinstance(module, ColumnParallelLinear)
+            else "row"
+            if isinstance(module, RowParallelLinear)
+            else None
+        )
+        if kind is None or not targeted(name, cfg):
             continue
-        if isinstance(module, ColumnParallelLinear):
-            _attach(module, "column", cfg, _draw_seed(seed, global_name(model, name)), switch)
-        elif isinstance(module, RowParallelLinear):
-            _attach(module, "row", cfg, _draw_seed(seed, global_name(model, name)), switch)
-        else:
-            continue
+        _attach(module, kind, cfg, _draw_seed(seed, global_name(model, name, local_experts)), switch)
         adapted.append(name)
     return adapted
 
 
-def global_name(model: torch.nn.Module, name: str) -> str:
+def global_name(model: torch.nn.Module, name: str, local_experts: int) -> str:
     """``name`` with its layer index as in the whole model (PP stages count their layers from 0) and its expert
-    index as among all experts (EP ranks count theirs from 0)."""
+    index as among all experts (EP ranks count theirs from 0, ``local_experts`` each)."""
     layout = getattr(model, "layout", None)
     match = _LAYER_INDEX.match(name)
     if match and layout is not None:
@@ -103,8 +105,7 @@ def global_name(model: torch.nn.Module, name: str) -> str:
     if expert:
         from megatron.core import parallel_state
 
-        local = _local_expert_count(model)
-        index = parallel_state.get_expert_model_parallel_rank() * local + int(expert.group(1))
+        index = parallel_state.get_expert_model_parallel_rank() * local_experts + int(expert.group(1))
         name = name[: expert.start()] + f".local_experts.{index}." + name[expert.end() :]
     return name
 
