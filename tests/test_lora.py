@@ -114,8 +114,8 @@ def _set_random_adapters(model: Any, tp: int) -> None:
             model.get_parameter(key + ".lora_b").copy_(b)
 
 
-def _hf_grads(model: Any, tp: int) -> dict[str, torch.Tensor]:
-    """Every adapter's gradient in HF layout (``<hf weight>.A`` / ``.B``), gathered over TP."""
+def _hf_adapters_of(model: Any, tp: int, grads: bool) -> dict[str, torch.Tensor]:
+    """Every adapter's values (or gradients) in HF layout (``<hf weight>.A`` / ``.B``), gathered over TP."""
     from megatron.core import parallel_state
 
     from mm_rl.convert.lora import hf_adapters
@@ -125,10 +125,11 @@ def _hf_grads(model: Any, tp: int) -> dict[str, torch.Tensor]:
     dp = parallel_state.get_data_parallel_world_size()
     for bound in _adapted_bounds(model, tp):
         key = bound.mg.removesuffix(".weight")
-        grads = [gather_list(model.get_parameter(f"{key}.lora_{m}").grad, group) for m in "ab"]
-        # an expert saw every DP rank's tokens (each rank ran the same batches): megatron's DP averaging
-        share = dp if bound.entry.expert else 1
-        for name, a, b in hf_adapters(bound, model_dims(model.model_cfg), *grads):
+        params = [model.get_parameter(f"{key}.lora_{m}") for m in "ab"]
+        shards = [gather_list(p.grad if grads else p.detach(), group) for p in params]
+        # an expert's gradient saw every DP rank's tokens (each rank ran the same batches): megatron's DP averaging
+        share = dp if grads and bound.entry.expert else 1
+        for name, a, b in hf_adapters(bound, model_dims(model.model_cfg), *shards):
             out[name + ".A"], out[name + ".B"] = a / share, b / share
     return out
 
@@ -167,9 +168,10 @@ def _worker(rank: int, world: int, port: int, case: dict[str, Any], shared: str,
     result["adapters"] = len(with_grad) // 2
     result["adapter_numel"] = sum(p.numel() for n, p in model.named_parameters() if is_adapter_key(n))
     _clear_grads(model)
+    result["initial"] = _hf_adapters_of(model, tp, grads=False)
     _set_random_adapters(model, tp)
     adapted = _full(run_schedule(model, batches), batches)
-    result["grads"] = _hf_grads(model, tp)
+    result["grads"] = _hf_adapters_of(model, tp, grads=True)
     result["adapted_vs_base"] = _max_diff(adapted, base)
     with adapters_enabled(model, False):
         result["off_vs_base"] = _max_diff(_full(run_schedule(model, batches), batches), base)
@@ -225,7 +227,10 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         (root / f"out_{name}").mkdir()
         spawn(_worker, tp * ep, case, str(root), str(root / f"out_{name}"))
         results = load_rank_results(root / f"out_{name}", tp * ep)
-        out[name] = {**results[0], "grads": {k: v for r in results for k, v in r["grads"].items()}}
+        out[name] = {
+            **results[0],
+            **{key: {k: v for r in results for k, v in r[key].items()} for key in ("grads", "initial")},
+        }
     (root / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     return out
 
@@ -270,6 +275,9 @@ def test_parallel_layout_matches_one_rank(runs: dict[str, Any]) -> None:
         f"\n{runs['family']} {runs['layout']} vs one rank: logits {outputs:.2e}, adapter grads max {grads[worst]:.2e}"
     )
     assert set(grads) == set(single["grads"])
+    # the adapters start alike at any layout: A drawn whole per linear (by its global name), B zero
+    assert all(torch.equal(a, single["initial"][name]) for name, a in parallel["initial"].items())
+    assert all(a.abs().sum() > 0 for name, a in single["initial"].items() if name.endswith(".A"))
     assert min(g.abs().max().item() for g in single["grads"].values()) > 0  # every adapter matrix gets a gradient
     assert outputs <= LOGIT_TOL
     assert grads[worst] <= GRAD_TOL
