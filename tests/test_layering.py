@@ -22,7 +22,8 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"sync"}),  # the weight sync into the engines
     frozenset({"checkpoint"}),  # training checkpoints
     frozenset({"convert"}),  # hf2mg / mg2hf and the tensor mapping
-    frozenset({"data", "rewards"}),  # the data sets and the rule rewards (above models: no model code reads them)
+    # the data sets, the rule rewards and the tools a model calls (above models: no model code reads them)
+    frozenset({"data", "rewards", "tools"}),
     frozenset({"models"}),  # the model families and their megatron model
     frozenset({"algorithms", "platform"}),
     frozenset({"config"}),  # the schema, loader, planner, topology, presets and writer
