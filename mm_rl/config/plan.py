@@ -332,13 +332,13 @@ def estimate_memory(cfg: JobConfig) -> list[StageMemory]:
     adapters = adapter_parameters(model, lora, tp, b.actor_config.expert_model_parallel_size) if lora.enabled else None
     for s in range(pp):
         frozen, trainable = _stage_params(cfg, counts, s, vit_layers, llm_layers)
-        total_params = (frozen + trainable) / tp
+        total_params, trained = (frozen + trainable) / tp, trainable / tp  # per rank
         reference = total_params * weight_bytes if b.rl_config.colocate_ref else 0.0
         if adapters is not None:  # the base frozen whole, only the adapters train; the reference: the actor without
             # them, unless a separate one is asked for
             trained = llm_layers[s] * adapters[0] + vit_layers[s] * adapters[1]
             trained += adapters[2] if s == max((i for i, n in enumerate(vit_layers) if n > 0), default=0) else 0.0
-            total_params, trainable = total_params + trained, trained * tp
+            total_params += trained
             reference = reference if lora.separate_reference else 0.0
         in_flight = min(pp - s, micro_batches)
         act = in_flight * _stage_activations(cfg, s, vit_layers, llm_layers, tp, cp)
@@ -347,8 +347,8 @@ def estimate_memory(cfg: JobConfig) -> list[StageMemory]:
         stage = StageMemory(
             stage=s,
             weights=total_params * weight_bytes / GIB,
-            grads=trainable / tp * 4 / GIB,
-            optimizer=trainable / tp * opt_bytes / GIB,
+            grads=trained * 4 / GIB,
+            optimizer=trained * opt_bytes / GIB,
             reference=reference / GIB,
             activations=act / GIB,
         )

@@ -75,7 +75,7 @@ def add_adapters(model: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[str
 
     for param in model.parameters():
         param.requires_grad_(False)
-    switch, local_experts = Switch(), _local_expert_count(model)
+    switch, local_experts = Switch(), _local_expert_count(model)  # megatron's contiguous blocks of experts
     model.lora_switch = switch  # type: ignore[assignment]
     adapted = []
     for name, module in model.named_modules():
@@ -111,8 +111,12 @@ def global_name(model: torch.nn.Module, name: str, local_experts: int) -> str:
 
 
 def _local_expert_count(model: torch.nn.Module) -> int:
-    experts = {m.group(1) for n, _ in model.named_modules() if (m := _EXPERT_INDEX.search(n + "."))}
-    return len(experts)
+    """Routed experts per EP rank, from the stage's model.json (0 for a dense model)."""
+    from megatron.core import parallel_state
+
+    model_cfg = getattr(model, "model_cfg", None)
+    experts = (model_cfg.text_decoder.num_moe_experts or 0) if model_cfg is not None else 0
+    return experts // parallel_state.get_expert_model_parallel_world_size()
 
 
 def _draw_seed(seed: int, name: str) -> int:
