@@ -46,7 +46,7 @@ setup(
     # cli/ installs as mm_rl_cli: a top-level package named plain "cli" would clash with any other one.
     packages=find_packages(include=["mm_rl", "mm_rl.*"]) + ["mm_rl_cli"],
     package_dir={"mm_rl_cli": "cli"},
-    package_data={"mm_rl": ["py.typed"]},
+    package_data={"mm_rl": ["py.typed", "tools/templates/*.jinja"]},
     install_requires=COMMON,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["ascendfactory-cli = mm_rl_cli.main:main"]},

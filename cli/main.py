@@ -97,23 +97,31 @@ def _materialise_embedded(job: JobConfig) -> None:
     from mm_rl.demo.synthetic import DEMO_TEMPLATES, write_synthetic_geo3k
     from mm_rl.demo.tiny import build_tiny_checkpoint, tiny_overrides
     from mm_rl.demo.tiny_warmup import warm_up_format
+    from mm_rl.demo.tool_warmup import TOOL_TEMPLATES, warm_up_tools
 
     b = job.backend_config
+    tools = b.rl_config.multi_turn.enable  # the multi-turn demo: problems that need the calculator
     variant = tiny_overrides(b.model)
     hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir, family=b.model.model_id, **variant)
     data_dir = write_synthetic_geo3k(
-        b.data.dataset_param.basic_parameters.dataset_dir, seed=b.training.seed, templates=DEMO_TEMPLATES
+        b.data.dataset_param.basic_parameters.dataset_dir,
+        seed=b.training.seed,
+        templates=TOOL_TEMPLATES if tools else DEMO_TEMPLATES,
     )
     print(f"embedded synthetic geo3k data: {data_dir}")
+    warm_up = warm_up_tools if tools else warm_up_format
     try:
-        warm = warm_up_format(hf_dir, data_dir, report=print)
+        warm = warm_up(hf_dir, data_dir, report=print)
     except ValueError:  # warmed up by another mm_rl version: the tiny checkpoint is derived data, rebuild it
         _start_over(job)
         hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir, family=b.model.model_id, **variant)
-        warm = warm_up_format(hf_dir, data_dir, report=print)
+        warm = warm_up(hf_dir, data_dir, report=print)
+    after = warm["after"]
     print(
-        f"embedded tiny model: {hf_dir} (format warm-up: format rate {warm['before']['format']:.2f} -> "
-        f"{warm['after']['format']:.2f}, accuracy {warm['after']['accuracy']:.2f})"
+        f"embedded tiny model: {hf_dir} ({'tool' if tools else 'format'} warm-up: format rate "
+        f"{warm['before']['format']:.2f} -> {after['format']:.2f}, accuracy {after['accuracy']:.2f}"
+        + (f", calculator calls {after['calculator']:.2f}" if tools else "")
+        + ")"
     )
 
 

@@ -21,3 +21,12 @@ def tiny_base(tmp_path_factory) -> Path:
     base = tmp_path_factory.getbasetemp() / "tiny_base"
     configure("tiny", base / "job.yaml", "backend_config.rl_config.val_before_train=false")
     return base
+
+
+@pytest.fixture(scope="session")
+def tools_base(tmp_path_factory) -> Path:
+    """The multi-turn demo's ``job.yaml`` (``tiny_tools``: the calculator and crop tools, the tool warm-up, the
+    arithmetic problems) with ``tiny_hf/`` and ``geo3k_synthetic/``, written once per pytest session."""
+    base = tmp_path_factory.getbasetemp() / "tools_base"
+    configure("tiny_tools", base / "job.yaml")
+    return base

@@ -510,3 +510,35 @@ def test_lora_settings_are_accepted(check):
         check(f"{LORA}.rank=8", f"{LORA}.dropout=0.05", f"{LORA}.vision=true", f"{LORA}.target_modules=[linear_qkv]")
         == []
     )
+
+
+TURNS = f"{RL}.multi_turn"
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ([f"{TURNS}.max_turns=0"], f"{TURNS}.max_turns"),
+        ([f"{TURNS}.tool_timeout=0"], f"{TURNS}.tool_timeout"),
+        ([f"{TURNS}.max_tool_images=-1"], f"{TURNS}.max_tool_images"),
+        ([f"{TURNS}.tool_call_reward=-0.1"], f"{TURNS}.tool_call_reward"),
+        ([f"{TURNS}.tools=[]"], f"{TURNS}.tools"),
+        ([f"{TURNS}.tools=[python]"], f"{TURNS}.tools"),
+        ([f"{TURNS}.tools=[no_such_module:TOOL]"], f"{TURNS}.tools"),
+        ([f"{TURNS}.chat_template=missing.jinja"], f"{TURNS}.chat_template"),
+        ([f"{TURNS}.max_tokens=4000"], f"{TRAIN}.seq-length"),  # the actor's sequences hold prompt + trajectory
+    ],
+)
+def test_multi_turn_settings_no_run_can_use_are_rejected(check, overrides, key):
+    rejected(check(f"{TURNS}.enable=true", f"{TURNS}.max_tokens=64", *overrides), key)
+
+
+def test_multi_turn_settings_are_accepted_and_ignored_while_off(check, tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for tool in tools %}{{ tool }}{% endfor %}")
+    ok = (f"{TURNS}.enable=true", f"{TURNS}.max_tokens=64", f"{TURNS}.tools=[calculator,crop_image]")
+    assert check(*ok) == [] and check(*ok, f"{TURNS}.chat_template=compact_tools") == []
+    assert check(*ok, f"{TURNS}.chat_template={template}") == []
+    assert check(f"{TURNS}.tools=[python]") == []  # off: nothing to load
+    template.write_text("{{ messages }}")
+    rejected(check(*ok, f"{TURNS}.chat_template={template}"), f"{TURNS}.chat_template")

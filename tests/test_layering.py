@@ -27,7 +27,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"models"}),  # the model families and their megatron model
     frozenset({"algorithms", "platform"}),
     frozenset({"config"}),  # the schema, loader, planner, topology, presets and writer
-    frozenset({"partition", "files", "cache"}),
+    frozenset({"partition", "files", "cache", "imports"}),
 )
 
 

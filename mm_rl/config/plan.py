@@ -231,7 +231,7 @@ def logit_tokens(cfg: JobConfig) -> int:
     chunk = micro_batch_tokens(cfg) // b.training.context_parallel_size
     if b.actor_config.max_tokens_per_micro_batch:
         return chunk
-    return min(chunk, b.actor_config.micro_batch_size * b.generate_config.sampling_config.max_tokens)
+    return min(chunk, b.actor_config.micro_batch_size * b.response_tokens)
 
 
 def image_tokens(cfg: JobConfig) -> int:

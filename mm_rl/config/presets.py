@@ -65,12 +65,38 @@ _TINY_RUN: dict[str, Any] = {
 }
 
 
+# The embedded multi-turn demo (`make demo MODEL=tiny_tools`): the tiny Qwen2.5-VL calls a calculator (and looks at
+# the figure through crop_image) on problems that need one step of arithmetic (mm_rl.demo.tool_warmup). Each model
+# turn is at most 48 tokens, a trajectory at most 192 after its prompt; the compact template lists the tools by name.
+_TOOLS_RUN: dict[str, Any] = {
+    "backend_config": {
+        "training": {"seq-length": 448},
+        "rl_config": {
+            "multi_turn": {
+                "enable": True,
+                "tools": ["calculator", "crop_image"],
+                "chat_template": "compact_tools",
+                "max_turns": 4,
+                "max_tokens": 192,
+            }
+        },
+        "generate_config": {"sampling_config": {"max_tokens": 48}},
+    }
+}
+# name -> (the preset it varies, the run settings it adds)
+_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"tiny_tools": ("tiny", _TOOLS_RUN)}
+
+
 def model_names() -> list[str]:
-    return sorted(p.stem for p in MODEL_DIR.glob("*.json"))
+    return sorted([p.stem for p in MODEL_DIR.glob("*.json")] + list(_VARIANTS))
 
 
 def load_preset(name: str) -> Preset:
     """The preset called ``name``; KeyError listing the known ones otherwise."""
+    if name in _VARIANTS:
+        base, run = _VARIANTS[name]
+        preset = load_preset(base)
+        return Preset(name, preset.model, _merged(preset.run, run), preset.target_gbs, preset.target_prompts, True)
     path = MODEL_DIR / f"{name}.json"
     if not path.is_file():
         raise KeyError(f"unknown model '{name}'; known models: {', '.join(model_names())}")
@@ -78,3 +104,11 @@ def load_preset(name: str) -> Preset:
     if name.startswith("tiny"):  # tiny (Qwen2.5-VL), tiny_qwen2_vl, tiny_qwen3_vl, tiny_qwen3_5...: the family's tiny
         return Preset(name, model, _TINY_RUN, target_gbs=32, target_prompts=8, embedded=True)
     return Preset(name, model, _REAL_RUN)
+
+
+def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra``'s values on top, nested dicts merged."""
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

@@ -464,6 +464,40 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    enable: bool = opt(
+        False,
+        "multi-turn rollouts: the model may call tools (Qwen's <tool_call> format) and sees their results "
+        "before it answers; the loss covers the tokens the model generated only",
+    )
+    max_turns: int = opt(4, "model turns per trajectory (a trajectory still calling tools after the last ends)")
+    tools: list[str] = opt(
+        ["calculator"],
+        "the tools the model may call: a built-in name (calculator, crop_image) or the import path "
+        "'module:attribute' of an mm_rl.tools.Tool (its function and the JSON schema of its arguments)",
+    )
+    max_tokens: int = opt(
+        512,
+        "tokens of a trajectory after its prompt: every model turn and tool turn (each model turn is also "
+        "capped by sampling_config.max_tokens); the actor's sequences hold max_prompt_length + this",
+    )
+    tool_timeout: float = opt(10.0, "seconds a tool call may take; then the model gets an error text")
+    max_tool_output_chars: int = opt(2000, "a tool's text answer is cut to this many characters")
+    max_tool_images: int = opt(2, "images the tools may return per trajectory (the engine reserves room for them)")
+    tool_call_reward: float = opt(
+        0.0,
+        "added to the score of a trajectory that called a tool at least once without a malformed call "
+        "(a format reward for tool use); 0: none",
+    )
+    chat_template: str = opt(
+        "",
+        "a jinja chat template that renders tools= (a file, or qwen_tools / compact_tools: mm_rl's, the "
+        "second listing each tool by name and argument names only); empty: the checkpoint's own when it "
+        "renders tool calls, else qwen_tools",
+    )
+
+
+@dataclass
 class RLConfig:
     rollout_batch_size: int = opt(8, "prompts drawn per step")
     n_samples_per_prompt: int = opt(8, "responses per prompt (the GRPO group)")
@@ -515,6 +549,7 @@ class RLConfig:
         "generate step k+1's rollouts while the actor trains on step k's "
         "(rollouts one weight version behind; needs a separate engine)",
     )
+    multi_turn: MultiTurnConfig = section(MultiTurnConfig, "multi-turn rollouts with tools (an agent loop)")
     max_consecutive_nonfinite: int = opt(3, "stop after this many steps in a row with NaN/inf loss or grads")
 
     @property
@@ -611,6 +646,14 @@ class BackendConfig:
     convert_ckpt_mg2hf: Mg2HfStage = section(Mg2HfStage, "Megatron checkpoint -> HuggingFace after training")
     rl_config: RLConfig = section(RLConfig, "GRPO")
     generate_config: GenerateConfig = section(GenerateConfig, "rollout engine and sampling")
+
+    @property
+    def response_tokens(self) -> int:
+        """The longest response the actor trains on: a multi-turn trajectory's budget (model and tool turns),
+        else the sampling max_tokens. Sequence lengths, token budgets and length-normalised losses follow it."""
+        if self.rl_config.multi_turn.enable:
+            return self.rl_config.multi_turn.max_tokens
+        return self.generate_config.sampling_config.max_tokens
 
 
 @dataclass

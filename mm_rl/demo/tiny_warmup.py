@@ -258,12 +258,12 @@ def _save_weights(model: Any, hf_dir: Path) -> None:
         save_file(weights, tmp, metadata={"format": "pt"})
 
 
-def _marker_args(hf_dir: Path, data_dir: Path, args: WarmupArgs) -> dict[str, Any]:
+def _marker_args(hf_dir: Path, data_dir: Path, args: Any, version: int) -> dict[str, Any]:
     base = _read_json(hf_dir / "tiny_build.json")
     if base is None:
         raise ValueError(f"{hf_dir} is not a tiny checkpoint (no tiny_build.json); build it with build_tiny_checkpoint")
     data = _read_json(data_dir / "synthetic_geo3k.json") or {}
-    record = {"version": _VERSION, **asdict(args), "build": base, "data": data.get("args", str(data_dir))}
+    record = {"version": version, **asdict(args), "build": base, "data": data.get("args", str(data_dir))}
     return json.loads(json.dumps(record, sort_keys=True))
 
 
@@ -299,17 +299,37 @@ def warm_up_format(
     the stored metrics and changes nothing. ``report`` receives progress lines while a warm-up runs (a few
     minutes on 2 cores): its phases and every tenth of its steps.
     """
-    hf_dir, data_dir = Path(hf_dir).absolute(), Path(data_dir).absolute()
     args = WarmupArgs(steps=steps, seed=seed, **options)
-    record = _marker_args(hf_dir, data_dir, args)
+    return warm_up(Warmup("tiny-warmup", _VERSION, __name__, _sources), Path(hf_dir), Path(data_dir), args, report)
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """A kind of warm-up: its cache name, version, the module whose ``__main__`` runs it (in a child process, see
+    :func:`_run_pinned`) and the modules that determine its result (``sources(record)``, the cache key)."""
+
+    kind: str
+    version: int
+    module: str
+    sources: Callable[[dict[str, Any]], list[str]]
+
+
+def warm_up(
+    warmup: Warmup, hf_dir: Path, data_dir: Path, args: Any, report: Callable[[str], None] | None
+) -> dict[str, Any]:
+    """Run ``warmup`` with ``args`` (a dataclass) on the checkpoint in ``hf_dir``, in place, once per machine: the
+    weights and the marker come from the cache (:mod:`mm_rl.cache`) when the same warm-up of the same build on the
+    same data ran before. Returns the metrics; a second call with the same arguments changes nothing."""
+    hf_dir, data_dir = hf_dir.absolute(), data_dir.absolute()
+    record = _marker_args(hf_dir, data_dir, args, warmup.version)
     stored = _stored_metrics(hf_dir, record)
     if stored is not None:
         return stored
     if not isinstance(record["data"], dict):  # not the synthetic set: nothing names the data, so no cache key
-        return _warm_in_place(hf_dir, data_dir, args, record, report)
+        return _warm_in_place(hf_dir, data_dir, args, record, report, warmup.module)
     warmed = cache.entry(
-        cache.key("tiny-warmup", record, _sources(record)),
-        lambda staging: _warm_copy(staging, hf_dir, data_dir, args, record, report),
+        cache.key(warmup.kind, record, warmup.sources(record)),
+        lambda staging: _warm_copy(staging, hf_dir, data_dir, args, record, report, warmup.module),
     )
     with atomic_path(hf_dir / _WEIGHTS, suffix=".tmp", mode=0o644) as tmp:  # weights first, the marker last
         shutil.copyfile(warmed / _WEIGHTS, tmp)
@@ -330,34 +350,37 @@ def _sources(record: dict[str, Any]) -> list[str]:
 
 
 def _warm_copy(
-    staging: Path, hf_dir: Path, data_dir: Path, args: WarmupArgs, record: dict[str, Any], report: Reporter
+    staging: Path, hf_dir: Path, data_dir: Path, args: Any, record: dict[str, Any], report: Reporter, module: str
 ) -> None:
     """A warmed copy of ``hf_dir`` in ``staging`` (a cache entry being built); ``hf_dir`` is left alone."""
     for path in hf_dir.iterdir():
         if path.is_file():
             shutil.copy2(path, staging / path.name)
-    _warm_in_place(staging, data_dir, args, record, report)
+    _warm_in_place(staging, data_dir, args, record, report, module)
 
 
 def _warm_in_place(
-    hf_dir: Path, data_dir: Path, args: WarmupArgs, record: dict[str, Any], report: Reporter
+    hf_dir: Path, data_dir: Path, args: Any, record: dict[str, Any], report: Reporter, module: str
 ) -> dict[str, Any]:
-    metrics = _run_pinned(hf_dir, data_dir, args, report)
+    metrics = _run_pinned(hf_dir, data_dir, args, report, module)
     marker = {"args": record, "metrics": metrics}
     write_atomic(hf_dir / MARKER, json.dumps(marker, indent=2, sort_keys=True) + "\n", sync=False, suffix=".tmp")
     return metrics
 
 
-def _run_pinned(hf_dir: Path, data_dir: Path, args: WarmupArgs, report: Reporter = None) -> dict[str, Any]:
-    """:func:`_run` in a child process whose CPU kernels are pinned (``KERNEL_ENV``): the copy skill appears
-    abruptly, and the instruction set's rounding decides whether it has by step 500. Returns its metrics; the
-    child's progress lines go to ``report`` as they come."""
+def _run_pinned(
+    hf_dir: Path, data_dir: Path, args: Any, report: Reporter = None, module: str = __name__
+) -> dict[str, Any]:
+    """``module``'s warm-up (its ``__main__``: HF_DIR DATA_DIR ARGS_JSON, the metrics as JSON on stdout) in a child
+    process whose CPU kernels are pinned (``KERNEL_ENV``): the copy skill appears abruptly, and the instruction
+    set's rounding decides whether it has by step 500. Returns its metrics; the child's progress lines go to
+    ``report`` as they come."""
     import collections
     import os
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", __name__, str(hf_dir), str(data_dir), json.dumps(asdict(args))]
+    command = [sys.executable, "-m", module, str(hf_dir), str(data_dir), json.dumps(asdict(args))]
     child = subprocess.Popen(
         command, env=os.environ | KERNEL_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -379,11 +402,11 @@ _PROGRESS = "mm_rl-progress: "  # the child's progress lines on stderr, passed o
 Reporter = Callable[[str], None] | None
 
 
-def _progress(text: str) -> None:
+def _progress(text: str, what: str = "tiny warm-up") -> None:
     """A progress line of the child for its parent (:func:`_run_pinned`)."""
     import sys
 
-    print(f"{_PROGRESS}tiny warm-up: {text}", file=sys.stderr, flush=True)
+    print(f"{_PROGRESS}{what}: {text}", file=sys.stderr, flush=True)
 
 
 def _run(hf_dir: Path, data_dir: Path, args: WarmupArgs) -> dict[str, Any]:

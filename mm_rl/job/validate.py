@@ -680,6 +680,67 @@ def lora_settings(cfg: JobConfig) -> Iterator[Violation]:
 
 # ------------------------------------------------------------------------------- optimisation / RL
 @rule
+def multi_turn_settings(cfg: JobConfig) -> Iterator[Violation]:
+    """What the multi-turn loop needs: positive limits, tools that import as mm_rl Tools, a template that renders
+    them; nothing is checked while it is off."""
+    turns = cfg.backend_config.rl_config.multi_turn
+    key = f"{RL}.multi_turn"
+    if not turns.enable:
+        return
+    for name, value, least, fix in (
+        ("max_turns", turns.max_turns, 1, "use e.g. 4 (1: one turn, tool calls are never answered)"),
+        ("max_tokens", turns.max_tokens, 1, "use e.g. 4 x sampling_config.max_tokens"),
+        ("max_tool_output_chars", turns.max_tool_output_chars, 1, "use e.g. 2000"),
+        ("max_tool_images", turns.max_tool_images, 0, "use e.g. 2, or 0 for tools that answer in text"),
+    ):
+        if value < least:
+            yield Violation(f"{key}.{name}", value, f"must be >= {least}", fix)
+    if not turns.tool_timeout > 0:
+        yield Violation(f"{key}.tool_timeout", turns.tool_timeout, "must be > 0 seconds", "use e.g. 10")
+    if turns.tool_call_reward < 0:
+        yield Violation(
+            f"{key}.tool_call_reward", turns.tool_call_reward, "must be >= 0", "use e.g. 0.1, or 0 for none"
+        )
+    yield from _tools_load(key, turns.tools)
+    if turns.chat_template:
+        from mm_rl.data.tool_prompts import SHIPPED, template_file
+
+        template = template_file(turns.chat_template)
+        if not template.is_file():
+            yield Violation(
+                f"{key}.chat_template",
+                turns.chat_template,
+                "is neither a file nor a template mm_rl ships",
+                f"give a jinja file, one of {sorted(SHIPPED)}, or '' for the checkpoint's / mm_rl's Qwen tool template",
+            )
+        elif "tools" not in template.read_text(encoding="utf-8", errors="replace"):
+            yield Violation(
+                f"{key}.chat_template",
+                turns.chat_template,
+                "does not render the tools (the template never reads `tools`)",
+                "use a template with a tools branch, or '' for the checkpoint's / mm_rl's Qwen tool template",
+            )
+
+
+def _tools_load(key: str, entries: list[str]) -> Iterator[Violation]:
+    from mm_rl.tools.runner import load_tools
+
+    if not entries:
+        yield Violation(f"{key}.tools", entries, "a multi-turn job needs at least one tool", "e.g. [calculator]")
+        return
+    try:
+        load_tools(entries)
+    except (ImportError, TypeError, ValueError) as error:
+        yield Violation(
+            f"{key}.tools",
+            entries,
+            f"cannot be loaded ({error})",
+            "name a built-in (calculator, crop_image) or an mm_rl.tools.Tool as 'module:attribute' installed in "
+            "this Python environment",
+        )
+
+
+@rule
 def optimizer_settings(cfg: JobConfig) -> Iterator[Violation]:
     """What the optimizer and its schedule would refuse (or silently turn into ascent) once the models are built."""
     a, t = cfg.backend_config.actor_config, cfg.backend_config.training
@@ -769,11 +830,11 @@ def rl_settings(cfg: JobConfig) -> Iterator[Violation]:
             "e.g. mm_rl.rewards.geo3k:compute_score",
         )
     buffer = rl.overlong_buffer
-    if buffer.enable and not 0 < buffer.len <= gen.sampling_config.max_tokens:
+    if buffer.enable and not 0 < buffer.len <= cfg.backend_config.response_tokens:
         yield Violation(
             f"{RL}.overlong_buffer.len",
             buffer.len,
-            f"must lie in (0, max_tokens = {gen.sampling_config.max_tokens}] when the buffer is enabled",
+            f"must lie in (0, max_tokens = {cfg.backend_config.response_tokens}] when the buffer is enabled",
             "use e.g. a quarter of max_tokens, or disable the buffer",
         )
     if not 0 < gen.gpu_memory_utilization <= 1:
@@ -899,7 +960,7 @@ def token_budgets(cfg: JobConfig) -> Iterator[Violation]:
     """A micro-batch token budget must hold the longest sample a step can have: no micro-batch could take it."""
     b = cfg.backend_config
     prompt = b.data.dataset_param.preprocess_parameters.max_prompt_length
-    response = b.generate_config.sampling_config.max_tokens
+    response = b.response_tokens
     for name in ("max_tokens_per_micro_batch", "log_prob_max_tokens_per_micro_batch"):
         budget = getattr(b.actor_config, name)
         if budget is not None and budget < prompt + response:
@@ -917,7 +978,7 @@ def token_budgets(cfg: JobConfig) -> Iterator[Violation]:
 def sequence_budget(cfg: JobConfig) -> Iterator[Violation]:
     b = cfg.backend_config
     prompt = b.data.dataset_param.preprocess_parameters.max_prompt_length
-    response = b.generate_config.sampling_config.max_tokens
+    response = b.response_tokens
     longest = b.model.text_decoder.max_position_embeddings
     if prompt + response > b.training.seq_length:
         fix = (

@@ -8,7 +8,6 @@ response never stops a training step. Nothing here imports Ray (see ``mm_rl.rewa
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import math
@@ -22,19 +21,9 @@ RewardFn = Callable[..., float | dict[str, float]]
 
 def load_reward_function(path: str) -> RewardFn:
     """Import ``package.module:function``; errors name the path and what was wrong with it."""
-    module_name, sep, attribute = path.partition(":")
-    if not sep or not module_name or not attribute:
-        example = "mm_rl.rewards.geo3k:compute_score"
-        raise ValueError(f"reward function {path!r} must be 'module:function', e.g. {example!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:
-        raise ImportError(f"reward function {path!r}: cannot import module {module_name!r}: {error}") from error
-    target: Any = module
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise ImportError(f"reward function {path!r}: module {module_name!r} has no attribute {attribute!r}")
-        target = getattr(target, part)
+    from mm_rl.imports import import_attribute
+
+    target = import_attribute(path, "reward function", "mm_rl.rewards.geo3k:compute_score", "module:function")
     if not callable(target):
         raise TypeError(f"reward function {path!r} is a {type(target).__name__}, not callable")
     return target

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mm_rl.config.schema import RewardConfig
+from mm_rl.config.schema import MultiTurnConfig, RewardConfig
 from mm_rl.rewards import RewardFn, load_reward_function, reward_metrics, score_batch
+from mm_rl.tools.runner import ToolRequest, ToolResult, ToolRunner
 
 
 @dataclass
@@ -39,17 +40,41 @@ class RewardResult:
 
 
 class RewardWorker:
-    """Scores batches with one reward function; plain class, wrapped with ``ray.remote`` by the pool."""
+    """Scores batches with one reward function and, in a multi-turn job, runs the rollout's tool calls; plain
+    class, wrapped with ``ray.remote`` by the pool."""
 
-    def __init__(self, function: str | RewardFn, **kwargs: Any) -> None:
+    def __init__(self, function: str | RewardFn, tools: MultiTurnConfig | None = None, **kwargs: Any) -> None:
         self.fn = load_reward_function(function) if isinstance(function, str) else function
         self.kwargs = kwargs
+        self.tools = ToolRunner(tools.tools, tools.tool_timeout, tools.max_tool_output_chars) if tools else None
 
     def ready(self) -> bool:
         return True
 
     def score(self, responses: Sequence[str], truths: Sequence[str]) -> RewardResult:
         return RewardResult(*score_batch(self.fn, responses, truths, **self.kwargs))
+
+    def run_tools(self, requests: Sequence[ToolRequest]) -> list[ToolResult]:
+        if self.tools is None:
+            raise RuntimeError("this worker was started without tools (rl_config.multi_turn.enable is off)")
+        return self.tools.run(requests)
+
+
+@dataclass
+class RayTools:
+    """The multi-turn loop's tool executor on the reward / tool workers (it travels to the engine's process, which
+    calls the workers directly): a batch of calls split into contiguous chunks, one per worker."""
+
+    workers: list[Any]
+
+    def run(self, requests: Sequence[ToolRequest]) -> list[ToolResult]:
+        import ray
+
+        if not requests:
+            return []
+        bounds = chunk_bounds(len(requests), len(self.workers))
+        calls = [w.run_tools.remote(list(requests[a:b])) for w, (a, b) in zip(self.workers, bounds, strict=False)]
+        return [result for part in ray.get(calls) for result in part]
 
 
 def reward_kwargs(config: RewardConfig) -> dict[str, Any]:
@@ -80,14 +105,20 @@ class RewardPool:
     whole CPU per reward actor would starve the actor and rollout placements on small machines.
     """
 
-    def __init__(self, config: RewardConfig, num_cpus: float = 0.25) -> None:
+    def __init__(self, config: RewardConfig, num_cpus: float = 0.25, tools: MultiTurnConfig | None = None) -> None:
+        """``tools``: a multi-turn job's settings; the workers run its tool calls too (:meth:`tool_executor`)."""
         import ray
 
         if config.num_workers < 1:
             raise ValueError(f"reward num_workers must be >= 1, got {config.num_workers}")
         load_reward_function(config.function)  # fail here, clearly, rather than inside an actor
         actor = ray.remote(RewardWorker).options(num_cpus=num_cpus)
-        self.workers = [actor.remote(config.function, **reward_kwargs(config)) for _ in range(config.num_workers)]
+        self.workers = [
+            actor.remote(config.function, tools, **reward_kwargs(config)) for _ in range(config.num_workers)
+        ]
+
+    def tool_executor(self) -> RayTools:
+        return RayTools(list(self.workers))
 
     def started(self) -> None:
         """Wait until every worker has started (they start in the background; a score call would wait too)."""

@@ -23,7 +23,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from mm_rl.rollout.base import RolloutMetrics, RolloutRequest
 
@@ -205,3 +205,11 @@ def apply_bounds(
     admitted = [_admit(request, policy, limit, metrics) for request in requests]
     metrics.prompts_skipped = sum(item.request is None for item in admitted)
     return admitted, metrics
+
+
+def vision_token_ids(tokenizer: Any, tokens: tuple[str, ...]) -> frozenset[int]:
+    """Ids of the family's vision special tokens the tokenizer knows (a response must not carry them, see the
+    trainer and the multi-turn loop)."""
+    unknown = tokenizer.unk_token_id
+    ids = (tokenizer.convert_tokens_to_ids(token) for token in tokens)
+    return frozenset(int(i) for i in ids if i is not None and i != unknown)

@@ -23,6 +23,8 @@ from mm_rl.rollout.base import RolloutEngine, RolloutOutputs, RolloutRequest, Sa
 if TYPE_CHECKING:
     import torch
 
+    from mm_rl.config.schema import MultiTurnConfig
+    from mm_rl.rollout.multi_turn import AgentLoop, ToolExecutor
     from mm_rl.sync.transport import DeviceBucket
 
 
@@ -41,6 +43,17 @@ def build_engine(
 
         return HfEngine(model_path, config, **kwargs)
     raise ValueError(f"unknown rollout backend {backend!r}: expected 'vllm' or 'hf'")
+
+
+def agent_loop(settings: MultiTurnConfig, model_path: str | Path, min_pixels: int, max_pixels: int) -> AgentLoop:
+    """The multi-turn loop of a job: its tool prompts' processor and its tools, run in this process."""
+    from mm_rl.data.tool_prompts import ToolPromptProcessor
+    from mm_rl.rollout.multi_turn import AgentLoop
+    from mm_rl.tools.runner import ToolRunner
+
+    processor = ToolPromptProcessor.for_job(model_path, min_pixels, max_pixels, settings)
+    runner = ToolRunner(settings.tools, settings.tool_timeout, settings.max_tool_output_chars)
+    return AgentLoop(settings, processor, runner)
 
 
 def assigned_cpus() -> float | None:
@@ -80,13 +93,18 @@ class RolloutWorker:
         backend: str | None = None,
         num_threads: int | None = None,
         visible_devices: dict[str, str] | None = None,
+        multi_turn: MultiTurnConfig | None = None,
         **engine_kwargs: Any,
     ) -> None:
+        """``multi_turn``: the job's multi-turn settings when enabled (the tools run in this process until
+        :meth:`connect_tools` hands over the job's tool workers)."""
         # first: the device runtime reads its visible devices once, when this process first touches it (a colocated
         # engine with TP > 1 sees its actor ranks' devices, not only the one of the bundle Ray placed it in)
         os.environ.update(visible_devices or {})
         self.num_threads = set_thread_budget(num_threads)
         backend = backend or config.backend
+        if multi_turn is not None and backend == "vllm":  # room for the tools' images besides the prompt's
+            engine_kwargs["extra_images"] = multi_turn.max_tool_images
         self.engine = build_engine(
             backend,
             model_path,
@@ -95,6 +113,7 @@ class RolloutWorker:
             max_pixels=max_pixels,
             **engine_kwargs,
         )
+        self.agent = agent_loop(multi_turn, model_path, min_pixels, max_pixels) if multi_turn is not None else None
         # names this process in the worker log, where the engine's own lines go
         print(
             f"rollout engine ({backend}) started in pid {os.getpid()}: {model_path}, {self.num_threads} threads",
@@ -120,7 +139,14 @@ class RolloutWorker:
         """The engine's ``generate``; with ``seed``, its sampler restarted from it first (one call, not two)."""
         if seed is not None:
             self.engine.reseed(seed)
+        if self.agent is not None:
+            return self.agent.generate(self.engine, requests, SamplingSpec.of(sampling, n))
         return self.engine.generate(requests, sampling, n)
+
+    def connect_tools(self, tools: ToolExecutor) -> None:
+        """Run the multi-turn tool calls on ``tools`` (the job's tool workers) instead of in this process."""
+        if self.agent is not None:
+            self.agent.tools = tools
 
     def begin_weight_update(self) -> None:
         self.engine.begin_weight_update()

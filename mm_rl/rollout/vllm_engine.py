@@ -318,12 +318,14 @@ def engine_kwargs(
     dtype: str | None = None,
     in_process: bool = True,
     dummy_weights: bool = False,
+    extra_images: int = 0,
 ) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments for a generate config (also used by the benchmark's raw engine).
 
     ``dummy_weights``: the caller sends every weight before the first generate (the trainer's first sync), so the
     checkpoint is not read at start-up (vLLM's ``load_format: dummy``; see
-    :meth:`WeightReceiver.mm_rl_after_dummy_load`)."""
+    :meth:`WeightReceiver.mm_rl_after_dummy_load`). ``extra_images``: images a multi-turn trajectory's tools may add
+    to its prompt image(s) (vLLM limits images per prompt, and a later turn's prompt holds them all)."""
     dtype = engine_dtype(config, dtype, model_path)
     kwargs: dict[str, Any] = {
         "model": str(model_path),
@@ -333,7 +335,7 @@ def engine_kwargs(
         "max_num_seqs": config.max_num_seqs,
         "enforce_eager": eager(config),
         "gpu_memory_utilization": config.gpu_memory_utilization,
-        "limit_mm_per_prompt": {"image": config.max_images_per_prompt, "video": 0},
+        "limit_mm_per_prompt": {"image": config.max_images_per_prompt + extra_images, "video": 0},
         "mm_processor_kwargs": {"min_pixels": min_pixels, "max_pixels": max_pixels},
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": f"{__name__}.WeightReceiver",
@@ -502,6 +504,7 @@ class VllmEngine(RolloutEngine):
         dtype: str | None = None,
         in_process: bool | None = None,
         dummy_weights: bool = False,
+        extra_images: int = 0,
     ) -> None:
         """``dummy_weights``: start without reading the checkpoint's weights, for a caller whose first weight push
         holds every tensor (the trainer syncs before every generate): each replica would otherwise load the whole
@@ -526,6 +529,7 @@ class VllmEngine(RolloutEngine):
             dtype=dtype,
             in_process=self.in_process,
             dummy_weights=dummy_weights,
+            extra_images=extra_images,
         )
         self.llm = build_llm(self.kwargs, self.in_process)
         if dummy_weights:

@@ -99,11 +99,10 @@ def calculator(expression: str) -> str:
 
 CALCULATOR = Tool(
     name="calculator",
-    description="Evaluate an arithmetic expression: numbers, + - * / // % **, parentheses, sqrt, sin, cos, tan "
-    "(radians), asin, acos, atan, radians, degrees, abs, round, pi, e.",
+    description="Evaluate arithmetic: + - * / // % **, sqrt, sin, cos, tan, asin, acos, atan (radians), pi.",
     parameters={
         "type": "object",
-        "properties": {"expression": {"type": "string", "description": "e.g. (3 + 4) * sqrt(2)"}},
+        "properties": {"expression": {"type": "string"}},
         "required": ["expression"],
     },
     function=calculator,

@@ -29,7 +29,7 @@ from mm_rl.partition import largest_first
 if TYPE_CHECKING:
     from mm_rl.data.dataset import PromptItem
     from mm_rl.platform.transfer import StepImages
-    from mm_rl.rollout.base import FinishReason
+    from mm_rl.rollout.base import FinishReason, Turns
 
 
 @dataclass
@@ -50,10 +50,30 @@ class Sample:
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
+    # a multi-turn trajectory: its tool turns sit in response_ids, left out of the loss by loss_mask
+    turns: Turns | None = None
+    loss_mask: torch.Tensor | None = None  # float [response_len]: 1 on the tokens the model generated
+    tool_images: tuple[torch.Tensor, torch.Tensor] | None = None  # the tools' images: (pixel_values, grids)
+    image_key: int | None = None  # the step's key of its images when they are its own (prompt's + tools')
 
     @property
     def response_len(self) -> int:
         return len(self.response_ids)
+
+    @property
+    def key(self) -> int:
+        """Where the ranks find the sample's images in the step's images: its prompt's index, or its own key when
+        its tools added images."""
+        return self.index if self.image_key is None else self.image_key
+
+    @property
+    def trained_tokens(self) -> int:
+        """Response tokens the loss covers (a trajectory's model tokens)."""
+        return self.response_len if self.loss_mask is None else int(self.loss_mask.sum())
+
+    def mask(self) -> torch.Tensor:
+        """Per response token, 1 where the loss applies."""
+        return torch.ones(self.response_len) if self.loss_mask is None else self.loss_mask
 
 
 def tokens(sample: Sample) -> int:
@@ -175,10 +195,11 @@ def _micro_batch(
         prompt, length = len(sample.prompt_ids), len(sample.prompt_ids) + sample.response_len
         ids[row, :length] = torch.tensor(sample.prompt_ids + sample.response_ids, dtype=torch.long)
         mask[row, :length] = 1
-        if row and sample.index == samples[row - 1].index and sample.prompt_ids == samples[row - 1].prompt_ids:
+        previous = samples[row - 1] if row else None
+        if previous is not None and sample.key == previous.key and sample.prompt_ids == previous.prompt_ids:
             shared[row] = prompt - 1  # the last prompt token stays: it predicts this row's first response token
         span = slice(prompt - 1, length - 1)
-        response_mask[row, span] = 1.0
+        response_mask[row, span] = sample.mask()
         for name in fields:
             extra[name][row, span] = getattr(sample, name)
     batch = {
@@ -188,21 +209,29 @@ def _micro_batch(
         "response_mask": response_mask,
         "shared_prompt": shared,
         **extra,
-        "image_index": torch.tensor([s.index for s in samples], dtype=torch.long),
+        "image_index": torch.tensor([s.key for s in samples], dtype=torch.long),
     }
-    grids = [items[s.index].image_grid_thw for s in samples]
+    grids = [sample_images(s, items)[1] for s in samples]
     if any(grid.numel() for grid in grids):
         batch["image_grid_thw"] = torch.cat(grids)
     return batch
 
 
+def sample_images(sample: Sample, items: dict[int, PromptItem]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel values, grids) of every image in the sample's sequence: its prompt's, then its tools'."""
+    item = items[sample.index]
+    if sample.tool_images is None:
+        return item.pixel_values, item.image_grid_thw
+    pixels, grids = sample.tool_images
+    return torch.cat([item.pixel_values, pixels]), torch.cat([item.image_grid_thw, grids])
+
+
 def step_images(samples: Sequence[Sample], items: dict[int, PromptItem]) -> StepImages:
-    """The distinct prompts' pixel values and grids of the samples, by data-set index: handed to the ranks once per
-    step, then named by the micro-batches' ``image_index`` (text-only prompts hold empty tensors)."""
-    return {
-        index: (items[index].pixel_values, items[index].image_grid_thw)
-        for index in dict.fromkeys(s.index for s in samples)
-    }
+    """The images of the step's samples by key (:attr:`Sample.key`: a prompt's data-set index, shared by its
+    samples, or a trajectory's own key when its tools added images): handed to the ranks once per step, then named
+    by the micro-batches' ``image_index`` (text-only prompts hold empty tensors)."""
+    chosen = {sample.key: sample for sample in samples}
+    return {key: sample_images(sample, items) for key, sample in chosen.items()}
 
 
 def payload_bytes(value: object) -> int:
@@ -237,6 +266,9 @@ def padded(samples: Sequence[Sample], name: str) -> tuple[torch.Tensor, torch.Te
 
 
 def response_mask(samples: Sequence[Sample]) -> torch.Tensor:
-    """``[batch, max_response_len]``: 1 on each sample's response tokens."""
-    lengths = torch.tensor([s.response_len for s in samples])
-    return (torch.arange(max(s.response_len for s in samples))[None, :] < lengths[:, None]).float()
+    """``[batch, max_response_len]``: 1 on each sample's response tokens that the loss covers (all of them, or a
+    trajectory's model tokens), 0 on tool turns and padding."""
+    mask = torch.zeros(len(samples), max(s.response_len for s in samples))
+    for row, sample in enumerate(samples):
+        mask[row, : sample.response_len] = sample.mask()
+    return mask

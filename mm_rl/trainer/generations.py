@@ -48,7 +48,15 @@ def _response(sample: Sample) -> dict[str, Any]:
         "length": sample.response_len,
         "finish": sample.finish_reason,
         "advantage": float(advantage[0]) if advantage is not None and advantage.numel() else None,
-    }
+    } | _turns(sample)
+
+
+def _turns(sample: Sample) -> dict[str, Any]:
+    """A multi-turn trajectory's counts (its text shows every turn)."""
+    turns = sample.turns
+    if turns is None:
+        return {}
+    return {"turns": turns.turns, "tool_calls": turns.tool_calls, "tool_errors": turns.tool_errors}
 
 
 def records(

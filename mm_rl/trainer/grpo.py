@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from mm_rl.config.schema import JobConfig
-from mm_rl.rollout.base import FinishReason, RolloutOutputs
+from mm_rl.rollout.base import FinishReason, RolloutOutputs, Turns
 from mm_rl.trainer.batch import (
     Sample,
     balanced_shards,
@@ -131,6 +131,7 @@ class GRPOTrainer:
         self.job, self.roles, self.prompts, self.report = job, roles, prompts, report
         b = job.backend_config
         self.rl, self.generate_cfg, self.training = b.rl_config, b.generate_config, b.training
+        self.response_tokens = b.response_tokens  # a trajectory's budget under multi-turn, else max_tokens
         self.out_dir = Path(job.af_output_dir)
         self.seed = int(b.training.seed)
         self.kl_ctrl = make_kl_controller(b.rl_config.kl_ctrl)
@@ -283,7 +284,10 @@ class GRPOTrainer:
         for position, group in enumerate(kept):
             for sample in group:
                 sample.group = position
-        metrics.update(_sample_metrics(samples, self.generate_cfg.sampling_config.max_tokens))
+        metrics.update(_sample_metrics(samples, self.response_tokens))
+        metrics.update(_turn_metrics(samples))
+        for key, sample in enumerate((s for s in samples if s.tool_images is not None), start=1):
+            sample.image_key = -key  # its images are its own: the prompt's and its tools'
         staleness = torch.tensor([s.staleness for s in samples], dtype=torch.float64)
         metrics |= {"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": float(staleness.max())}
         return samples, metrics
@@ -308,7 +312,10 @@ class GRPOTrainer:
         with timer("rollout"):
             outputs = pending.result()
         groups = [
-            [self.make_sample(index, out.prompt_ids, s.response_ids, s.finish_reason, s.logprobs) for s in out.samples]
+            [
+                self.make_sample(index, out.prompt_ids, s.response_ids, s.finish_reason, s.logprobs, turns=s.turns)
+                for s in out.samples
+            ]
             for index, out in zip(pending.indices, outputs, strict=True)
             if out.samples
         ]
@@ -327,18 +334,23 @@ class GRPOTrainer:
         finish_reason: FinishReason,
         engine_log_probs: torch.Tensor | None = None,
         split: str = "train",
+        turns: Turns | None = None,
     ) -> Sample:
-        """A Sample, its response cut before the first vision special token (image pad, vision start / end).
+        """A Sample, its response cut before the first vision special token (image pad, vision start / end) the
+        model generated (a multi-turn trajectory's tool turns hold images of their own).
 
         A response may sample those ids as text; the actor's model splices images wherever the image pad id
         appears and counts images from vision starts, so such a response cannot be scored as is. The cut
-        treats the sample as if it had stopped there (counted as ``rollout/vision_token_cut``)."""
+        treats the sample as if it had stopped there (counted as ``rollout/vision_token_cut``). A trajectory's tool
+        images are processed here like prompt images (the ranks get them with the step's images)."""
         response = list(response_ids)
-        cut = next((i for i, token in enumerate(response) if token in self.prompts.vision_token_ids), None)
+        generated = turns.loss_mask if turns is not None else [1] * len(response)
+        vision = self.prompts.vision_token_ids
+        cut = next((i for i, token in enumerate(response) if token in vision and generated[i]), None)
         if cut is not None:
             response, finish_reason = response[:cut], "vision_token"
         logprobs = engine_log_probs[: len(response)] if engine_log_probs is not None else None
-        return Sample(
+        sample = Sample(
             index,
             0,
             list(prompt_ids),
@@ -347,17 +359,50 @@ class GRPOTrainer:
             ground_truth=self.prompts.ground_truth(index, split),
             engine_log_probs=logprobs,
         )
+        if turns is not None:
+            self._add_turns(sample, turns)
+        return sample
+
+    def _add_turns(self, sample: Sample, turns: Turns) -> None:
+        """A trajectory's loss mask and tool images (those whose pads the cut kept), checked against its ids."""
+        import dataclasses
+
+        from mm_rl.rollout.bounds import image_runs
+
+        kept = len(image_runs(sample.response_ids, self.prompts.image_token_id))
+        turns = dataclasses.replace(turns, loss_mask=turns.loss_mask[: sample.response_len], images=turns.images[:kept])
+        sample.turns, sample.loss_mask = turns, torch.tensor(turns.loss_mask, dtype=torch.float32)
+        if turns.images:
+            counts, pixels, grids = self.prompts.processor.images(turns.images)
+            pads = sum(stop - start for start, stop in image_runs(sample.response_ids, self.prompts.image_token_id))
+            if pads != sum(counts):
+                raise RuntimeError(
+                    f"a trajectory's tool turns hold {pads} image pads but its {len(counts)} tool images make "
+                    f"{sum(counts)} tokens: the engine and the actor processed them differently"
+                )
+            sample.tool_images = (pixels, grids)
 
     def score(self, samples: Sequence[Sample]) -> dict[str, float]:
         """Decode and score the samples (rewards written into them); the batch's reward metrics."""
         if not samples:
             return {}
-        texts = self.prompts.decode([s.response_ids for s in samples])
+        answers = [s.turns.answer(s.response_ids) if s.turns is not None else s.response_ids for s in samples]
+        texts = self.prompts.decode(answers)
         result = self.roles.score(texts, [s.ground_truth for s in samples])
         for i, (sample, text, value) in enumerate(zip(samples, texts, result.scores, strict=True)):
             sample.text, sample.reward = text, float(value)
             sample.components = {name: float(values[i]) for name, values in result.components.items()}
+            if sample.turns is not None:  # the log shows every turn; the reward read the last
+                sample.text = self.prompts.trajectory_text(sample.response_ids)
         metrics = result.metrics
+        weight = self.rl.multi_turn.tool_call_reward
+        if weight and any(s.turns is not None for s in samples):
+            for sample in samples:
+                earned = sample.turns is not None and sample.turns.tool_calls > 0 and not sample.turns.malformed
+                sample.components["tool_call"] = float(earned)
+                sample.reward += weight * float(earned)
+            metrics["reward/tool_call"] = sum(s.components["tool_call"] for s in samples) / len(samples)
+            metrics["reward/score"] = sum(s.reward for s in samples) / len(samples)
         metrics["reward/std"] = float(torch.tensor(result.scores, dtype=torch.float64).std(unbiased=False))
         return metrics
 
@@ -403,7 +448,7 @@ class GRPOTrainer:
         if rl.overlong_buffer.enable:
             penalty = overlong_penalty(
                 lengths,
-                self.generate_cfg.sampling_config.max_tokens,
+                self.response_tokens,
                 rl.overlong_buffer.len,
                 rl.overlong_buffer.penalty_factor,
             )
@@ -445,9 +490,7 @@ class GRPOTrainer:
         roles = self.roles
         mini = self.rl.mini_batch_size
         usable = len(samples) - len(samples) % mini
-        loss = LossSpec(
-            self.rl, self.generate_cfg.sampling_config.max_tokens, self.generate_cfg.sampling_config.temperature or 1.0
-        )
+        loss = LossSpec(self.rl, self.response_tokens, self.generate_cfg.sampling_config.temperature or 1.0)
         fields = ("advantages",) + (("ref_log_probs",) if roles.has_reference else ())
         fields += ("engine_log_probs",) if resolve_rollout_is(self.rl) != "off" else ()
         steps: list[dict[str, float]] = []
@@ -483,8 +526,8 @@ class GRPOTrainer:
     def _denominator(self, batch: Sequence[Sample]) -> float:
         """The mini-batch's loss denominator: valid tokens (token-mean) or non-empty responses (seq-mean-*)."""
         if self.rl.loss_agg_mode == "token-mean":
-            return float(sum(s.response_len for s in batch))
-        return float(sum(1 for s in batch if s.response_len > 0))
+            return float(sum(s.trained_tokens for s in batch))
+        return float(sum(1 for s in batch if s.trained_tokens > 0))
 
     def _track_nonfinite(self, bad: bool) -> None:
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if bad else 0
@@ -521,7 +564,7 @@ class GRPOTrainer:
         ).result()
         self.roles.before_training()
         samples = [
-            self.make_sample(index, out.prompt_ids, s.response_ids, s.finish_reason, None, split="val")
+            self.make_sample(index, out.prompt_ids, s.response_ids, s.finish_reason, None, split="val", turns=s.turns)
             for index, out in zip(indices, outputs, strict=True)
             for s in out.samples
         ]
@@ -639,6 +682,26 @@ def _sample_metrics(samples: Sequence[Sample], max_tokens: int) -> dict[str, flo
     }
 
 
+def _turn_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """Multi-turn trajectories: turns and tool calls per trajectory, tool errors and time, limits hit."""
+    turns = [s.turns for s in samples if s.turns is not None]
+    if not turns:
+        return {}
+    count = len(turns)
+    return {
+        "multi_turn/turns_mean": sum(t.turns for t in turns) / count,
+        "multi_turn/turns_max": float(max(t.turns for t in turns)),
+        "multi_turn/tool_calls_mean": sum(t.tool_calls for t in turns) / count,
+        "multi_turn/tool_errors": float(sum(t.tool_errors for t in turns)),
+        "multi_turn/malformed_calls": float(sum(t.malformed for t in turns)),
+        "multi_turn/tool_images": float(sum(len(t.images) for t in turns)),
+        "multi_turn/turn_limit_share": sum(s.finish_reason == "turns" for s in samples) / count,
+        "multi_turn/token_limit_share": sum(s.finish_reason == "length" for s in samples) / count,
+        "multi_turn/tool_s": sum(t.tool_s for t in turns),
+        "multi_turn/model_tokens_mean": sum(s.trained_tokens for s in samples) / count,
+    }
+
+
 def _throughput(
     samples: Sequence[Sample], seconds: dict[str, float], sync_gb_per_s: float, generating_s: float | None = None
 ) -> dict[str, float]:
@@ -663,13 +726,13 @@ def _engine_gap(samples: Sequence[Sample]) -> dict[str, float]:
     """How far the engine's log-probs of the sampled tokens are from the actor's recomputation (a mismatch of
     weights, tokens or positions shows here first); mean and max absolute difference over response tokens."""
     pairs = [
-        (s.engine_log_probs, s.old_log_probs)
+        (s.engine_log_probs, s.old_log_probs, s.mask() > 0)
         for s in samples
-        if s.engine_log_probs is not None and s.old_log_probs is not None and s.response_len
+        if s.engine_log_probs is not None and s.old_log_probs is not None and s.trained_tokens
     ]
     if not pairs:
         return {}
-    gaps = torch.cat([(engine - old).abs() for engine, old in pairs])
+    gaps = torch.cat([(engine - old).abs()[generated] for engine, old, generated in pairs])
     return {"rollout/logprob_gap_mean": float(gaps.mean()), "rollout/logprob_gap_max": float(gaps.max())}
 
 

@@ -8,11 +8,13 @@ step. Nothing here talks to Ray: it runs in the trainer's process.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mm_rl.models.family import QWEN_VISION_TOKENS
 from mm_rl.models.registry import family_of
+from mm_rl.rollout.bounds import vision_token_ids
 
 if TYPE_CHECKING:
     from mm_rl.config.schema import JobConfig
@@ -36,6 +38,7 @@ class PromptSource:
         self.num_workers = num_workers
         self.pad_id = int(processor.tokenizer.pad_token_id or 0)
         self.vision_token_ids = vision_token_ids(processor.tokenizer, vision_tokens)
+        self.image_token_id: int = processor.image_token_id
         self.cached: dict[int, PromptItem] = {}  # data-set index -> processed train row, for this step
 
     @classmethod
@@ -43,10 +46,15 @@ class PromptSource:
         """The processor, data sets (validation only when asked for) and sampler the job's yaml names."""
         from mm_rl.data.dataset import PromptDataset, PromptProcessor
         from mm_rl.data.sampler import PromptSampler
+        from mm_rl.data.tool_prompts import ToolPromptProcessor
 
         b = job.backend_config
         pre = b.data.dataset_param.preprocess_parameters
-        processor = PromptProcessor(pre.model_name_or_path, pre.min_pixels, pre.max_pixels)
+        turns = b.rl_config.multi_turn
+        if turns.enable:  # the prompts describe the tools
+            processor = ToolPromptProcessor.for_job(pre.model_name_or_path, pre.min_pixels, pre.max_pixels, turns)
+        else:
+            processor = PromptProcessor(pre.model_name_or_path, pre.min_pixels, pre.max_pixels)
         train_set = PromptDataset.from_config(b.data, "train", processor)
         val_set = PromptDataset.from_config(b.data, "val", processor) if b.rl_config.validates else None
         sampler = PromptSampler(
@@ -88,6 +96,12 @@ class PromptSource:
     def decode(self, responses: Sequence[Sequence[int]]) -> list[str]:
         return self.processor.tokenizer.batch_decode([list(r) for r in responses], skip_special_tokens=True)
 
+    def trajectory_text(self, response: Sequence[int]) -> str:
+        """A multi-turn trajectory as the log shows it: every turn with its markers, one pad per image."""
+        text = self.processor.tokenizer.decode(list(response), skip_special_tokens=False)
+        pad = self.processor.image_pad
+        return re.sub(f"(?:{re.escape(pad)})+", pad, text)
+
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
 
@@ -109,11 +123,3 @@ class PromptSource:
 
         with ThreadPoolExecutor(self.num_workers) as pool:
             return list(pool.map(dataset.__getitem__, indices))
-
-
-def vision_token_ids(tokenizer: Any, tokens: tuple[str, ...]) -> frozenset[int]:
-    """Ids of the family's vision special tokens the tokenizer knows (a response must not carry them, see the
-    trainer)."""
-    unknown = tokenizer.unk_token_id
-    ids = (tokenizer.convert_tokens_to_ids(token) for token in tokens)
-    return frozenset(int(i) for i in ids if i is not None and i != unknown)

@@ -228,11 +228,14 @@ class RayRoles:
                     seed=replica_seed(int(b.training.seed), replica),
                     visible_devices=devices,
                     synced_first=True,  # before_rollout syncs before every generate, validation's too
+                    multi_turn=b.rl_config.multi_turn if b.rl_config.multi_turn.enable else None,
                 )
             )
         for replica, engine in enumerate(self.engines.actors):
             with named(self.engines.name(replica)):  # a start-up failure surfaces here, named
                 ray.get(engine.ready.remote())
+                if b.rl_config.multi_turn.enable:  # the tool calls run on the reward / tool workers
+                    ray.get(engine.connect_tools.remote(self.rewards.tool_executor()))
         # On CPU the engine and the actor share host memory: sleeping and offloading would free nothing.
         schedule = dataclasses.replace(b.generate_config, colocate=b.generate_config.colocate and res.device != "cpu")
         self.schedule = RolloutSchedule(
@@ -303,7 +306,9 @@ class RayRoles:
         from mm_rl.trainer.runtime import REWARD_CPUS
 
         with named("reward workers"):
-            self.rewards = RewardPool(self.job.backend_config.rl_config.reward, num_cpus=REWARD_CPUS)
+            rl = self.job.backend_config.rl_config
+            tools = rl.multi_turn if rl.multi_turn.enable else None
+            self.rewards = RewardPool(rl.reward, num_cpus=REWARD_CPUS, tools=tools)
 
     # -------------------------------------------------------------------------------- the Roles interface
     def data_parallel_size(self, role: Role) -> int:
