@@ -38,6 +38,7 @@ SHARE_S: dict[str, float] = {
     "test_device_check.py": 50,  # the CPU rehearsal: three ranks (dense, MoE, Qwen3.5 hybrid), 36 s
     "test_model_parity.py": 25,
     "test_lora.py": 45,  # three families, one rank and a parallel layout each: 27 s
+    "test_multi_turn_job.py": 130,  # the agent loop on vLLM (13 s), the demo's 20 steps and a 2-step resume
     "test_config_command.py": 25,
     "test_console.py": 25,
 }

@@ -63,15 +63,16 @@ class ToolWarmupArgs:
     train_prompts: int = 128
     eval_prompts: int = 8
     samples_per_prompt: int = 4
-    max_new_tokens: int = 48  # per model turn
+    max_new_tokens: int = 96  # per model turn (a crop call is ~70 tokens of the tiny tokenizer)
     min_pixels: int = 56 * 56
     max_pixels: int = 224 * 224
     max_prompt_length: int = 256
     right_share: float = 0.25
     crop_share: float = 0.25
+    template_sha256: str = ""  # the chat template's text (a file, not a module: it enters the cache key here)
 
 
-def multi_turn_settings(max_tokens: int = 192) -> Any:
+def multi_turn_settings(max_tokens: int = 320) -> Any:
     """The demo's ``rl_config.multi_turn`` (both tools, the compact template)."""
     from mm_rl.config.schema import MultiTurnConfig
 
@@ -200,7 +201,7 @@ def evaluate(hf_dir: Path, items: list[PromptItem], runner: ToolRunner, args: To
     from mm_rl.rollout.multi_turn import AgentLoop
 
     settings = multi_turn_settings()
-    config = GenerateConfig(backend="hf", max_model_len=512, max_num_seqs=64)
+    config = GenerateConfig(backend="hf", max_model_len=640, max_num_seqs=64)
     engine = HfEngine(hf_dir, config, min_pixels=args.min_pixels, max_pixels=args.max_pixels, seed=args.seed)
     processor = ToolPromptProcessor.for_job(hf_dir, args.min_pixels, args.max_pixels, settings)
     loop = AgentLoop(settings, processor, runner)
@@ -283,8 +284,13 @@ def warm_up_tools(
     """Teach the tiny checkpoint in ``hf_dir`` (a fresh build) the demo's tool use, in place; ``data_dir`` holds the
     synthetic set of ``TOOL_TEMPLATES``. ``options`` override ``ToolWarmupArgs`` fields. Returns ``{"before",
     "after", "losses", "wall_time_s", "args"}`` (see :func:`evaluate` for before / after); once per machine."""
+    import hashlib
+
+    from mm_rl.data.tool_prompts import SHIPPED
+
+    digest = hashlib.sha256(SHIPPED[CHAT_TEMPLATE].read_bytes()).hexdigest()
     warmup = Warmup("tiny-tool-warmup", _VERSION, __name__, _sources)
-    return warm_up(warmup, Path(hf_dir), Path(data_dir), ToolWarmupArgs(**options), report)
+    return warm_up(warmup, Path(hf_dir), Path(data_dir), ToolWarmupArgs(template_sha256=digest, **options), report)
 
 
 if __name__ == "__main__":  # the child of tiny_warmup._run_pinned: HF_DIR DATA_DIR ARGS_JSON; prints the metrics
