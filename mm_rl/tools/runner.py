@@ -119,7 +119,8 @@ class ToolRunner:
             arguments = dict(request.call.arguments) | context_arguments(tool, request.images)
         except ToolCallError as error:
             return None, ToolResult(str(error), error=True, malformed=True), 0.0
-        return tool, self.pool.submit(tool.function, **arguments), time.perf_counter()
+        function = tool.function  # a local call on this process's pool (not a rank's method by name)
+        return tool, self.pool.submit(function, **arguments), time.perf_counter()
 
     def _finish(self, item: tuple[Tool | None, Any, float]) -> ToolResult:
         tool, future, start = item
