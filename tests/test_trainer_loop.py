@@ -578,3 +578,61 @@ def test_the_driver_ships_each_image_once_per_step(tmp_path):
         f"({before / roles.shipped:.1f}x fewer)"
     )
     assert before >= 8 * roles.shipped
+
+
+class TurnPrompts(FakePrompts):
+    image_token_id = 98
+
+    def trajectory_text(self, response):
+        return "|".join(map(str, response))
+
+
+class TurnRoles(FakeRoles):
+    """Multi-turn trajectories: [call, stop] (model) + [7, 7, 7] (tool turn) + [answer, stop] (model); the second
+    sample of a group makes a malformed call. Records each update's denominator and response masks."""
+
+    def __init__(self) -> None:
+        super().__init__(2, lambda *a: 0.0)
+        self.denominators, self.masks = [], []
+
+    def start_generate(self, requests, sampling, seed):
+        from mm_rl.rollout.base import Turns
+
+        outputs = []
+        for request in requests:
+            samples = []
+            for k in range(sampling.n):
+                answer = 100 if k == 0 else 0
+                turns = Turns([1, 1, 0, 0, 0, 1, 1], turns=2, tool_calls=1, malformed=k, tool_errors=k, tool_s=0.5)
+                logprobs = torch.tensor([-0.1, -0.2, 0, 0, 0, -0.3, -0.4])
+                samples.append(RolloutSample([50, 2, 7, 7, 7, answer, 2], logprobs, "stop", turns=turns))
+            outputs.append(RolloutOutput(request.prompt_ids, samples, BatchTiming(0.1, 8), request.uid))
+        return SimpleNamespace(result=lambda: RolloutOutputs(outputs))
+
+    def train_mini_batch(self, shards, loss, denominator):
+        self.denominators.append(denominator)
+        self.masks += [row.tolist() for shard in shards for b in shard for row in b["response_mask"]]
+        return super().train_mini_batch(shards, loss, denominator)
+
+
+def test_a_multi_turn_step_scores_the_answer_and_trains_on_the_models_tokens(tmp_path):
+    """The reward reads the last model turn (not the tool call before it) plus the tool-call format reward where
+    no call was malformed; the update's response masks cover the model's tokens only and token-mean divides by
+    their count; the multi_turn/* metrics count the trajectories; the log shows every turn."""
+    job = _job(
+        tmp_path,
+        "--backend_config.rl_config.multi_turn.enable=true",
+        "--backend_config.rl_config.multi_turn.tool_call_reward=0.25",
+        "--backend_config.rl_config.multi_turn.max_tokens=64",
+    )
+    roles = TurnRoles()
+    trainer = GRPOTrainer(job, roles, TurnPrompts(2), report=lambda line: None)
+    metrics = trainer.train_step(1)
+    assert metrics["reward/accuracy"] == 0.5 and metrics["reward/tool_call"] == 0.5
+    assert metrics["reward/score"] == pytest.approx((1.0 + 0.25 + 0.0 + 0.0) / 2)
+    assert roles.denominators == [4 * 4.0]  # 4 trajectories x 4 model tokens
+    prompt = len(PROMPT) - 1  # labels are shifted: the response starts one position before it
+    assert all(mask[prompt : prompt + 7] == [1, 1, 0, 0, 0, 1, 1] for mask in roles.masks)
+    assert metrics["multi_turn/turns_mean"] == 2 and metrics["multi_turn/tool_calls_mean"] == 1
+    assert metrics["multi_turn/malformed_calls"] == 2 and metrics["multi_turn/tool_s"] == 2.0
+    assert metrics["multi_turn/model_tokens_mean"] == 4 and metrics["response_length/mean"] == 7

@@ -408,8 +408,10 @@ def _stage_activations(cfg: JobConfig, s: int, vit_layers: list[int], llm_layers
     # A frozen ViT runs without autograd: it keeps no activations for backward. Under a token budget a micro-batch
     # holds at most one image per image's worth of tokens.
     trains_vit = b.actor_config.trains_vision  # unfrozen, or adapted (LoRA): its activations stay for the backward
+    turns = b.rl_config.multi_turn
+    per_sample = 1 + (turns.max_tool_images if turns.enable else 0)  # a trajectory's tools may add images
     images = (
-        b.actor_config.micro_batch_size
+        b.actor_config.micro_batch_size * per_sample
         if b.actor_config.max_tokens_per_micro_batch is None
         else max(1, micro_batch_tokens(cfg) // image_tokens(cfg))
     )
