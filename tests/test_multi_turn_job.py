@@ -15,7 +15,7 @@ import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from trainer_utils import ASSET_KEYS, deterministic  # noqa: E402
+from trainer_utils import ASSET_KEYS, deterministic, run_job_in_process  # noqa: E402
 
 from mm_rl.trainer.metrics import read_metrics  # noqa: E402
 
@@ -101,19 +101,6 @@ def job_for(job_yaml, root, out, *extra):
     return load_job(job_yaml, [f"{k}={v}" for k, v in zip(ASSET_KEYS, assets, strict=True)] + [*quiet, *extra])
 
 
-def _run_job(job):
-    import ray
-
-    from mm_rl.job.run import run_job
-
-    lines: list[str] = []
-    try:
-        result = run_job(job, report=lines.append)
-    finally:
-        ray.shutdown()
-    return result, lines
-
-
 STEPS = 20
 
 
@@ -129,7 +116,7 @@ def test_the_multi_turn_demo_learns_to_use_its_tools_and_resumes_exactly(tools_j
         "backend_config.megatron_training.save_interval=18",
         "backend_config.rl_config.one_step_off_policy=true",
     )
-    result, _ = _run_job(job_for(job_yaml, root, tmp_path / "straight", *steps))
+    result, _ = run_job_in_process(job_for(job_yaml, root, tmp_path / "straight", *steps))
     records = [r for r in read_metrics(tmp_path / "straight" / "metrics.jsonl") if r["step"] > 0]
     rewards = [r["reward/accuracy"] for r in records]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
@@ -148,7 +135,7 @@ def test_the_multi_turn_demo_learns_to_use_its_tools_and_resumes_exactly(tools_j
 
     out = tmp_path / "resumed"
     shutil.copytree(tmp_path / "straight" / "ckpt" / "iter_0000018", out / "ckpt" / "iter_0000018")
-    _run_job(
+    run_job_in_process(
         job_for(
             job_yaml, root, out, *steps, f"backend_config.megatron_training.resume_mode={out / 'ckpt' / 'iter_0000018'}"
         )

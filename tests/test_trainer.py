@@ -19,7 +19,15 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from trainer_utils import ENGINE_LINE, OUR_LINE, assert_learns, deterministic, job_for, train_cli  # noqa: E402
+from trainer_utils import (  # noqa: E402
+    ENGINE_LINE,
+    OUR_LINE,
+    assert_learns,
+    deterministic,
+    job_for,
+    run_job_in_process,
+    train_cli,
+)
 
 from mm_rl.trainer.metrics import read_metrics  # noqa: E402
 from mm_rl.trainer.runtime import WORKER_LOG  # noqa: E402
@@ -30,19 +38,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def assets(tiny_base):
     return tiny_base / "job.yaml", tiny_base
-
-
-def _run_job(job):
-    import ray
-
-    from mm_rl.job.run import run_job
-
-    lines: list[str] = []
-    try:
-        result = run_job(job, report=lines.append)
-    finally:
-        ray.shutdown()
-    return result, lines
 
 
 def _hf_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -89,7 +84,7 @@ def test_a_job_trains_converts_back_and_repeats_itself_after_sigkill(assets, tmp
         "backend_config.rl_config.val_freq=2",
         "backend_config.generate_config.replicas=2",
     )
-    result, lines = _run_job(job_for(job_yaml, root, tmp_path / "straight", *steps))
+    result, lines = run_job_in_process(job_for(job_yaml, root, tmp_path / "straight", *steps))
     straight = _check_uninterrupted(result, lines, tmp_path / "straight", root)
 
     out = tmp_path / "killed"
@@ -227,7 +222,7 @@ def test_model_parallel_actor_trains(assets, tmp_path, layout, rank_dirs):
         "backend_config.rl_config.dynamic_sampling.max_num_gen_batches=2",
         *layout,
     )
-    result, _ = _run_job(job)
+    result, _ = run_job_in_process(job)
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["rollout/logprob_gap_max"] < 1e-3 and math.isfinite(r["actor/grad_norm"]) for r in records)
@@ -254,7 +249,7 @@ def test_the_embedded_default_learns(assets, tmp_path):
     out = tmp_path / "run"
     job = job_for(job_yaml, root, out, *LEARNING)
     assert job.backend_config.megatron_training.train_iters == 40
-    _run_job(job)
+    run_job_in_process(job)
     assert_learns(read_metrics(out / "metrics.jsonl"), "tiny, on policy")
 
 
@@ -276,7 +271,7 @@ def test_one_step_off_policy_lora_learns_overlaps_the_rollout_and_resumes_exactl
         "backend_config.megatron_training.save_interval=38",
         "backend_config.megatron_training.max_keep_ckpts=2",
     )
-    result, _ = _run_job(job_for(job_yaml, root, tmp_path / "straight", *steps))
+    result, _ = run_job_in_process(job_for(job_yaml, root, tmp_path / "straight", *steps))
     records = read_metrics(tmp_path / "straight" / "metrics.jsonl")
     assert_learns(records, "tiny, one step off policy, LoRA")
     assert records[-1]["actor/kl_loss"] > 0  # the reference pass: the base model, which the adapters moved from
@@ -303,7 +298,7 @@ def test_one_step_off_policy_lora_learns_overlaps_the_rollout_and_resumes_exactl
 
     out = tmp_path / "resumed"
     shutil.copytree(tmp_path / "straight" / "ckpt" / "iter_0000038", out / "ckpt" / "iter_0000038")
-    _run_job(
+    run_job_in_process(
         job_for(
             job_yaml, root, out, *steps, f"backend_config.megatron_training.resume_mode={out / 'ckpt' / 'iter_0000038'}"
         )

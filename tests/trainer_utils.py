@@ -83,6 +83,20 @@ def job_for(job_yaml: Path, assets: Path, out: Path, *extra: str) -> JobConfig:
     return load_job(job_yaml, overrides(assets, out, *extra))
 
 
+def run_job_in_process(job: JobConfig) -> tuple[Any, list[str]]:
+    """``run_job`` in this process (Ray shut down after it): its result and the lines it reported."""
+    import ray
+
+    from mm_rl.job.run import run_job
+
+    lines: list[str] = []
+    try:
+        result = run_job(job, report=lines.append)
+    finally:
+        ray.shutdown()
+    return result, lines
+
+
 def train_cli(job_yaml: Path, assets: Path, out: Path, *extra: str, **popen: Any) -> subprocess.Popen[str]:
     """``ascendfactory-cli train`` in a child process (its own Ray instance)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
