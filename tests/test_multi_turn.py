@@ -143,24 +143,30 @@ def test_the_loss_of_a_trajectory_is_the_loss_of_its_model_tokens_alone(estimato
 
 
 def test_micro_batches_and_the_step_images_of_trajectories():
-    """The response mask of a trajectory's micro-batch row is its loss mask; a trajectory with tool images is
-    named by its own key, holding its prompt's image and its tools', and shares no prompt computation."""
+    """The response mask of a trajectory's micro-batch row is its loss mask; its tool images travel under a key of
+    its own beside its prompt's, and a rank encodes every distinct image once: the prompt image that two rows
+    share once, each trajectory's tool image once, the slots in row order (prompt images, then tools')."""
     from types import SimpleNamespace
+
+    from mm_rl.platform.transfer import image_inputs
 
     prompt_grid, tool_grid = torch.tensor([[1, 2, 4]]), torch.tensor([[1, 4, 4]])
     items = {7: SimpleNamespace(pixel_values=torch.randn(8, 6), image_grid_thw=prompt_grid)}
     plain = Sample(7, 0, [1, 2, 3], [4, 5], "stop")
-    tooled = Sample(7, 0, [1, 2, 3], [4, 9, 9, 6, 7], "stop", image_key=-1)
+    tooled = Sample(7, 0, [1, 2, 3], [4, 9, 9, 6, 7], "stop", image_key=-2)
     tooled.turns = Turns([1, 0, 0, 1, 1])
     tooled.loss_mask = torch.tensor([1.0, 0, 0, 1, 1])
     tooled.tool_images = (torch.randn(16, 6), tool_grid)
     (batch,) = micro_batches([[plain, tooled]], items, 0)
     assert batch["response_mask"][1].tolist() == [0, 0, 1, 0, 0, 1, 1, 0]
-    assert batch["image_index"].tolist() == [7, -1] and batch["shared_prompt"].tolist() == [0, 0]
+    assert batch["image_index"].tolist() == [7, 7] and batch["tool_image_index"].tolist() == [-1, -2]
+    assert batch["shared_prompt"].tolist() == [0, 2]  # the same prompt (and image): computed once
     assert torch.equal(batch["image_grid_thw"], torch.cat([prompt_grid, prompt_grid, tool_grid]))
     images = step_images([plain, tooled], items)
-    assert set(images) == {7, -1} and torch.equal(images[-1][1], torch.cat([prompt_grid, tool_grid]))
-    assert torch.equal(images[-1][0][:8], items[7].pixel_values)
+    assert set(images) == {7, -2} and images[-2] is tooled.tool_images
+    inputs = image_inputs(batch, images)
+    assert inputs["image_slots"].tolist() == [0, 0, 1] and inputs["image_keys"].tolist() == [[7, 0], [-2, 0]]
+    assert torch.equal(inputs["pixel_values"], torch.cat([items[7].pixel_values, tooled.tool_images[0]]))
     assert response_mask([plain, tooled]).tolist() == [[1, 1, 0, 0, 0], [1, 0, 0, 1, 1]]
     assert tooled.trained_tokens == 3 and Turns([1, 0, 0, 1, 1]).answer([4, 9, 9, 6, 7]) == [6, 7]
 

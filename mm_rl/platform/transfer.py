@@ -25,8 +25,10 @@ from typing import Any, TypeVar
 import torch
 
 T = TypeVar("T")
-# data-set index -> (pixel_values [patches, C*T*P*P], image_grid_thw [images, 3]) of that prompt (no images: empty)
+# data-set index -> (pixel_values [patches, C*T*P*P], image_grid_thw [images, 3]) of that prompt (no images: empty);
+# a multi-turn trajectory's tool images under a key of its own, below NO_TOOL_IMAGES
 StepImages = Mapping[int, tuple[torch.Tensor, torch.Tensor]]
+NO_TOOL_IMAGES = -1  # a micro-batch row's tool_image_index when its tools returned no image
 
 
 def _pinned(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -43,7 +45,8 @@ def to_device(batch: Mapping[str, Any], device: torch.device, images: StepImages
     if "image_index" in batch:
         if images is None:
             raise ValueError("the micro-batch names its images by image_index but the rank holds no step images")
-        batch = {key: value for key, value in batch.items() if key != "image_index"} | image_inputs(batch, images)
+        named = ("image_index", "tool_image_index")
+        batch = {key: value for key, value in batch.items() if key not in named} | image_inputs(batch, images)
     return {
         key: _pinned(value, device).to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
         for key, value in batch.items()
@@ -51,17 +54,21 @@ def to_device(batch: Mapping[str, Any], device: torch.device, images: StepImages
 
 
 def image_inputs(batch: Mapping[str, Any], images: StepImages) -> dict[str, torch.Tensor]:
-    """The model's image inputs of a micro-batch whose rows name their prompt by ``image_index`` [B]: each distinct
-    prompt's images once (``pixel_values``, their grids ``encoded_grid_thw``, their keys ``image_keys``: prompt index
-    and image number, prompts in order of first use) and, per image slot in row order, the encoded image that fills
-    it (``image_slots``); none without images.
+    """The model's image inputs of a micro-batch whose rows name their prompt by ``image_index`` [B] (and, for a
+    multi-turn trajectory whose tools returned images, those by ``tool_image_index`` [B], NO_TOOL_IMAGES for none):
+    each
+    distinct entry's images once (``pixel_values``, their grids ``encoded_grid_thw``, their keys ``image_keys``:
+    entry key and image number, entries in order of first use) and, per image slot in row order (a row's prompt
+    images, then its tools'), the encoded image that fills it (``image_slots``); none without images.
 
     The n samples of a prompt share its images, so the ViT encodes them once per micro-batch and the model copies
     the embeddings into every slot. ``encoded_grid_thw[image_slots]`` must be the micro-batch's ``image_grid_thw``
     (images of another step would not be)."""
-    rows = batch["image_index"].tolist()
-    prompts = list(dict.fromkeys(rows))
-    missing = [index for index in prompts if index not in images]
+    prompts = batch["image_index"].tolist()
+    tools = batch["tool_image_index"].tolist() if "tool_image_index" in batch else [NO_TOOL_IMAGES] * len(prompts)
+    rows = [[index] + ([tool] if tool != NO_TOOL_IMAGES else []) for index, tool in zip(prompts, tools, strict=True)]
+    entries = list(dict.fromkeys(key for keys in rows for key in keys))
+    missing = [key for key in entries if key not in images]
     if missing:
         raise ValueError(
             f"the micro-batch's prompts {missing} are not among the step's images: were this step's "
@@ -69,20 +76,20 @@ def image_inputs(batch: Mapping[str, Any], images: StepImages) -> dict[str, torc
         )
     first: dict[int, int] = {}
     count = 0
-    for index in prompts:
-        first[index], count = count, count + len(images[index][1])
+    for key in entries:
+        first[key], count = count, count + len(images[key][1])
     if not count:
         return {}
-    slots = torch.tensor([first[index] + k for index in rows for k in range(len(images[index][1]))])
-    grids = torch.cat([images[index][1] for index in prompts])
+    slots = torch.tensor([first[key] + k for keys in rows for key in keys for k in range(len(images[key][1]))])
+    grids = torch.cat([images[key][1] for key in entries])
     if not torch.equal(grids[slots], batch.get("image_grid_thw", grids[:0])):
         raise ValueError(
             "the micro-batch's image_grid_thw differs from its prompts' images in the step's images: "
             "were this step's images handed to the ranks?"
         )
-    keys = torch.tensor([(index, k) for index in prompts for k in range(len(images[index][1]))])
+    keys = torch.tensor([(key, k) for key in entries for k in range(len(images[key][1]))])
     return {
-        "pixel_values": torch.cat([images[index][0] for index in prompts]),
+        "pixel_values": torch.cat([images[key][0] for key in entries]),
         "encoded_grid_thw": grids,
         "image_slots": slots,
         "image_keys": keys,

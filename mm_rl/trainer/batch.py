@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mm_rl.partition import largest_first
+from mm_rl.platform.transfer import NO_TOOL_IMAGES
 
 if TYPE_CHECKING:
     from mm_rl.data.dataset import PromptItem
@@ -54,17 +55,11 @@ class Sample:
     turns: Turns | None = None
     loss_mask: torch.Tensor | None = None  # float [response_len]: 1 on the tokens the model generated
     tool_images: tuple[torch.Tensor, torch.Tensor] | None = None  # the tools' images: (pixel_values, grids)
-    image_key: int | None = None  # the step's key of its images when they are its own (prompt's + tools')
+    image_key: int | None = None  # the step's key of its tool images (the prompt's stay under its index)
 
     @property
     def response_len(self) -> int:
         return len(self.response_ids)
-
-    @property
-    def key(self) -> int:
-        """Where the ranks find the sample's images in the step's images: its prompt's index, or its own key when
-        its tools added images."""
-        return self.index if self.image_key is None else self.image_key
 
     @property
     def trained_tokens(self) -> int:
@@ -195,8 +190,7 @@ def _micro_batch(
         prompt, length = len(sample.prompt_ids), len(sample.prompt_ids) + sample.response_len
         ids[row, :length] = torch.tensor(sample.prompt_ids + sample.response_ids, dtype=torch.long)
         mask[row, :length] = 1
-        previous = samples[row - 1] if row else None
-        if previous is not None and sample.key == previous.key and sample.prompt_ids == previous.prompt_ids:
+        if row and sample.index == samples[row - 1].index and sample.prompt_ids == samples[row - 1].prompt_ids:
             shared[row] = prompt - 1  # the last prompt token stays: it predicts this row's first response token
         span = slice(prompt - 1, length - 1)
         response_mask[row, span] = sample.mask()
@@ -209,29 +203,36 @@ def _micro_batch(
         "response_mask": response_mask,
         "shared_prompt": shared,
         **extra,
-        "image_index": torch.tensor([s.key for s in samples], dtype=torch.long),
+        "image_index": torch.tensor([s.index for s in samples], dtype=torch.long),
     }
-    grids = [sample_images(s, items)[1] for s in samples]
+    if any(s.image_key is not None for s in samples):  # multi-turn: the rows' tool images, apart from the prompt's
+        batch["tool_image_index"] = torch.tensor(
+            [NO_TOOL_IMAGES if s.image_key is None else s.image_key for s in samples]
+        )
+    grids = [_grids(s, items) for s in samples]
     if any(grid.numel() for grid in grids):
         batch["image_grid_thw"] = torch.cat(grids)
     return batch
 
 
-def sample_images(sample: Sample, items: dict[int, PromptItem]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pixel values, grids) of every image in the sample's sequence: its prompt's, then its tools'."""
-    item = items[sample.index]
-    if sample.tool_images is None:
-        return item.pixel_values, item.image_grid_thw
-    pixels, grids = sample.tool_images
-    return torch.cat([item.pixel_values, pixels]), torch.cat([item.image_grid_thw, grids])
+def _grids(sample: Sample, items: dict[int, PromptItem]) -> torch.Tensor:
+    """The grids of every image in the sample's sequence: its prompt's, then its tools'."""
+    grids = items[sample.index].image_grid_thw
+    return grids if sample.tool_images is None else torch.cat([grids, sample.tool_images[1]])
 
 
 def step_images(samples: Sequence[Sample], items: dict[int, PromptItem]) -> StepImages:
-    """The images of the step's samples by key (:attr:`Sample.key`: a prompt's data-set index, shared by its
-    samples, or a trajectory's own key when its tools added images): handed to the ranks once per step, then named
-    by the micro-batches' ``image_index`` (text-only prompts hold empty tensors)."""
-    chosen = {sample.key: sample for sample in samples}
-    return {key: sample_images(sample, items) for key, sample in chosen.items()}
+    """The images of the step's samples: each distinct prompt's by its data-set index, shared by its samples, and a
+    multi-turn trajectory's tool images by its own key (:attr:`Sample.image_key`); handed to the ranks once per step,
+    then named by the micro-batches' ``image_index`` / ``tool_image_index`` (text-only prompts hold empty tensors).
+    Every distinct image is encoded once per micro-batch, a trajectory's prompt image included."""
+    images: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for sample in samples:
+        item = items[sample.index]
+        images.setdefault(sample.index, (item.pixel_values, item.image_grid_thw))
+        if sample.image_key is not None and sample.tool_images is not None:
+            images[sample.image_key] = sample.tool_images
+    return images
 
 
 def payload_bytes(value: object) -> int:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from mm_rl.config.schema import JobConfig
+from mm_rl.platform.transfer import NO_TOOL_IMAGES
 from mm_rl.rollout.base import FinishReason, RolloutOutputs, Turns
 from mm_rl.trainer.batch import (
     Sample,
@@ -287,7 +288,7 @@ class GRPOTrainer:
         metrics.update(_sample_metrics(samples, self.response_tokens))
         metrics.update(_turn_metrics(samples))
         for key, sample in enumerate((s for s in samples if s.tool_images is not None), start=1):
-            sample.image_key = -key  # its images are its own: the prompt's and its tools'
+            sample.image_key = NO_TOOL_IMAGES - key  # its tool images' key in the step's images
         staleness = torch.tensor([s.staleness for s in samples], dtype=torch.float64)
         metrics |= {"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": float(staleness.max())}
         return samples, metrics
