@@ -423,3 +423,28 @@ def test_moe_routing_counts_stay_on_the_routers_device():
             counts.add(1, torch.nn.Identity(), (), (routing_map.float(), routing_map))
         assert counts.counts.device.type == "cuda"
         assert counts.counts.cpu().tolist() == [[0, 0, 0, 0, 0], [2, 2, 4, 0, 4]]
+
+
+def test_to_device_moves_a_trajectorys_tool_images_with_its_prompts_and_names_no_key_there():
+    """A multi-turn row names its prompt's images and its tools' (``tool_image_index``): both keys stay on the
+    host side of the boundary, their pixels go to the device together, the step's images stay on the host."""
+    from mm_rl.platform.transfer import image_inputs
+    from mm_rl.rollout.base import Turns
+    from mm_rl.trainer.batch import Sample, step_images
+    from mm_rl.trainer.batch import micro_batches as build
+
+    grid = torch.tensor([[1, 4, 4]])
+    items = {0: SimpleNamespace(pixel_values=torch.randn(16, 8), image_grid_thw=grid)}
+    plain = Sample(0, 0, [1, 2] + [IMAGE] * 4 + [3], [4, 5], "stop")
+    tooled = Sample(0, 0, [1, 2] + [IMAGE] * 4 + [3], [4, 6, *[IMAGE] * 4, 7, 8], "stop", image_key=-2)
+    tooled.turns = Turns([1, 0, 0, 0, 0, 0, 0, 1])
+    tooled.loss_mask = torch.tensor(tooled.turns.loss_mask, dtype=torch.float32)
+    tooled.tool_images = (torch.randn(16, 8), grid)
+    (batch,) = build([[plain, tooled]], items, PAD)
+    images = step_images([plain, tooled], items)
+    moved = to_device(batch, torch.device("meta"), images)
+    assert not {"image_index", "tool_image_index"} & moved.keys()
+    assert moved["pixel_values"].device.type == "meta" and moved["pixel_values"].shape == (32, 8)
+    assert image_inputs(batch, images)["image_slots"].tolist() == [0, 0, 1]
+    assert_on_host(images)
+    assert_on_host(batch)
