@@ -40,6 +40,7 @@ SHARE_S: dict[str, float] = {
     "test_lora.py": 45,  # three families, one rank and a parallel layout each: 27 s
     "test_multi_turn_job.py": 130,  # the agent loop on vLLM (13 s), the demo's 20 steps and a 2-step resume
     "test_config_command.py": 25,
+    "test_config_checks.py": 25,  # every rule's cases, the multi-turn ones with tool imports: 18 s
     "test_console.py": 25,
 }
 
