@@ -190,11 +190,12 @@ def _train(
     return losses
 
 
-def evaluate(hf_dir: Path, items: list[PromptItem], runner: ToolRunner, args: ToolWarmupArgs) -> dict[str, float]:
+def evaluate(
+    hf_dir: Path, items: list[PromptItem], processor: ToolPromptProcessor, runner: ToolRunner, args: ToolWarmupArgs
+) -> dict[str, float]:
     """The real multi-turn loop over the transformers engine on ``items``: the final answers' format, accuracy and
     score, and the share of trajectories that called the calculator and the crop tool."""
     from mm_rl.config.schema import GenerateConfig
-    from mm_rl.data.tool_prompts import ToolPromptProcessor
     from mm_rl.rewards.geo3k import compute_score
     from mm_rl.rollout.base import RolloutRequest, SamplingSpec
     from mm_rl.rollout.hf_engine import HfEngine
@@ -203,7 +204,6 @@ def evaluate(hf_dir: Path, items: list[PromptItem], runner: ToolRunner, args: To
     settings = multi_turn_settings()
     config = GenerateConfig(backend="hf", max_model_len=640, max_num_seqs=64)
     engine = HfEngine(hf_dir, config, min_pixels=args.min_pixels, max_pixels=args.max_pixels, seed=args.seed)
-    processor = ToolPromptProcessor.for_job(hf_dir, args.min_pixels, args.max_pixels, settings)
     loop = AgentLoop(settings, processor, runner)
     spec = SamplingSpec(max_tokens=args.max_new_tokens, temperature=1.0, n=args.samples_per_prompt)
     outputs = loop.generate(engine, [RolloutRequest.from_item(item) for item in items], spec)
@@ -241,11 +241,11 @@ def _run(hf_dir: Path, data_dir: Path, args: ToolWarmupArgs) -> dict[str, Any]:
         test = _items(PromptDataset(data_dir, "test", processor, max_prompt_length=args.max_prompt_length), args)
         model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype="float32").eval()
         _progress(f"scoring {len(test)} test prompts before", "tool warm-up")
-        before = _seeded(args.seed + 1, lambda: evaluate(hf_dir, test, runner, args))
+        before = _seeded(args.seed + 1, lambda: evaluate(hf_dir, test, processor, runner, args))
         losses = _seeded(args.seed, lambda: _train(model, train, ToolTurns(processor), runner, args))
         _save_weights(model, hf_dir)
         _progress(f"scoring {len(test)} test prompts after", "tool warm-up")
-        after = _seeded(args.seed + 1, lambda: evaluate(hf_dir, test, runner, args))
+        after = _seeded(args.seed + 1, lambda: evaluate(hf_dir, test, processor, runner, args))
     return {
         "before": before,
         "after": after,

@@ -333,11 +333,7 @@ class RolloutEngine(abc.ABC):
         """n samples per request (``n`` defaults to the section's), index-aligned with ``requests``."""
         from mm_rl.rollout.bounds import apply_bounds
 
-        if self.asleep:
-            raise RuntimeError(
-                f"the rollout engine's {' and '.join(sorted(self.asleep))} memory is asleep: call "
-                "wake_up() before generate()"
-            )
+        self._require_awake()
         spec = SamplingSpec.of(sampling, n)
         start = time.perf_counter()
         admitted, metrics = apply_bounds(requests, self.bounds, spec.max_tokens)
@@ -351,17 +347,22 @@ class RolloutEngine(abc.ABC):
                 continue
             samples = next(results)
             outputs.append(RolloutOutput(item.request.prompt_ids, samples, timing, original.uid, None, item.truncated))
-        metrics.wall_s = time.perf_counter() - start
         metrics.replica_prompts_min = len(requests)  # one engine: every prompt
-        _count_samples(outputs, metrics)
-        timing.wall_s, timing.generated_tokens = metrics.wall_s, metrics.generated_tokens
+        count_samples(outputs, start)
         return outputs
+
+    def _require_awake(self) -> None:
+        """vLLM would wait forever for its paused scheduler: refuse to generate while any memory sleeps."""
+        if self.asleep:
+            raise RuntimeError(
+                f"the rollout engine's {' and '.join(sorted(self.asleep))} memory is asleep: call "
+                "wake_up() before generate()"
+            )
 
     def continue_turns(self, requests: Sequence[RolloutRequest], spec: SamplingSpec) -> list[RolloutSample]:
         """One sample per request, without the bounds policy: the later turns of multi-turn trajectories, whose
         prompts are the admitted prompt plus the turns so far (the trajectory's budget bounds them)."""
-        if self.asleep:
-            raise RuntimeError("the rollout engine is asleep: call wake_up() before generating")
+        self._require_awake()
         return [group[0] for group in self._sample_all(requests, dataclasses.replace(spec, n=1))]
 
     def _sample_all(self, requests: Sequence[RolloutRequest], spec: SamplingSpec) -> list[list[RolloutSample]]:
@@ -444,10 +445,16 @@ def copy_sample(sample: RolloutSample) -> RolloutSample:
     )
 
 
-def _count_samples(outputs: Sequence[RolloutOutput], metrics: RolloutMetrics) -> None:
-    for output in outputs:
-        metrics.samples += len(output.samples)
-        for sample in output.samples:
-            metrics.generated_tokens += sample.generated
-            metrics.stopped += sample.finish_reason == "stop"
-            metrics.truncated_by_length += sample.finish_reason == "length"
+def count_samples(outputs: RolloutOutputs, start: float) -> None:
+    """The batch's sample counts, generated tokens (the model's) and wall time since ``start``, in its metrics and
+    in the timing its outputs share: after the engine's ``generate``, and again once a multi-turn loop has put
+    whole trajectories in place of the first turns."""
+    metrics = outputs.metrics
+    metrics.wall_s = time.perf_counter() - start
+    samples = [sample for output in outputs for sample in output.samples]
+    metrics.samples = len(samples)
+    metrics.generated_tokens = sum(sample.generated for sample in samples)
+    metrics.stopped = sum(sample.finish_reason == "stop" for sample in samples)
+    metrics.truncated_by_length = sum(sample.finish_reason == "length" for sample in samples)
+    for output in outputs:  # one timing object, shared by the batch's outputs
+        output.timing.wall_s, output.timing.generated_tokens = metrics.wall_s, metrics.generated_tokens

@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from mm_rl.models.family import QWEN_VISION_TOKENS
-from mm_rl.rollout.base import RolloutOutputs, RolloutRequest, RolloutSample, SamplingSpec, Turns
+from mm_rl.rollout.base import (
+    RolloutOutputs,
+    RolloutRequest,
+    RolloutSample,
+    SamplingSpec,
+    Turns,
+    count_samples,
+)
 from mm_rl.rollout.bounds import vision_token_ids
 from mm_rl.tools import ToolCallError, parse_tool_calls
 from mm_rl.tools.runner import ToolRequest, ToolResult
@@ -165,13 +172,7 @@ class AgentLoop:
                     trajectory.add_model_turn(sample, budget - len(trajectory.ids))
         for output, group in zip(outputs, trajectories, strict=True):
             output.samples = [trajectory.sample() for trajectory in group]
-        metrics = outputs.metrics
-        metrics.wall_s = time.perf_counter() - start
-        metrics.generated_tokens = sum(s.generated for output in outputs for s in output.samples)
-        metrics.stopped = sum(s.finish_reason == "stop" for output in outputs for s in output.samples)
-        metrics.truncated_by_length = sum(s.finish_reason == "length" for output in outputs for s in output.samples)
-        if outputs:  # one timing object shared by the batch's outputs
-            outputs[0].timing.wall_s, outputs[0].timing.generated_tokens = metrics.wall_s, metrics.generated_tokens
+        count_samples(outputs, start)
         return outputs
 
     def _tool_turns(self, active: Sequence[Trajectory]) -> list[Trajectory]:

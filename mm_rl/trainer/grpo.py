@@ -23,6 +23,7 @@ LR schedule and RNG states are checkpointed; the engine gets the actor's weights
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -366,8 +367,6 @@ class GRPOTrainer:
 
     def _add_turns(self, sample: Sample, turns: Turns) -> None:
         """A trajectory's loss mask and tool images (those whose pads the cut kept), checked against its ids."""
-        import dataclasses
-
         from mm_rl.rollout.bounds import image_runs
 
         kept = len(image_runs(sample.response_ids, self.prompts.image_token_id))
