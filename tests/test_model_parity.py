@@ -46,9 +46,12 @@ from mp_utils import (
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_JSON = ROOT / "configs" / "models" / "tiny.json"
-IMAGE, VSTART, VEND, PAD = 1006, 1003, 1004, 1000
+IMAGE, VIDEO, VSTART, VEND, PAD = 1006, 1007, 1003, 1004, 1000
 PATCH_DIM = 3 * 2 * 14 * 14
 GRIDS = [(1, 4, 4), (1, 4, 12), (1, 6, 4)]  # sample 0: image 0; sample 1: images 1 and 2 (2 windows in image 1)
+# videos (t frame pairs of h x w patches) and their mRoPE time steps (fractions: vLLM truncates t x step; 0.75 repeats
+# a time id): sample 0 an image then a video, sample 1 two videos (the second 2 windows wide)
+VIDEOS = [((2, 4, 6), 2.25), ((2, 6, 4), 1.5), ((4, 4, 8), 0.75)]
 LOGIT_TOL, GRAD_TOL = 1e-4, 1e-5
 # bf16 (8-bit mantissa, ~4e-3 relative per rounding) against fp32, on log-probs of about -7: measured 1.2e-3 / 3.6e-3
 BF16_MEAN_TOL, BF16_MAX_TOL = 5e-3, 2e-2
@@ -147,9 +150,9 @@ def _text(generator: torch.Generator, n: int) -> list[int]:
     return torch.randint(0, 1000, (n,), generator=generator).tolist()
 
 
-def _image(grid: tuple[int, int, int]) -> list[int]:
+def _image(grid: tuple[int, int, int], token: int = IMAGE) -> list[int]:
     t, h, w = grid
-    return [VSTART] + [IMAGE] * (t * h * w // 4) + [VEND]
+    return [VSTART] + [token] * (t * h * w // 4) + [VEND]
 
 
 def _padded(rows: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +168,8 @@ def _padded(rows: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tens
 
 def make_micro_batches(patch_dim: int = PATCH_DIM) -> list[dict[str, torch.Tensor]]:
     """Right-padded [one image + text, two images + text] and [text, shorter text], then a left-padded
-    [image + text, text + image + text] (explicit padding mask); labels are the next tokens."""
+    [image + text, text + image + text] (explicit padding mask), then right-padded videos (:func:`video_batch`);
+    labels are the next tokens."""
     g = torch.Generator().manual_seed(3)
     with_images = [
         _text(g, 5) + _image(GRIDS[0]) + _text(g, 6),
@@ -186,7 +190,40 @@ def make_micro_batches(patch_dim: int = PATCH_DIM) -> list[dict[str, torch.Tenso
             batch["pixel_values"] = torch.randn(patches, patch_dim, generator=g)
             batch["image_grid_thw"] = torch.tensor(grids)
         batches.append(batch)
-    return batches
+    return [*batches, video_batch(g, patch_dim)]
+
+
+def video_batch(g: torch.Generator, patch_dim: int) -> dict[str, torch.Tensor]:
+    """[text, image, text, video, text] and [text, video, text, video, text]: the model's entries (images and
+    videos in the order they appear, ``mrope_time_steps``), and transformers' own inputs apart (``hf_*``: images
+    and videos separately, the positions of mm_rl's rule, which is vLLM's: see ``rope_index``)."""
+    from mm_rl.models.qwen_vl.rope_index import get_rope_index
+
+    (v0, s0), (v1, s1), (v2, s2) = VIDEOS
+    rows = [
+        _text(g, 4) + _image(GRIDS[0]) + _text(g, 3) + _image(v0, VIDEO) + _text(g, 5),
+        _text(g, 2) + _image(v1, VIDEO) + _text(g, 3) + _image(v2, VIDEO) + _text(g, 2),
+    ]
+    ids, mask = _padded(rows, left=False)
+    pixels = {grid: torch.randn(grid[0] * grid[1] * grid[2], patch_dim, generator=g) for grid in (GRIDS[0], v0, v1, v2)}
+    entries, steps = [GRIDS[0], v0, v1, v2], torch.tensor([1.0, s0, s1, s2], dtype=torch.float64)
+    grid = torch.tensor(entries)
+    positions, _ = get_rope_index(
+        ids, grid, mask, image_token_id=IMAGE, video_token_id=VIDEO, time_steps=steps, spatial_merge_size=2
+    )
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": torch.roll(ids, -1, dims=1),
+        "pixel_values": torch.cat([pixels[e] for e in entries]),
+        "image_grid_thw": grid,
+        "mrope_time_steps": steps,
+        "hf_pixel_values": pixels[GRIDS[0]],
+        "hf_image_grid_thw": torch.tensor([GRIDS[0]]),
+        "hf_pixel_values_videos": torch.cat([pixels[v] for v in (v0, v1, v2)]),
+        "hf_video_grid_thw": torch.tensor([v0, v1, v2]),
+        "hf_position_ids": positions,
+    }
 
 
 # megatron name -> transformers' in-memory parameter name, for tensors laid out alike (gradient spot checks)
@@ -221,11 +258,15 @@ def hf_reference(
     model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
     outputs = []
     for batch in batches:
-        extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
+        if "hf_position_ids" in batch:  # videos: transformers' inputs kept apart
+            extra = {key[3:]: value for key, value in batch.items() if key.startswith("hf_")}
+        else:
+            extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
+        ids = batch["input_ids"]
         logits = model(
-            input_ids=batch["input_ids"],
+            input_ids=ids,
             attention_mask=batch["attention_mask"],
-            mm_token_type_ids=(batch["input_ids"] == IMAGE).int(),
+            mm_token_type_ids=(ids == IMAGE).int() + 2 * (ids == VIDEO).int(),
             **extra,
         ).logits
         log_softmax = torch.log_softmax(logits, dim=-1)
@@ -316,6 +357,7 @@ def run_schedule(
             attention_mask=batch["attention_mask"],
             pixel_values=batch.get("pixel_values"),
             image_grid_thw=batch.get("image_grid_thw"),
+            mrope_time_steps=batch.get("mrope_time_steps"),
             labels=batch["labels"],
             output_mask=batch[loss_mask] if select else None,
             shared_prompt=batch.get("shared_prompt") if share else None,
@@ -519,6 +561,7 @@ def bf16_vs_fp32(
                 attention_mask=batch["attention_mask"],
                 pixel_values=None if pixels is None else pixels.bfloat16(),
                 image_grid_thw=batch.get("image_grid_thw"),
+                mrope_time_steps=batch.get("mrope_time_steps"),
                 labels=batch["labels"],
             )
             mask = batch["attention_mask"].bool()

@@ -176,6 +176,7 @@ class ModelConfig:
         "qwen2_5vl", "model family: qwen2_5vl (Qwen2.5-VL), qwen2vl (Qwen2-VL), qwen3_vl (Qwen3-VL), qwen3_5 (Qwen3.5)"
     )
     img_context_token_id: int = opt(151655, "<|image_pad|> id; fixed by the tokenizer, never change")
+    video_token_id: int = opt(151656, "<|video_pad|> id; fixed by the tokenizer, never change")
     vision_start_token_id: int = opt(151652, "<|vision_start|> id; fixed by the tokenizer, never change")
     image_encoder: ImageEncoderConfig = section(ImageEncoderConfig, "vision encoder and projector")
     text_decoder: TextDecoderConfig = section(TextDecoderConfig, "the language model")
@@ -331,6 +332,7 @@ class BasicDataParameters:
     prompt_key: str = opt("prompt", "column holding the prompt (messages or text)")
     answer_key: str = opt("reward_model.ground_truth", "column holding the ground-truth answer")
     image_key: str = opt("images", "column holding the images (bytes or paths)")
+    video_key: str = opt("videos", "column holding the videos (files, bytes, or lists of frame images)")
 
 
 @dataclass
@@ -341,6 +343,15 @@ class PreprocessParameters:
     max_prompt_length: int = opt(1024, "longer prompts (image tokens included) are dropped and counted")
     min_pixels: int = opt(512 * 512, "images are resized up to at least this many pixels")
     max_pixels: int = opt(2048 * 2048, "images are resized down to at most this many pixels")
+    fps: float = opt(2.0, "video frames sampled per second (a video of frame images counts as recorded at this rate)")
+    min_frames: int = opt(4, "fewest frames sampled from a video (fewer only when it has fewer)")
+    max_frames: int = opt(32, "most frames sampled from a video: longer videos are sampled more sparsely")
+    video_min_pixels: int = opt(
+        128 * 28 * 28, "video frames are resized up to this many pixels (Qwen3-VL / Qwen3.5: the whole clip's)"
+    )
+    video_max_pixels: int = opt(
+        768 * 28 * 28, "video frames are resized down to this many pixels (Qwen3-VL / Qwen3.5: the whole clip's)"
+    )
     instruction: str = opt(
         "You FIRST think about the reasoning process as an internal monologue and then provide the final answer. "
         "The reasoning process MUST BE enclosed within <think> </think> tags. The final answer MUST BE put in "

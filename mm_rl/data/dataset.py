@@ -9,8 +9,11 @@ Three on-disk forms are detected per split (first match wins):
 3. jsonl: ``{split}.jsonl``, one object per line; images are paths relative to the file, data URIs or base64.
 
 A text prompt (forms 2 and 3) gets the instruction appended; a message list (form 1) is used as it is. Every
-``<image>`` placeholder becomes an image part of its chat message, the chat template renders the prompt with the
-generation prompt, and the processor expands each image pad to ``grid_thw.prod() / merge_size**2`` tokens.
+``<image>`` placeholder becomes an image part of its chat message and every ``<video>`` a video part (the videos
+column, ``videos`` by default: files, bytes or lists of frame images, :mod:`mm_rl.data.video`); the chat template
+renders the prompt with the generation prompt, and the processor expands each image pad to
+``grid_thw.prod() / merge_size**2`` tokens and each video pad to what the model's own processor puts there (its pads,
+and for Qwen3-VL / Qwen3.5 a timestamp and vision markers per frame pair).
 
 The whole split is checked once when the data set is built (fields present, answer non-empty, every image
 decodes, token count within ``max_prompt_length``), so nothing fails mid-epoch; rows that fail are skipped and
@@ -22,10 +25,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import itertools
 import json
 import logging
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +41,7 @@ from PIL import Image
 
 from mm_rl.config.loader import ConfigError, Violation
 from mm_rl.config.schema import BasicDataParameters, DataConfig, PreprocessParameters
+from mm_rl.data.video import VideoClip, VideoSampling, frames_clip, read_video
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +49,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
 DEFAULT_INSTRUCTION = PreprocessParameters().instruction
 # Used only when the configured key is the default and absent: the raw geometry3k columns.
 KEY_FALLBACKS: dict[str, tuple[str, ...]] = {
@@ -51,6 +58,7 @@ KEY_FALLBACKS: dict[str, tuple[str, ...]] = {
 }
 Form = Literal["verl", "geometry3k", "jsonl"]
 ImageSource = bytes | Path
+VideoSource = bytes | Path | tuple[ImageSource, ...]  # a file, or its frames
 _MISSING = object()
 _SHOWN_ROWS = 5  # row ids named in a summary line
 T = TypeVar("T")
@@ -155,12 +163,13 @@ def answer_text(value: Any) -> str:
 
 
 def _text_parts(text: str) -> list[dict[str, Any]]:
-    """Split on ``<image>``: each placeholder becomes an image part, the text between becomes text parts."""
+    """Split on ``<image>`` / ``<video>``: each placeholder becomes an image or video part, the text between text
+    parts."""
     parts: list[dict[str, Any]] = []
-    for i, chunk in enumerate(text.split(IMAGE_PLACEHOLDER)):
-        if i:
-            parts.append({"type": "image"})
-        if chunk:
+    for chunk in re.split(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})", text):
+        if chunk in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER):
+            parts.append({"type": chunk[1:-1]})
+        elif chunk:
             parts.append({"type": "text", "text": chunk})
     return parts
 
@@ -180,12 +189,16 @@ def _is_image_part(part: dict[str, Any]) -> bool:
     return part.get("type") == "image" or "image" in part or "image_url" in part
 
 
-def build_messages(prompt: Any, instruction: str, num_images: int) -> list[dict[str, Any]]:
-    """Chat messages with one image part per image.
+def _is_video_part(part: dict[str, Any]) -> bool:
+    return part.get("type") == "video" or "video" in part or "video_url" in part
+
+
+def build_messages(prompt: Any, instruction: str, num_images: int, num_videos: int = 0) -> list[dict[str, Any]]:
+    """Chat messages with one image part per image and one video part per video.
 
     A text prompt is one user message with the instruction appended (unless the text already holds it); a
-    message list is taken as is. With no placeholder at all, the images go before the first user text, the
-    Qwen convention; otherwise placeholders and images must agree in number.
+    message list is taken as is. With no placeholder of a kind at all, that kind's items go before the first user
+    text (images, then videos), the Qwen convention; otherwise placeholders and items must agree in number.
     """
     if isinstance(prompt, str):
         text = f"{prompt} {instruction}" if instruction and instruction not in prompt else prompt
@@ -194,12 +207,13 @@ def build_messages(prompt: Any, instruction: str, num_images: int) -> list[dict[
         messages = [_message(m) for m in prompt]
     else:
         raise BadRow("prompt is neither text nor a list of messages")
-    placeholders = sum(_is_image_part(p) for m in messages for p in m["content"])
-    if placeholders == 0 and num_images:
-        user = next((m for m in messages if m["role"] == "user"), messages[-1])
-        user["content"] = [{"type": "image"} for _ in range(num_images)] + user["content"]
-    elif placeholders != num_images:
-        raise BadRow("image placeholders != images")
+    user = next((m for m in messages if m["role"] == "user"), messages[-1])
+    for kind, is_part, count in (("video", _is_video_part, num_videos), ("image", _is_image_part, num_images)):
+        placeholders = sum(is_part(p) for m in messages for p in m["content"])
+        if placeholders == 0 and count:
+            user["content"] = [{"type": kind} for _ in range(count)] + user["content"]
+        elif placeholders != count:
+            raise BadRow(f"{kind} placeholders != {kind}s")
     return messages
 
 
@@ -234,6 +248,30 @@ def image_sources(value: Any, base_dir: Path) -> list[ImageSource]:
     return [image_source(entry, base_dir) for entry in entries]
 
 
+def video_sources(value: Any, base_dir: Path) -> list[VideoSource]:
+    """A row's videos: each a file (path, bytes, ``{bytes, path}``) or a list of frame images."""
+    entries = value if isinstance(value, list) else [value]
+    try:
+        return [
+            tuple(image_sources(entry, base_dir)) if isinstance(entry, list) else image_source(entry, base_dir)
+            for entry in entries
+        ]
+    except BadRow as error:
+        raise BadRow(error.reason.replace("image", "video")) from error
+
+
+def open_video(source: VideoSource, sampling: VideoSampling) -> VideoClip:
+    """The video's sampled frames (see :mod:`mm_rl.data.video`); BadRow when it does not decode."""
+    try:
+        if isinstance(source, tuple):
+            return frames_clip([open_image(frame) for frame in source], sampling)
+        return read_video(source, sampling)
+    except BadRow as error:
+        raise BadRow("undecodable video frame") from error
+    except ValueError as error:
+        raise BadRow("undecodable video") from error
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB, with transparency composited on white.
 
@@ -260,38 +298,87 @@ def open_image(source: ImageSource) -> Image.Image:
         raise BadRow("undecodable image") from error
 
 
-def parse_fields(
-    record: dict[str, Any], base_dir: Path, keys: Mapping[str, str], instruction: str
-) -> tuple[list[dict[str, Any]], list[ImageSource], str]:
-    """(messages, image sources, ground truth) of a row: every check that needs neither the image pixels nor the
-    tokenizer (``keys``: the ``prompt``, ``answer`` and ``image`` columns); raises BadRow."""
+@dataclass(frozen=True)
+class RowFields:
+    """What a row holds before any pixel is decoded: its messages, image and video sources, and answer."""
+
+    messages: list[dict[str, Any]]
+    images: list[ImageSource]
+    videos: list[VideoSource]
+    ground_truth: str
+
+
+def parse_fields(record: dict[str, Any], base_dir: Path, keys: Mapping[str, str], instruction: str) -> RowFields:
+    """A row's fields: every check that needs neither the pixels nor the tokenizer (``keys``: the ``prompt``,
+    ``answer``, ``image`` and ``video`` columns); raises BadRow."""
     prompt = field_value(record, keys["prompt"])
     truth = answer_text(field_value(record, keys["answer"]))
-    raw_images = lookup(record, keys["image"])
-    sources = [] if raw_images is _MISSING else image_sources(raw_images, base_dir)
+    raw_images, raw_videos = lookup(record, keys["image"]), lookup(record, keys.get("video", "videos"))
+    images = [] if raw_images is _MISSING else image_sources(raw_images, base_dir)
+    videos = [] if raw_videos is _MISSING else video_sources(raw_videos, base_dir)
     try:
-        messages = build_messages(prompt, instruction, len(sources))
+        messages = build_messages(prompt, instruction, len(images), len(videos))
     except BadRow as error:
-        if raw_images is _MISSING and error.reason == "image placeholders != images":
-            raise BadRow(f"missing field '{keys['image']}'") from error
+        for kind, raw in (("image", raw_images), ("video", raw_videos)):
+            if raw is _MISSING and error.reason == f"{kind} placeholders != {kind}s":
+                raise BadRow(f"missing field '{keys.get(kind, kind + 's')}'") from error
         raise
-    return messages, sources, truth
+    return RowFields(messages, images, videos, truth)
 
 
 # --------------------------------------------------------------------------------------------- processor
+@dataclass(frozen=True)
+class VideoSettings:
+    """How a job's videos are sampled and sized (``preprocess_parameters``: fps, min / max frames, video pixels)."""
+
+    sampling: VideoSampling = field(default_factory=VideoSampling)
+    min_pixels: int = PreprocessParameters().video_min_pixels
+    max_pixels: int = PreprocessParameters().video_max_pixels
+
+    @classmethod
+    def from_config(cls, pre: PreprocessParameters) -> VideoSettings:
+        return cls(VideoSampling(pre.fps, pre.min_frames, pre.max_frames), pre.video_min_pixels, pre.video_max_pixels)
+
+    def processor_kwargs(self) -> dict[str, Any]:
+        """The model's video processor's settings, for the actor's processor and vLLM's alike (``size`` is per frame
+        for Qwen2-VL / Qwen2.5-VL and the whole clip for Qwen3-VL / Qwen3.5, each processor's own meaning;
+        ``cap_pixels_per_frame`` set so transformers' default, due to change in 5.22, cannot part them)."""
+        return {
+            "size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
+            "cap_pixels_per_frame": False,
+        }
+
+
+@dataclass
+class Visuals:
+    """A prompt's images and videos as the model takes them, in the order their pads appear in the prompt: pixel
+    values [patches, C*T*P*P] and one grid row [t, h, w] per entry (a video whose processor puts text between its
+    frame pairs, Qwen3-VL's timestamps, is one entry per frame pair), with each entry's mRoPE time step (1 for an
+    image; a Qwen2.5-VL video's ``tokens_per_second x second_per_grid_t``)."""
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor  # [entries, 3] long
+    time_steps: torch.Tensor  # [entries] float64
+
+
 class PromptProcessor:
     """Chat template + Qwen2-VL image processor + tokenizer: the prompt inputs the Qwen2.5-VL processor makes.
 
-    Built from a tokenizer and an image processor only, so it works without the video processor (which needs
-    torchvision). Image pads are expanded on token ids, which equals the processor's string expansion because
-    ``<|image_pad|>`` is a single special token. ``min_pixels`` / ``max_pixels`` go to the image processor.
+    Built from a tokenizer and an image processor, so image-only data works without the video processor (which
+    needs torchvision). Image pads are expanded on token ids, which equals the processor's string expansion because
+    ``<|image_pad|>`` is a single special token. ``min_pixels`` / ``max_pixels`` go to the image processor. Videos
+    use the checkpoint's own processor (loaded on the first video): its video processor for the pixels and its
+    ``replace_video_token`` for the text a video pad becomes.
     """
 
-    def __init__(self, model_name_or_path: str | Path, min_pixels: int, max_pixels: int) -> None:
+    def __init__(
+        self, model_name_or_path: str | Path, min_pixels: int, max_pixels: int, video: VideoSettings | None = None
+    ) -> None:
         from transformers import AutoImageProcessor, AutoTokenizer
 
         if not 0 < min_pixels <= max_pixels:
             raise ValueError(f"need 0 < min_pixels <= max_pixels, got {min_pixels} and {max_pixels}")
+        self.model_name_or_path = model_name_or_path
         self.tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
         if not self.tokenizer.chat_template:
             raise ValueError(f"{model_name_or_path} has no chat template (chat_template.jinja / tokenizer_config)")
@@ -299,12 +386,16 @@ class PromptProcessor:
             model_name_or_path, min_pixels=min_pixels, max_pixels=max_pixels
         )
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.video = video or VideoSettings()
         self.merge_size: int = self.image_processor.merge_size
-        self.image_pad = "<|image_pad|>"
+        self.image_pad, self.video_pad = "<|image_pad|>", "<|video_pad|>"
         self.image_token_id: int = self.tokenizer.convert_tokens_to_ids(self.image_pad)
+        self.video_token_id: int = self.tokenizer.convert_tokens_to_ids(self.video_pad)
+        self._full: Any = None
 
     def render(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for the rollout engine: chat template with the generation prompt, one pad per image."""
+        """The prompt text for the rollout engine: chat template with the generation prompt, one pad per image and
+        per video."""
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def image_tokens(self, width: int, height: int) -> int:
@@ -326,33 +417,171 @@ class PromptProcessor:
             start = position + 1
         return out + ids[start:]
 
-    def encode(self, text: str, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids [S], pixel_values [patches, C*T*P*P], image_grid_thw [images, 3]) for one prompt."""
+    # ---------------------------------------------------------------------------------------------- videos
+    @property
+    def full(self) -> Any:
+        """The checkpoint's own processor (tokenizer, image and video processors), loaded on first use."""
+        if self._full is None:
+            from transformers import AutoProcessor
+
+            self._full = AutoProcessor.from_pretrained(self.model_name_or_path)
+        return self._full
+
+    def video_grid(self, clip: VideoClip) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixel values [patches, C*T*P*P], grid [t, h, w]) of a clip with the job's settings."""
+        out = self.full.video_processor(
+            videos=[list(clip.frames)], video_metadata=[_metadata(clip)], do_sample_frames=False,
+            return_tensors="pt", **self.video.processor_kwargs(),
+        )  # fmt: skip
+        return out["pixel_values_videos"], out["video_grid_thw"][0].long()
+
+    def video_text(self, clip: VideoClip, grid: torch.Tensor) -> str:
+        """What the clip's one video pad becomes in the prompt text (the model's processor's own rule)."""
+        return self.full.replace_video_token({"video_grid_thw": grid[None], "video_metadata": [_metadata(clip)]}, 0)
+
+    def video_time_step(self, clip: VideoClip) -> float:
+        """The clip's mRoPE time step, as vLLM computes it: the config's ``tokens_per_second`` (1 when absent) x
+        ``second_per_grid_t`` (``temporal_patch_size / sampled fps`` where the processor reports it: Qwen2.5-VL)."""
+        if "second_per_grid_ts" not in self.full.model_input_names:
+            return 1.0
+        vision = getattr(self._config(), "vision_config", None)
+        tokens_per_second = float(getattr(vision, "tokens_per_second", 1.0) or 1.0)
+        sampled_fps = len(clip.frames_indices) / clip.total_num_frames * clip.fps
+        return tokens_per_second * self.full.video_processor.temporal_patch_size / sampled_fps
+
+    def _config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.model_name_or_path)
+
+    def expand_videos(self, text: str, clips: Sequence[VideoClip], grids: Sequence[torch.Tensor]) -> str:
+        """``text`` with its i-th video pad replaced by what clip i's pad becomes."""
+        pieces = text.split(self.video_pad)
+        if len(pieces) - 1 != len(clips):
+            raise BadRow("video pads in the text != videos")
+        out = pieces[0]
+        for clip, grid, piece in zip(clips, grids, pieces[1:], strict=True):
+            out += self.video_text(clip, grid) + piece
+        return out
+
+    def frames_apart(self, clip: VideoClip, grid: torch.Tensor) -> bool:
+        """Whether the processor puts text between the clip's frame pairs (Qwen3-VL's timestamps): the model then
+        takes each frame pair as an entry of its own."""
+        text = self.video_text(clip, grid)
+        return len(re.findall(f"(?:{re.escape(self.video_pad)})+", text)) > 1
+
+    def count_video_grid(self, clip: VideoClip) -> torch.Tensor:
+        """A grid with the clip's token counts (t, then h x w in one axis) without processing its pixels."""
         import torch
 
+        width, height = clip.size
+        kwargs = self.video.processor_kwargs()
+        patches = self.full.video_processor.get_num_of_video_patches(len(clip.frames), height, width, kwargs)
+        frames = -(-len(clip.frames) // self.full.video_processor.temporal_patch_size)
+        return torch.tensor([frames, patches // frames, 1])
+
+    # ---------------------------------------------------------------------------------------------- encode
+    def num_tokens(self, text: str, sizes: Sequence[tuple[int, int]], clips: Sequence[VideoClip]) -> int:
+        """A prompt's length, image and video tokens included, without processing any pixel."""
+        if clips:
+            text = self.expand_videos(text, clips, [self.count_video_grid(clip) for clip in clips])
+        return len(self.expand(self.text_ids(text), [self.image_tokens(w, h) for w, h in sizes]))
+
+    def encode(self, text: str, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids [S], pixel_values [patches, C*T*P*P], image_grid_thw [images, 3]) for one image prompt."""
+        ids, visuals = self.encode_prompt(text, images, ())
+        return ids, visuals.pixel_values, visuals.grid_thw
+
+    def encode_prompt(
+        self, text: str, images: list[Image.Image], clips: Sequence[VideoClip]
+    ) -> tuple[torch.Tensor, Visuals]:
+        """(input_ids [S], the images' and videos' model inputs in the order their pads appear) for one prompt."""
+        import torch
+
+        patch_dim = 3 * self.image_processor.temporal_patch_size * self.image_processor.patch_size**2
         if images:
             vision = self.image_processor(images=images, return_tensors="pt")
-            pixel_values, grid = vision["pixel_values"], vision["image_grid_thw"].long()
+            image_pixels, image_grid = vision["pixel_values"], vision["image_grid_thw"].long()
         else:
-            patch_dim = 3 * self.image_processor.temporal_patch_size * self.image_processor.patch_size**2
-            pixel_values, grid = torch.zeros(0, patch_dim), torch.zeros(0, 3, dtype=torch.long)
-        counts = (grid.prod(dim=-1) // self.merge_size**2).tolist()
+            image_pixels, image_grid = torch.zeros(0, patch_dim), torch.zeros(0, 3, dtype=torch.long)
+        videos = [self.video_grid(clip) for clip in clips]
+        if videos:
+            text = self.expand_videos(text, clips, [grid for _, grid in videos])
+        counts = (image_grid.prod(dim=-1) // self.merge_size**2).tolist()
         ids = torch.tensor(self.expand(self.text_ids(text), counts), dtype=torch.long)
-        return ids, pixel_values, grid
+        if not videos:
+            return ids, Visuals(image_pixels, image_grid, torch.ones(len(image_grid), dtype=torch.float64))
+        return ids, self._in_order(ids, image_pixels, image_grid, clips, videos)
+
+    def _in_order(
+        self,
+        ids: torch.Tensor,
+        image_pixels: torch.Tensor,
+        image_grid: torch.Tensor,
+        clips: Sequence[VideoClip],
+        videos: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ) -> Visuals:
+        """The images' and videos' entries in the order their first pads appear in ``ids``."""
+        import torch
+
+        offsets = torch.cat([image_grid.new_zeros(1), image_grid.prod(-1).cumsum(0)]).tolist()
+        ones = torch.ones(1, dtype=torch.float64)
+        image_entries = [
+            (image_pixels[offsets[i] : offsets[i + 1]], image_grid[i : i + 1], ones) for i in range(len(image_grid))
+        ]
+        video_entries = []
+        for clip, (pixels, grid) in zip(clips, videos, strict=True):
+            if self.frames_apart(clip, grid):  # one entry per frame pair; pixels are frame-major already
+                grids, step = grid.new_tensor([1, int(grid[1]), int(grid[2])]).repeat(int(grid[0]), 1), 1.0
+            else:
+                grids, step = grid[None], self.video_time_step(clip)
+            video_entries.append((pixels, grids, torch.full((len(grids),), step, dtype=torch.float64)))
+        sources = {self.image_token_id: iter(image_entries), self.video_token_id: iter(video_entries)}
+        left = dict.fromkeys(sources, 0)  # pads of the current image / video still to pass
+        entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for token in ids.tolist():
+            if token in sources:
+                if not left[token]:
+                    entries.append(next(sources[token]))
+                    left[token] = int(entries[-1][1].prod(-1).sum()) // self.merge_size**2
+                left[token] -= 1
+        return Visuals(
+            torch.cat([e[0] for e in entries]), torch.cat([e[1] for e in entries]), torch.cat([e[2] for e in entries])
+        )
+
+
+def _metadata(clip: VideoClip) -> Any:
+    from transformers.video_utils import VideoMetadata
+
+    return VideoMetadata(**{k: v for k, v in clip.metadata().items() if k != "do_sample_frames"})
 
 
 # -------------------------------------------------------------------------------------------------- items
 @dataclass
 class PromptItem:
-    """One prompt, ready for the actor (ids, pixels) and the rollout engine (text, images)."""
+    """One prompt, ready for the actor (ids, pixels) and the rollout engine (text, images, videos).
+
+    ``pixel_values`` / ``image_grid_thw`` hold the images' and the videos' model inputs in the order their pads
+    appear (:class:`Visuals`); ``mrope_time_steps`` their time steps when the prompt has a video (None without)."""
 
     row_id: int  # position of the row in its split (files in sorted order), stable across runs
-    input_ids: torch.Tensor  # [S] long, image pads expanded (image tokens included)
-    prompt_text: str  # chat-templated text with ONE <|image_pad|> per image (what vLLM expects)
+    input_ids: torch.Tensor  # [S] long, image and video pads expanded (their tokens included)
+    prompt_text: str  # chat-templated text with ONE <|image_pad|> per image, <|video_pad|> per video (vLLM's form)
     images: list[Image.Image]  # decoded RGB originals; the engine applies the same min/max pixels
     pixel_values: torch.Tensor  # [patches, 3 * temporal_patch * patch**2] float32
-    image_grid_thw: torch.Tensor  # [num_images, 3] long
+    image_grid_thw: torch.Tensor  # [entries, 3] long
     ground_truth: str
+    videos: list[VideoClip] = field(default_factory=list)  # sampled frames; the engine gets the same ones
+    mrope_time_steps: torch.Tensor | None = None  # [entries] float64
+
+
+def prompt_item(
+    processor: PromptProcessor, row_id: int, text: str, images: list[Image.Image], clips: list[VideoClip], truth: str
+) -> PromptItem:
+    """The processed prompt of a row's text, images and videos."""
+    ids, visuals = processor.encode_prompt(text, images, clips)
+    steps = visuals.time_steps if clips else None
+    return PromptItem(row_id, ids, text, images, visuals.pixel_values, visuals.grid_thw, truth, clips, steps)
 
 
 @dataclass(frozen=True)
@@ -362,6 +591,7 @@ class _Row:
     images: tuple[ImageSource, ...]
     ground_truth: str
     num_tokens: int
+    videos: tuple[VideoSource, ...] = ()
 
 
 @dataclass
@@ -415,7 +645,7 @@ def count_usable_rows(files: SplitFiles, basic: BasicDataParameters, instruction
     """The rows of a split that pass ``parse_fields`` (all but the image decode and the prompt length), read only
     until ``enough`` are found: what ``check`` can afford on a real data set. ``kept`` stops at ``enough``; the data
     set may keep fewer (images that do not decode, prompts too long). ValueError for a file that cannot be read."""
-    keys = {"prompt": basic.prompt_key, "answer": basic.answer_key, "image": basic.image_key}
+    keys = _keys(basic)
     stats = LoadStats()
     rows = checked_rows(files, lambda record, base_dir, _: parse_fields(record, base_dir, keys, instruction), stats)
     stats.kept = sum(1 for _ in itertools.islice(rows, max(1, enough)))
@@ -423,23 +653,36 @@ def count_usable_rows(files: SplitFiles, basic: BasicDataParameters, instruction
 
 
 def sample_decodes(
-    files: SplitFiles, basic: BasicDataParameters, instruction: str, sample: int = 16
+    files: SplitFiles,
+    basic: BasicDataParameters,
+    instruction: str,
+    sample: int = 16,
+    kind: Literal["image", "video"] = "image",
+    sampling: VideoSampling | None = None,
 ) -> tuple[int, int]:
-    """(images that do not decode, images tried) among the first ``sample`` images of the split's usable rows:
+    """(images / videos that do not decode, those tried) among the first ``sample`` of the split's usable rows:
     ``check``'s bounded look at the pixels (a data set whose images are all truncated fails here, not in ``train``)."""
-    keys = {"prompt": basic.prompt_key, "answer": basic.answer_key, "image": basic.image_key}
+    keys = _keys(basic)
     rows = checked_rows(
         files, lambda record, base_dir, _: parse_fields(record, base_dir, keys, instruction), LoadStats()
     )
-    sources = itertools.islice((source for _, images, _ in rows for source in images), sample)
+    opened = ((open_image, source) for row in rows for source in row.images) if kind == "image" else (
+        (functools.partial(open_video, sampling=sampling or VideoSampling()), source)
+        for row in rows
+        for source in row.videos
+    )  # fmt: skip
     failed = tried = 0
-    for source in sources:
+    for open_one, source in itertools.islice(opened, sample):
         tried += 1
         try:
-            open_image(source)
+            open_one(source)
         except BadRow:
             failed += 1
     return failed, tried
+
+
+def _keys(basic: BasicDataParameters) -> dict[str, str]:
+    return {"prompt": basic.prompt_key, "answer": basic.answer_key, "image": basic.image_key, "video": basic.video_key}
 
 
 # ------------------------------------------------------------------------------------------------ dataset
@@ -479,11 +722,12 @@ class PromptDataset(Sequence[PromptItem]):
         prompt_key: str = "prompt",
         answer_key: str = "reward_model.ground_truth",
         image_key: str = "images",
+        video_key: str = "videos",
         instruction: str = DEFAULT_INSTRUCTION,
         max_prompt_length: int = 1024,
     ) -> None:
         self.dataset_dir, self.split, self.processor = Path(dataset_dir), split, processor
-        self.keys = {"prompt": prompt_key, "answer": answer_key, "image": image_key}
+        self.keys = {"prompt": prompt_key, "answer": answer_key, "image": image_key, "video": video_key}
         self.instruction, self.max_prompt_length = instruction, max_prompt_length
         self.files = find_split(self.dataset_dir, split)
         self.stats = LoadStats()
@@ -496,7 +740,9 @@ class PromptDataset(Sequence[PromptItem]):
     ) -> PromptDataset:
         """The train or validation split of the job's data section (pass ``processor`` to share one)."""
         basic, pre = data.dataset_param.basic_parameters, data.dataset_param.preprocess_parameters
-        processor = processor or PromptProcessor(pre.model_name_or_path, pre.min_pixels, pre.max_pixels)
+        processor = processor or PromptProcessor(
+            pre.model_name_or_path, pre.min_pixels, pre.max_pixels, VideoSettings.from_config(pre)
+        )
         try:
             return cls(
                 basic.dataset_dir,
@@ -505,6 +751,7 @@ class PromptDataset(Sequence[PromptItem]):
                 prompt_key=basic.prompt_key,
                 answer_key=basic.answer_key,
                 image_key=basic.image_key,
+                video_key=basic.video_key,
                 instruction=pre.instruction,
                 max_prompt_length=pre.max_prompt_length,
             )
@@ -521,8 +768,8 @@ class PromptDataset(Sequence[PromptItem]):
     def __getitem__(self, index: int) -> PromptItem:  # type: ignore[override]
         row = self._rows[index]
         images = [open_image(source) for source in row.images]
-        input_ids, pixel_values, grid = self.processor.encode(row.prompt_text, images)
-        return PromptItem(row.row_id, input_ids, row.prompt_text, images, pixel_values, grid, row.ground_truth)
+        clips = [open_video(source, self.processor.video.sampling) for source in row.videos]
+        return prompt_item(self.processor, row.row_id, row.prompt_text, images, clips, row.ground_truth)
 
     def num_tokens(self, index: int) -> int:
         """Prompt length of item ``index`` (image tokens included) without processing its images."""
@@ -538,15 +785,18 @@ class PromptDataset(Sequence[PromptItem]):
         """The chat-templated prompt of item ``index`` (one image placeholder per image), without its images."""
         return self._rows[index].prompt_text
 
+    def num_videos(self, index: int) -> int:
+        return len(self._rows[index].videos)
+
     # ----------------------------------------------------------------------------------------- loading
     def _parse(self, record: dict[str, Any], base_dir: Path, row_id: int) -> _Row:
-        """Check one record completely (images decoded once) and measure its prompt; raises BadRow."""
-        messages, sources, truth = parse_fields(record, base_dir, self.keys, self.instruction)
-        sizes = [open_image(source).size for source in sources]
-        text = self.processor.render(messages)
-        counts = [self.processor.image_tokens(w, h) for w, h in sizes]
-        num_tokens = len(self.processor.expand(self.processor.text_ids(text), counts))
-        return _Row(row_id, text, tuple(sources), truth, num_tokens)
+        """Check one record completely (images and videos decoded once) and measure its prompt; raises BadRow."""
+        fields = parse_fields(record, base_dir, self.keys, self.instruction)
+        sizes = [open_image(source).size for source in fields.images]
+        clips = [open_video(source, self.processor.video.sampling) for source in fields.videos]
+        text = self.processor.render(fields.messages)
+        num_tokens = self.processor.num_tokens(text, sizes, clips)
+        return _Row(row_id, text, tuple(fields.images), fields.ground_truth, num_tokens, tuple(fields.videos))
 
     def _scan(self) -> list[_Row]:
         rows: list[_Row] = []

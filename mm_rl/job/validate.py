@@ -1166,7 +1166,8 @@ def hf_checkpoint_matches(cfg: JobConfig) -> Iterator[Violation]:
     text, vit = m.text_decoder, m.image_encoder.vision_encoder
     text_hf, vit_hf = want["text_decoder"], want["image_encoder"]["vision_encoder"]
     same = [
-        (f"{MODEL}.{key}", getattr(m, key), want.get(key)) for key in ("img_context_token_id", "vision_start_token_id")
+        (f"{MODEL}.{key}", getattr(m, key), want.get(key))
+        for key in ("img_context_token_id", "video_token_id", "vision_start_token_id")
     ]
     same += [
         (f"{TEXT}.{key}", getattr(text, key), text_hf.get(key))

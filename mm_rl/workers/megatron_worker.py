@@ -478,11 +478,11 @@ def _forward_step(
 
     from mm_rl.platform.device import current_device
 
-    host = next(data)
+    host = dict(next(data))
     # mRoPE ids from the host's copy, before the move: computed from the device's, they would stall each micro-batch
-    # on a device -> host copy (the index walks every row's images on the CPU)
+    # on a device -> host copy (the index walks every row's images on the CPU); the videos' time steps stay behind
     positions = get_attr_wrapped_model(model, "position_ids")(
-        host["input_ids"], host.get("image_grid_thw"), host.get("attention_mask")
+        host["input_ids"], host.get("image_grid_thw"), host.get("attention_mask"), host.pop("mrope_time_steps", None)
     )
     batch = to_device({**host, "position_ids": positions}, current_device(), images)
     output = model(

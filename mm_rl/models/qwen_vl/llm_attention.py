@@ -83,12 +83,12 @@ class PackedRows:
         out = x.new_zeros(*self.keep.shape, *x.shape[2:])
         return out.index_put((rows, cols), x[0, : rows.numel()])
 
-    def image_rows(self, input_ids: Tensor, image_token: int) -> Tensor | None:
-        """Which rows of the micro-batch's image embeddings (one per image token of the rows, in row order) the
-        packed row still holds; None when it holds all of them (no shared prompt)."""
+    def image_rows(self, vision: Tensor) -> Tensor | None:
+        """Which rows of the micro-batch's image embeddings (one per image or video token of the rows, ``vision``
+        [B, S] bool, in row order) the packed row still holds; None when it holds all of them (no shared prompt)."""
         if not self.contexts:
             return None
-        pads = (input_ids == image_token) & self.valid
+        pads = vision & self.valid
         order = pads.reshape(-1).long().cumsum(0) - 1
         return order[(pads & self.keep).reshape(-1)]
 

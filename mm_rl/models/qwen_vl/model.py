@@ -117,13 +117,21 @@ def image_token_rows(encoded_grid_thw: Tensor, image_slots: Tensor, merge: int) 
     return starts.repeat_interleave(counts) + within
 
 
-def splice_image_embeddings(embeddings: Tensor, input_ids: Tensor, image_embeds: Tensor, image_token_id: int) -> Tensor:
-    """Word embeddings [S, B, H] with the image-token positions replaced by ``image_embeds`` [N, H].
+def vision_positions(input_ids: Tensor, vision_token_ids: tuple[int, ...]) -> Tensor:
+    """[B, S] bool: the image and video tokens (the positions the vision encoder's embeddings fill)."""
+    return torch.isin(input_ids, torch.tensor(vision_token_ids, device=input_ids.device))
 
-    Image tokens are filled sample by sample, left to right (transformers' masked_scatter over [B, S]),
-    which is the order the ViT emits images in. Out of place, so gradients reach both inputs.
+
+def splice_image_embeddings(
+    embeddings: Tensor, input_ids: Tensor, image_embeds: Tensor, vision_token_ids: tuple[int, ...]
+) -> Tensor:
+    """Word embeddings [S, B, H] with the image- and video-token positions replaced by ``image_embeds`` [N, H].
+
+    They are filled sample by sample, left to right (transformers' masked_scatter over [B, S]), which is the order
+    the ViT emits images and videos in (``image_grid_thw`` lists them as their tokens appear). Out of place, so
+    gradients reach both inputs.
     """
-    batch_index, seq_index = (input_ids == image_token_id).nonzero(as_tuple=True)
+    batch_index, seq_index = vision_positions(input_ids, vision_token_ids).nonzero(as_tuple=True)
     if batch_index.numel() != image_embeds.shape[0]:
         raise ValueError(f"{batch_index.numel()} image tokens but {image_embeds.shape[0]} image embeddings")
     return embeddings.index_put((seq_index, batch_index), image_embeds.to(embeddings.dtype))
@@ -296,7 +304,18 @@ class QwenVLModel(torch.nn.Module):
         return super().load_state_dict(state, strict=strict, assign=assign)
 
     # ------------------------------------------------------------------ pieces of forward
-    def position_ids(self, input_ids: Tensor, image_grid_thw: Tensor | None, attention_mask: Tensor | None) -> Tensor:
+    @property
+    def vision_token_ids(self) -> tuple[int, int]:
+        """The image and video pad ids: the positions the vision encoder's outputs fill."""
+        return self.model_cfg.img_context_token_id, self.model_cfg.video_token_id
+
+    def position_ids(
+        self,
+        input_ids: Tensor,
+        image_grid_thw: Tensor | None,
+        attention_mask: Tensor | None,
+        time_steps: Tensor | None = None,
+    ) -> Tensor:
         """The 3D mRoPE ids [3, B, S] of a micro-batch (see :func:`rope_index.get_rope_index`)."""
         positions, _ = get_rope_index(
             input_ids,
@@ -304,6 +323,8 @@ class QwenVLModel(torch.nn.Module):
             attention_mask,
             image_token_id=self.model_cfg.img_context_token_id,
             spatial_merge_size=self.model_cfg.image_encoder.vision_encoder.spatial_merge_size,
+            video_token_id=self.model_cfg.video_token_id,
+            time_steps=time_steps,
         )
         return positions
 
@@ -355,13 +376,13 @@ class QwenVLModel(torch.nn.Module):
                 images = images.index_select(0, image_token_rows(encoded_grid_thw, image_slots, merge))
             if image_rows is not None:
                 images = images.index_select(0, image_rows.to(images.device))
-            image_token = self.model_cfg.img_context_token_id
+            vision = self.vision_token_ids
             images, *deepstack = images.split(embeddings.size(-1), dim=-1)
             self.deepstack = [
-                splice_image_embeddings(torch.zeros_like(embeddings), input_ids, features, image_token)
+                splice_image_embeddings(torch.zeros_like(embeddings), input_ids, features, vision)
                 for features in deepstack
             ]
-            embeddings = splice_image_embeddings(embeddings, input_ids, images, image_token)
+            embeddings = splice_image_embeddings(embeddings, input_ids, images, vision)
         return keep_in_graph(embeddings, self.received) if self.layout.received != "none" else embeddings
 
     def _images(
@@ -391,6 +412,7 @@ class QwenVLModel(torch.nn.Module):
         encoded_grid_thw: Tensor | None = None,
         image_slots: Tensor | None = None,
         image_keys: Tensor | None = None,
+        mrope_time_steps: Tensor | None = None,
         output_mask: Tensor | None = None,
         shared_prompt: Tensor | None = None,
         return_logits: bool = False,
@@ -405,7 +427,10 @@ class QwenVLModel(torch.nn.Module):
         ``encoded_grid_thw`` [N_encoded, 3] their grids and ``image_slots`` [N_images] the encoded image of each
         image of ``image_grid_thw`` (which stays per sample: the positions need it); ``image_keys`` [N_encoded, 2]
         name the encoded images in the step (the frozen ViT's per-step cache, see ``QwenVisionModel``).
-        ``position_ids`` [3, B, S] may be passed precomputed. ``labels`` [B, S]: labels[b, s] is the token
+        Videos come the same way, their tokens (``video_token_id``) among the image tokens in order, their grids in
+        ``image_grid_thw`` where their tokens appear; ``mrope_time_steps`` [N_images] (float64) the time-axis step of
+        each entry's positions (a Qwen2.5-VL video's; None: all 1). ``position_ids`` [3, B, S] may be passed
+        precomputed. ``labels`` [B, S]: labels[b, s] is the token
         that position s predicts; ``output_mask`` [B, S] (nonzero: wanted, e.g. the response mask) limits the
         log-probs and the entropy to those positions (0 elsewhere): the other tokens skip the output layer.
         ``shared_prompt`` [B] (packed rows with an ``output_mask`` only): row b's leading tokens that equal the row
@@ -433,9 +458,9 @@ class QwenVLModel(torch.nn.Module):
         image_rows = None
         if packed is not None:  # one row of the real tokens, each with the position it had in its own row
             if position_ids is None:
-                position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask)
+                position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask, mrope_time_steps)
             if images is not None:
-                image_rows = packed.image_rows(input_ids, self.model_cfg.img_context_token_id)
+                image_rows = packed.image_rows(vision_positions(input_ids, self.vision_token_ids))
             input_ids, labels, position_ids = packed.pack(input_ids), packed.pack(labels), packed.pack(position_ids)
             output_mask, attention_mask = packed.pack(output_mask), None
         seq = input_ids.shape[1]
@@ -448,7 +473,7 @@ class QwenVLModel(torch.nn.Module):
             )
             position_ids = _pad_sequence(position_ids, length, 0)
         if position_ids is None:
-            position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask)
+            position_ids = self.position_ids(input_ids, image_grid_thw, attention_mask, mrope_time_steps)
         segments = packed.segments(input_ids.shape[1]) if packed is not None else None
         decoder_input = (
             self.decoder_input(input_ids, images, encoded, image_slots, image_rows)

@@ -205,6 +205,7 @@ def token_ids_json(config: Mapping[str, Any]) -> dict[str, int]:
         key: config[hf_key]
         for key, hf_key in (
             ("img_context_token_id", "image_token_id"),
+            ("video_token_id", "video_token_id"),
             ("vision_start_token_id", "vision_start_token_id"),
         )
         if hf_key in config
