@@ -7,6 +7,7 @@ import argparse
 import shutil
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from mm_rl.config.loader import ConfigError
 from mm_rl.config.schema import JobConfig
@@ -95,20 +96,25 @@ def _materialise_embedded(job: JobConfig) -> None:
     answers right and the greedy answer off by one.
     """
     from mm_rl.demo.synthetic import DEMO_TEMPLATES, write_synthetic_geo3k
+    from mm_rl.demo.synthetic_video import write_synthetic_video
     from mm_rl.demo.tiny import build_tiny_checkpoint, tiny_overrides
     from mm_rl.demo.tiny_warmup import warm_up_format
     from mm_rl.demo.tool_warmup import TOOL_TEMPLATES, warm_up_tools
 
     b = job.backend_config
     tools = b.rl_config.multi_turn.enable  # the multi-turn demo: problems that need the calculator
+    videos = b.generate_config.max_videos_per_prompt > 0  # the video demo: clips, warmed up on the figures
     variant = tiny_overrides(b.model)
     hf_dir = build_tiny_checkpoint(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir, family=b.model.model_id, **variant)
+    dataset_dir = Path(b.data.dataset_param.basic_parameters.dataset_dir)
     data_dir = write_synthetic_geo3k(
-        b.data.dataset_param.basic_parameters.dataset_dir,
+        dataset_dir.with_name("geo3k_synthetic") if videos else dataset_dir,
         seed=b.training.seed,
         templates=TOOL_TEMPLATES if tools else DEMO_TEMPLATES,
     )
     print(f"embedded synthetic geo3k data: {data_dir}")
+    if videos:
+        print(f"embedded synthetic video data: {write_synthetic_video(dataset_dir, seed=b.training.seed)}")
     warm_up = warm_up_tools if tools else warm_up_format
     try:
         warm = warm_up(hf_dir, data_dir, report=print)
@@ -128,7 +134,6 @@ def _materialise_embedded(job: JobConfig) -> None:
 def _start_over(job: JobConfig) -> None:
     """Remove an embedded model built by another mm_rl version, with the checkpoints and metrics trained from it
     (resuming them onto the rebuilt model would mix two runs)."""
-    from pathlib import Path
 
     b = job.backend_config
     stale = [

@@ -30,3 +30,12 @@ def tools_base(tmp_path_factory) -> Path:
     base = tmp_path_factory.getbasetemp() / "tools_base"
     configure("tiny_tools", base / "job.yaml")
     return base
+
+
+@pytest.fixture(scope="session")
+def video_base(tmp_path_factory) -> Path:
+    """The video demo's ``job.yaml`` (``tiny_video``: clips and multi-image prompts, the format-warmed tiny model)
+    with ``tiny_hf/`` and ``video_synthetic/``, written once per pytest session."""
+    base = tmp_path_factory.getbasetemp() / "video_base"
+    configure("tiny_video", base / "job.yaml")
+    return base

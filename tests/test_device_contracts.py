@@ -53,7 +53,9 @@ def micro_batches() -> tuple[list[dict[str, torch.Tensor]], dict[int, tuple[torc
     def item(grids: list[tuple[int, int, int]]) -> SimpleNamespace:
         grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
         return SimpleNamespace(
-            pixel_values=torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=g), image_grid_thw=grid
+            pixel_values=torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=g),
+            image_grid_thw=grid,
+            mrope_time_steps=None,
         )
 
     items = {0: item([(1, 4, 4)]), 1: item([]), 2: item([(1, 4, 8), (1, 4, 4)])}

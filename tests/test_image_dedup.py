@@ -59,7 +59,9 @@ def driver_inputs() -> tuple[dict[str, torch.Tensor], dict[int, Any], dict[str, 
     for index, grid in GRIDS.items():
         t, h, w = grid
         items[index] = SimpleNamespace(
-            pixel_values=torch.randn(t * h * w, PATCH_DIM, generator=g), image_grid_thw=torch.tensor([grid])
+            pixel_values=torch.randn(t * h * w, PATCH_DIM, generator=g),
+            image_grid_thw=torch.tensor([grid]),
+            mrope_time_steps=None,
         )
         prompts[index] = _text(g, 3) + _image(grid) + _text(g, 2 + index)
     samples = [

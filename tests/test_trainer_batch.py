@@ -199,7 +199,9 @@ def test_a_separate_engine_gets_whole_devices_of_its_own(device, colocate, actor
 def _prompt(grids: list[tuple[int, int, int]], generator: torch.Generator) -> SimpleNamespace:
     grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
     return SimpleNamespace(
-        pixel_values=torch.randn(int(grid.prod(-1).sum()), 8, generator=generator), image_grid_thw=grid
+        pixel_values=torch.randn(int(grid.prod(-1).sum()), 8, generator=generator),
+        image_grid_thw=grid,
+        mrope_time_steps=None,
     )
 
 

@@ -49,7 +49,9 @@ class FakePrompts:
             self.cached.update(
                 {
                     i: SimpleNamespace(
-                        pixel_values=torch.zeros(0, 8), image_grid_thw=torch.zeros(0, 3, dtype=torch.long)
+                        pixel_values=torch.zeros(0, 8),
+                        image_grid_thw=torch.zeros(0, 3, dtype=torch.long),
+                        mrope_time_steps=None,
                     )
                     for i in indices
                 }
@@ -67,6 +69,9 @@ class FakePrompts:
 
     def row_id(self, index, split="train"):
         return index + 10
+
+    def video_frames(self, index, split="train"):
+        return []
 
     def decode(self, responses):
         return [" ".join(map(str, r)) for r in responses]
@@ -503,7 +508,9 @@ class ImagePrompts(FakePrompts):
             self.cached.update(
                 {
                     i: SimpleNamespace(
-                        pixel_values=torch.randn(int(grid.prod()), PATCH_DIM, generator=g), image_grid_thw=grid
+                        pixel_values=torch.randn(int(grid.prod()), PATCH_DIM, generator=g),
+                        image_grid_thw=grid,
+                        mrope_time_steps=None,
                     )
                     for i in indices
                 }

@@ -389,7 +389,9 @@ def test_two_token_budgets_give_the_same_update(ray_session, mm_dir):
     for k, sample in enumerate(samples):
         sample.advantages = torch.full((sample.response_len,), 1.0 if k % 2 else -0.5)
         sample.ref_log_probs = torch.full((sample.response_len,), -7.0)
-    text_only = SimpleNamespace(pixel_values=torch.zeros(0, 1), image_grid_thw=torch.zeros(0, 3, dtype=torch.long))
+    text_only = SimpleNamespace(
+        pixel_values=torch.zeros(0, 1), image_grid_thw=torch.zeros(0, 3, dtype=torch.long), mrope_time_steps=None
+    )
     items = {s.index: text_only for s in samples}
     loss = LossSpec(RLConfig(kl_loss_coef=0.1, use_kl_loss=True), max_response_len=11)
     spec = OptimizerSpec(**{**SPEC.__dict__, "warmup_steps": 0})

@@ -415,10 +415,15 @@ def _stage_activations(cfg: JobConfig, s: int, vit_layers: list[int], llm_layers
         if b.actor_config.max_tokens_per_micro_batch is None
         else max(1, micro_batch_tokens(cfg) // image_tokens(cfg))
     )
+    # a video's frames all pass the ViT (attention within a frame): at most max_frames at video_max_pixels each
+    # (Qwen3-VL / Qwen3.5 cap the whole clip there: counted per frame, the estimate errs high)
+    pre = b.data.dataset_param.preprocess_parameters
+    frame_tokens = pre.video_max_pixels // vit.patch_size**2
+    video_tokens = b.generate_config.max_videos_per_prompt * pre.max_frames * frame_tokens * images // per_sample
     vit_act = (
         per_layer(
-            vit_tokens * images,
-            vit_tokens,
+            vit_tokens * images + video_tokens,
+            max(vit_tokens, frame_tokens if video_tokens else 0),
             vit.hidden_size,
             vit.num_attention_heads,
             scores=not b.training.use_flash_attn,

@@ -87,8 +87,25 @@ _TOOLS_RUN: dict[str, Any] = {
         "generate_config": {"sampling_config": {"max_tokens": 96}},
     }
 }
+# The embedded video demo (`make demo MODEL=tiny_video`): the format-warmed tiny Qwen2.5-VL on clips of the demo's
+# figures, clips of numbers and prompts of one to three figures (mm_rl.demo.synthetic_video). Clips of 6 frames at
+# 2 fps of 84 px: 3 frame pairs of 9 tokens each.
+_VIDEO_RUN: dict[str, Any] = {
+    "backend_config": {
+        "data": {
+            "dataset_param": {
+                "basic_parameters": {"dataset_dir": "${af_output_dir}/video_synthetic"},
+                "preprocess_parameters": {"video_min_pixels": 56 * 56, "video_max_pixels": 84 * 84, "max_frames": 8},
+            }
+        },
+        "generate_config": {"max_images_per_prompt": 3, "max_videos_per_prompt": 1},
+    }
+}
 # name -> (the preset it varies, the run settings it adds)
-_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"tiny_tools": ("tiny", _TOOLS_RUN)}
+_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny_tools": ("tiny", _TOOLS_RUN),
+    "tiny_video": ("tiny", _VIDEO_RUN),
+}
 
 
 def model_names() -> list[str]:

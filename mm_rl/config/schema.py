@@ -627,6 +627,9 @@ class GenerateConfig:
     max_images_per_prompt: int = opt(
         1, "the engine reserves room for this many images; prompts with more are skipped and counted"
     )
+    max_videos_per_prompt: int = opt(
+        0, "the engine reserves room for this many videos (0: video off); prompts with more are skipped and counted"
+    )
     sampling_config: SamplingConfig = section(SamplingConfig)
     val_sampling_config: ValSamplingConfig = section(ValSamplingConfig)
 

@@ -41,7 +41,7 @@ from PIL import Image
 
 from mm_rl.config.loader import ConfigError, Violation
 from mm_rl.config.schema import BasicDataParameters, DataConfig, PreprocessParameters
-from mm_rl.data.video import VideoClip, VideoSampling, frames_clip, read_video
+from mm_rl.data.video import VideoClip, VideoSampling, VideoSettings, frames_clip, read_video
 
 if TYPE_CHECKING:
     import torch
@@ -327,28 +327,6 @@ def parse_fields(record: dict[str, Any], base_dir: Path, keys: Mapping[str, str]
 
 
 # --------------------------------------------------------------------------------------------- processor
-@dataclass(frozen=True)
-class VideoSettings:
-    """How a job's videos are sampled and sized (``preprocess_parameters``: fps, min / max frames, video pixels)."""
-
-    sampling: VideoSampling = field(default_factory=VideoSampling)
-    min_pixels: int = PreprocessParameters().video_min_pixels
-    max_pixels: int = PreprocessParameters().video_max_pixels
-
-    @classmethod
-    def from_config(cls, pre: PreprocessParameters) -> VideoSettings:
-        return cls(VideoSampling(pre.fps, pre.min_frames, pre.max_frames), pre.video_min_pixels, pre.video_max_pixels)
-
-    def processor_kwargs(self) -> dict[str, Any]:
-        """The model's video processor's settings, for the actor's processor and vLLM's alike (``size`` is per frame
-        for Qwen2-VL / Qwen2.5-VL and the whole clip for Qwen3-VL / Qwen3.5, each processor's own meaning;
-        ``cap_pixels_per_frame`` set so transformers' default, due to change in 5.22, cannot part them)."""
-        return {
-            "size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
-            "cap_pixels_per_frame": False,
-        }
-
-
 @dataclass
 class Visuals:
     """A prompt's images and videos as the model takes them, in the order their pads appear in the prompt: pixel
@@ -440,12 +418,13 @@ class PromptProcessor:
         return self.full.replace_video_token({"video_grid_thw": grid[None], "video_metadata": [_metadata(clip)]}, 0)
 
     def video_time_step(self, clip: VideoClip) -> float:
-        """The clip's mRoPE time step, as vLLM computes it: the config's ``tokens_per_second`` (1 when absent) x
-        ``second_per_grid_t`` (``temporal_patch_size / sampled fps`` where the processor reports it: Qwen2.5-VL)."""
-        if "second_per_grid_ts" not in self.full.model_input_names:
-            return 1.0
+        """The clip's mRoPE time step, as vLLM computes it (``vllm/model_executor/models/qwen2_vl.py``
+        ``iter_mm_grid_thw``): the config's ``tokens_per_second`` (1 when absent) x ``second_per_grid_t``
+        (``temporal_patch_size / sampled fps`` where the processor reports it, Qwen2.5-VL; else 1)."""
         vision = getattr(self._config(), "vision_config", None)
         tokens_per_second = float(getattr(vision, "tokens_per_second", 1.0) or 1.0)
+        if "second_per_grid_ts" not in self.full.model_input_names:
+            return tokens_per_second
         sampled_fps = len(clip.frames_indices) / clip.total_num_frames * clip.fps
         return tokens_per_second * self.full.video_processor.temporal_patch_size / sampled_fps
 
@@ -592,6 +571,7 @@ class _Row:
     ground_truth: str
     num_tokens: int
     videos: tuple[VideoSource, ...] = ()
+    frames: tuple[int, ...] = ()  # sampled per video
 
 
 @dataclass
@@ -605,6 +585,7 @@ class LoadStats:
     too_long: int = 0
     too_long_ids: list[int] = field(default_factory=list)
     longest: int = 0
+    most_videos: int = 0  # the most videos one row holds (``count_usable_rows``'s rows)
     columns: list[str] = field(default_factory=list)  # of the first row, to name the keys a config could use
 
     def bad_summary(self) -> str:
@@ -648,7 +629,9 @@ def count_usable_rows(files: SplitFiles, basic: BasicDataParameters, instruction
     keys = _keys(basic)
     stats = LoadStats()
     rows = checked_rows(files, lambda record, base_dir, _: parse_fields(record, base_dir, keys, instruction), stats)
-    stats.kept = sum(1 for _ in itertools.islice(rows, max(1, enough)))
+    for row in itertools.islice(rows, max(1, enough)):
+        stats.kept += 1
+        stats.most_videos = max(stats.most_videos, len(row.videos))
     return stats
 
 
@@ -785,8 +768,9 @@ class PromptDataset(Sequence[PromptItem]):
         """The chat-templated prompt of item ``index`` (one image placeholder per image), without its images."""
         return self._rows[index].prompt_text
 
-    def num_videos(self, index: int) -> int:
-        return len(self._rows[index].videos)
+    def video_frames(self, index: int) -> list[int]:
+        """The frames sampled from each of item ``index``'s videos (counted when the set was read)."""
+        return list(self._rows[index].frames)
 
     # ----------------------------------------------------------------------------------------- loading
     def _parse(self, record: dict[str, Any], base_dir: Path, row_id: int) -> _Row:
@@ -796,7 +780,8 @@ class PromptDataset(Sequence[PromptItem]):
         clips = [open_video(source, self.processor.video.sampling) for source in fields.videos]
         text = self.processor.render(fields.messages)
         num_tokens = self.processor.num_tokens(text, sizes, clips)
-        return _Row(row_id, text, tuple(fields.images), fields.ground_truth, num_tokens, tuple(fields.videos))
+        frames = tuple(len(clip.frames) for clip in clips)
+        return _Row(row_id, text, tuple(fields.images), fields.ground_truth, num_tokens, tuple(fields.videos), frames)
 
     def _scan(self) -> list[_Row]:
         rows: list[_Row] = []

@@ -16,12 +16,14 @@ import math
 import os
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
+
+from mm_rl.config.schema import PreprocessParameters
 
 FRAME_FACTOR = 2  # frames the ViT pairs into one temporal patch (Qwen2-VL .. Qwen3.5: temporal_patch_size 2)
 
@@ -40,10 +42,31 @@ class VideoSampling:
             raise ValueError("a video needs at least one frame")
         wanted = total / native_fps * self.fps
         count = min(max(round(wanted), self.min_frames), self.max_frames)
-        count = max(FRAME_FACTOR, count // FRAME_FACTOR * FRAME_FACTOR)
-        if total >= FRAME_FACTOR:  # never more frames than the video has (when it has a pair to give)
-            count = min(count, total // FRAME_FACTOR * FRAME_FACTOR)
+        # an even count, never more frames than the video has (one pair at least: a one-frame video's frame twice)
+        count = max(FRAME_FACTOR, min(count, total) // FRAME_FACTOR * FRAME_FACTOR)
         return np.linspace(0, total - 1, count).round().astype(int).tolist()
+
+
+@dataclass(frozen=True)
+class VideoSettings:
+    """How a job's videos are sampled and sized (``preprocess_parameters``: fps, min / max frames, video pixels)."""
+
+    sampling: VideoSampling = field(default_factory=VideoSampling)
+    min_pixels: int = PreprocessParameters().video_min_pixels
+    max_pixels: int = PreprocessParameters().video_max_pixels
+
+    @classmethod
+    def from_config(cls, pre: PreprocessParameters) -> VideoSettings:
+        return cls(VideoSampling(pre.fps, pre.min_frames, pre.max_frames), pre.video_min_pixels, pre.video_max_pixels)
+
+    def processor_kwargs(self) -> dict[str, Any]:
+        """The model's video processor's settings, for the actor's processor and vLLM's alike (``size`` is per frame
+        for Qwen2-VL / Qwen2.5-VL and the whole clip for Qwen3-VL / Qwen3.5, each processor's own meaning;
+        ``cap_pixels_per_frame`` set so transformers' default, due to change in 5.22, cannot part them)."""
+        return {
+            "size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
+            "cap_pixels_per_frame": False,
+        }
 
 
 @dataclass(frozen=True)

@@ -722,6 +722,40 @@ def multi_turn_settings(cfg: JobConfig) -> Iterator[Violation]:
             )
 
 
+@rule
+def video_settings(cfg: JobConfig) -> Iterator[Violation]:
+    """Frame sampling and pixel bounds that can produce a clip, and an engine that takes videos when the engine
+    reserves room for them (the data's own videos are counted by ``data_splits``)."""
+    b = cfg.backend_config
+    pre, key = b.data.dataset_param.preprocess_parameters, f"{DATA}.preprocess_parameters"
+    if not pre.fps > 0:
+        yield Violation(f"{key}.fps", pre.fps, "must be > 0 frames per second", "use e.g. 2.0")
+    if not 1 <= pre.min_frames <= pre.max_frames:
+        yield Violation(
+            f"{key}.min_frames", pre.min_frames, f"need 1 <= min_frames <= max_frames = {pre.max_frames}",
+            "use e.g. min_frames 4, max_frames 32",
+        )  # fmt: skip
+    if not 0 < pre.video_min_pixels <= pre.video_max_pixels:
+        yield Violation(
+            f"{key}.video_min_pixels", pre.video_min_pixels,
+            f"need 0 < video_min_pixels <= video_max_pixels = {pre.video_max_pixels}",
+            "use e.g. 100352 (128 x 28 x 28) and 602112 (768 x 28 x 28)",
+        )  # fmt: skip
+    videos = b.generate_config.max_videos_per_prompt
+    if videos < 0:
+        yield Violation(f"{GEN}.max_videos_per_prompt", videos, "must be >= 0", "use 0 without videos, else 1")
+    if videos > 0 and b.generate_config.backend == "hf":
+        yield Violation(
+            f"{GEN}.backend", "hf", "the transformers engine takes images only, and the job reserves room for videos",
+            "use backend vllm, or max_videos_per_prompt 0 for image data",
+        )  # fmt: skip
+    if videos > 0 and b.rl_config.multi_turn.enable:
+        yield Violation(
+            f"{RL}.multi_turn.enable", True, "multi-turn rollouts take image prompts only (not videos yet)",
+            f"turn multi_turn off, or use image data with {GEN}.max_videos_per_prompt 0",
+        )  # fmt: skip
+
+
 def _tools_load(key: str, entries: list[str]) -> Iterator[Violation]:
     from mm_rl.tools.runner import load_tools
 
@@ -1269,6 +1303,7 @@ def data_splits(cfg: JobConfig) -> Iterator[Violation]:
 
 def _split_rows(cfg: JobConfig, which: str, need: int) -> Iterator[Violation]:
     from mm_rl.data.dataset import count_usable_rows, find_split, sample_decodes
+    from mm_rl.data.video import VideoSampling
 
     data = cfg.backend_config.data.dataset_param
     basic, split, key = data.basic_parameters, getattr(data.basic_parameters, which), f"{DATA}.basic_parameters"
@@ -1294,15 +1329,26 @@ def _split_rows(cfg: JobConfig, which: str, need: int) -> Iterator[Violation]:
         )
         return
     where = f"split '{split}' ({', '.join(p.name for p in files.paths)})"
+    room = cfg.backend_config.generate_config.max_videos_per_prompt
+    if stats.most_videos > room:
+        yield Violation(
+            f"{GEN}.max_videos_per_prompt", room,
+            f"{where}: rows hold up to {stats.most_videos} video(s) (of the first {stats.rows} read); the engine "
+            "would skip them all",
+            f"set it to {stats.most_videos}",
+        )  # fmt: skip
     if stats.kept >= need:
-        failed, tried = sample_decodes(files, basic, data.preprocess_parameters.instruction)
-        if tried and failed == tried:
-            yield Violation(
-                f"{key}.dataset_dir",
-                basic.dataset_dir,
-                f"{where}: none of the first {tried} images of its rows decodes (truncated, or not an image)",
-                "re-export the images, or point dataset_dir at another data set",
-            )
+        pre = data.preprocess_parameters
+        sampling = VideoSampling(pre.fps, pre.min_frames, pre.max_frames)
+        for kind, advice in (("image", "truncated, or not an image"), ("video", "unreadable, or no frames")):
+            failed, tried = sample_decodes(files, basic, pre.instruction, kind=kind, sampling=sampling)
+            if tried and failed == tried:
+                yield Violation(
+                    f"{key}.dataset_dir",
+                    basic.dataset_dir,
+                    f"{where}: none of the first {tried} {kind}s of its rows decodes ({advice})",
+                    f"re-export the {kind}s, or point dataset_dir at another data set",
+                )
         return
     if stats.rows == 0:
         yield Violation(

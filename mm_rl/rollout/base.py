@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from mm_rl.config.schema import GenerateConfig
     from mm_rl.data.dataset import PromptItem
+    from mm_rl.data.video import VideoClip
     from mm_rl.rollout.bounds import BoundsPolicy
     from mm_rl.sync.transport import DeviceBucket
 
@@ -73,6 +74,7 @@ class RolloutRequest:
     pixel_values: torch.Tensor | None = None  # the actor's processed pixels; the HF engine reuses them
     image_grid_thw: torch.Tensor | None = None
     uid: int | str | None = None  # caller's id (row id), echoed in the output
+    videos: list[VideoClip] = field(default_factory=list)  # sampled frames and their metadata (vLLM only)
 
     @classmethod
     def from_item(cls, item: PromptItem, pixels: bool = False) -> RolloutRequest:
@@ -89,6 +91,7 @@ class RolloutRequest:
             pixel_values=item.pixel_values if pixels else None,
             image_grid_thw=item.image_grid_thw if pixels else None,
             uid=item.row_id,
+            videos=list(item.videos),
         )
 
 

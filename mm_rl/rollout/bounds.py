@@ -43,6 +43,7 @@ class BoundsPolicy:
     prompt_overflow: Literal["skip", "truncate"] = "skip"
     image_bounds: Literal["resize", "skip"] = "resize"
     max_images_per_prompt: int = 1
+    max_videos_per_prompt: int = 0
     image_token_id: int = 151655
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
@@ -87,6 +88,7 @@ def policy_from_config(
         prompt_overflow=generate_config.prompt_overflow,
         image_bounds=generate_config.image_bounds,
         max_images_per_prompt=generate_config.max_images_per_prompt,
+        max_videos_per_prompt=generate_config.max_videos_per_prompt,
         **token_ids_of(model_path),
     )
 
@@ -133,6 +135,8 @@ def _image_problem(request: RolloutRequest, policy: BoundsPolicy, metrics: Rollo
         return "image_pads_mismatch"
     if runs > policy.max_images_per_prompt:
         return "too_many_images"
+    if len(request.videos) > policy.max_videos_per_prompt:
+        return "too_many_videos"
     out_of_bounds = 0
     for image in request.images:
         width, height = image.size
@@ -187,7 +191,9 @@ def _admit(request: RolloutRequest, policy: BoundsPolicy, limit: int, metrics: R
         return Admission(None, problem)
     if len(request.prompt_ids) <= limit:
         return Admission(request)
-    shorter = truncate_left(request.prompt_ids, limit, policy) if policy.prompt_overflow == "truncate" else None
+    # a video prompt goes to the engine as its text (Qwen3-VL's timestamps cannot be rebuilt from ids): never cut
+    truncates = policy.prompt_overflow == "truncate" and not request.videos
+    shorter = truncate_left(request.prompt_ids, limit, policy) if truncates else None
     if shorter is None:
         metrics.prompt_overflow_skipped += 1
         return Admission(None, "prompt_overflow")

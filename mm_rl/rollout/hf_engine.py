@@ -37,6 +37,8 @@ from mm_rl.rollout.bounds import image_runs, policy_from_config
 if TYPE_CHECKING:
     import torch
 
+    from mm_rl.data.video import VideoSettings
+
 # Published Qwen2.5-VL checkpoint prefixes -> the module paths of transformers 5's model.
 _CHECKPOINT_PREFIXES = (
     ("model.language_model.", "model.language_model."),
@@ -93,7 +95,9 @@ class HfEngine(RolloutEngine):
         max_pixels: int,
         seed: int | None = None,
         dtype: str | None = None,
+        video: VideoSettings | None = None,
     ) -> None:
+        """``video``: accepted for a common signature; a request with videos is refused (vLLM's engine takes them)."""
         import torch
         from transformers import AutoModelForImageTextToText, GenerationConfig
 
@@ -121,6 +125,11 @@ class HfEngine(RolloutEngine):
     # ---------------------------------------------------------------------------------------- inputs
     def _vision(self, request: RolloutRequest) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The request's pixels and grid: the actor's when given, else processed here with the same bounds."""
+        if request.videos:
+            raise ValueError(
+                f"request {request.uid!r} has videos: the transformers engine takes images only; set "
+                "generate_config.backend: vllm for video data"
+            )
         if request.pixel_values is not None and request.image_grid_thw is not None:
             return request.pixel_values, request.image_grid_thw
         if not request.images:

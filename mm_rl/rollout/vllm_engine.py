@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from mm_rl.config.schema import GenerateConfig
+from mm_rl.data.video import VideoSettings
 from mm_rl.platform.device import device_kind
 from mm_rl.rollout.base import RolloutEngine, RolloutRequest, RolloutSample, SamplingSpec, engine_dtype
 from mm_rl.rollout.bounds import collapse_image_pads, policy_from_config
@@ -319,6 +320,7 @@ def engine_kwargs(
     in_process: bool = True,
     dummy_weights: bool = False,
     extra_images: int = 0,
+    video: VideoSettings | None = None,
 ) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments for a generate config (also used by the benchmark's raw engine).
 
@@ -335,8 +337,16 @@ def engine_kwargs(
         "max_num_seqs": config.max_num_seqs,
         "enforce_eager": eager(config),
         "gpu_memory_utilization": config.gpu_memory_utilization,
-        "limit_mm_per_prompt": {"image": config.max_images_per_prompt + extra_images, "video": 0},
-        "mm_processor_kwargs": {"min_pixels": min_pixels, "max_pixels": max_pixels},
+        "limit_mm_per_prompt": {
+            "image": config.max_images_per_prompt + extra_images,
+            "video": config.max_videos_per_prompt,
+        },
+        # per modality: a top-level min / max_pixels would reach the video processor too (measured: a video prompt's
+        # ids then differ from the actor's); transformers merges each modality's own kwargs over the defaults
+        "mm_processor_kwargs": {
+            "images_kwargs": {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}},
+            "videos_kwargs": (video or VideoSettings()).processor_kwargs(),
+        },
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": f"{__name__}.WeightReceiver",
     }
@@ -505,6 +515,7 @@ class VllmEngine(RolloutEngine):
         in_process: bool | None = None,
         dummy_weights: bool = False,
         extra_images: int = 0,
+        video: VideoSettings | None = None,
     ) -> None:
         """``dummy_weights``: start without reading the checkpoint's weights, for a caller whose first weight push
         holds every tensor (the trainer syncs before every generate): each replica would otherwise load the whole
@@ -530,6 +541,7 @@ class VllmEngine(RolloutEngine):
             in_process=self.in_process,
             dummy_weights=dummy_weights,
             extra_images=extra_images,
+            video=video,
         )
         self.llm = build_llm(self.kwargs, self.in_process)
         if dummy_weights:
@@ -542,9 +554,16 @@ class VllmEngine(RolloutEngine):
 
     # ---------------------------------------------------------------------------------------- generation
     def prompt(self, request: RolloutRequest) -> dict[str, Any]:
-        """vLLM's prompt for a request: the ids with one image pad per image, and the images."""
-        from vllm.inputs import TokensPrompt
+        """vLLM's prompt for a request: the ids with one image pad per image, and the images; a video prompt as its
+        text (one pad per image and video), the videos as (frames [T, H, W, 3], metadata) with sampling off."""
+        from vllm.inputs import TextPrompt, TokensPrompt
 
+        if request.videos:
+            if request.prompt_text is None:
+                raise ValueError(f"video request {request.uid!r} has no prompt text (video prompts are never cut)")
+            videos = [(clip.array(), clip.metadata()) for clip in request.videos]
+            data = {"image": list(request.images), "video": videos} if request.images else {"video": videos}
+            return TextPrompt(prompt=request.prompt_text, multi_modal_data=data)
         ids = collapse_image_pads(request.prompt_ids, self.bounds.image_token_id)
         if not request.images:
             return TokensPrompt(prompt_token_ids=ids)

@@ -212,7 +212,17 @@ def _micro_batch(
     grids = [_grids(s, items) for s in samples]
     if any(grid.numel() for grid in grids):
         batch["image_grid_thw"] = torch.cat(grids)
+    if any(items[s.index].mrope_time_steps is not None for s in samples):  # videos: their positions' time steps
+        steps = [_time_steps(sample, items, len(grid)) for sample, grid in zip(samples, grids, strict=True)]
+        batch["mrope_time_steps"] = torch.cat(steps)
     return batch
+
+
+def _time_steps(sample: Sample, items: dict[int, PromptItem], entries: int) -> torch.Tensor:
+    """The mRoPE time step of every image and video entry in the sample's sequence (1 for an image)."""
+    steps = items[sample.index].mrope_time_steps
+    ones = torch.ones(entries, dtype=torch.float64)
+    return ones if steps is None else torch.cat([steps, ones[len(steps) :]])
 
 
 def _grids(sample: Sample, items: dict[int, PromptItem]) -> torch.Tensor:

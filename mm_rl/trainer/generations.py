@@ -60,21 +60,24 @@ def _turns(sample: Sample) -> dict[str, Any]:
 
 
 def records(
-    step: int, split: str, groups: Sequence[list[Sample]], row_of: Callable[[int], int], prompt_of: Callable[[int], str]
+    step: int,
+    split: str,
+    groups: Sequence[list[Sample]],
+    row_of: Callable[[int], int],
+    prompt_of: Callable[[int], str],
+    frames_of: Callable[[int], list[int]] = lambda _: [],
 ) -> list[dict[str, Any]]:
-    """One record per prompt: the prompt (as the model sees it, chat template and image placeholder included)
-    and its responses."""
-    return [
-        {
-            "step": step,
-            "split": split,
-            "row": row_of(group[0].index),
-            "prompt": prompt_of(group[0].index),
-            "ground_truth": group[0].ground_truth,
-            "responses": [_response(s) for s in group],
-        }
-        for group in groups
-    ]
+    """One record per prompt: the prompt (as the model sees it, chat template and image / video placeholders
+    included), the frames sampled from each of its videos (``video_frames``, when it has videos) and its
+    responses."""
+    out = []
+    for group in groups:
+        index = group[0].index
+        record = {"step": step, "split": split, "row": row_of(index), "prompt": prompt_of(index)}
+        if frames := frames_of(index):
+            record["video_frames"] = frames
+        out.append(record | {"ground_truth": group[0].ground_truth, "responses": [_response(s) for s in group]})
+    return out
 
 
 def table_rows(entries: Sequence[dict[str, Any]]) -> list[list[Any]]:
@@ -126,7 +129,12 @@ class GenerationLog:
         groups = groups_of(samples)
         chosen = pick(groups, self.per_step) if split == "train" else groups
         entries = records(
-            step, split, chosen, lambda i: self.prompts.row_id(i, split), lambda i: self.prompts.prompt_text(i, split)
+            step,
+            split,
+            chosen,
+            lambda i: self.prompts.row_id(i, split),
+            lambda i: self.prompts.prompt_text(i, split),
+            lambda i: self.prompts.video_frames(i, split),
         )
         for entry in entries:
             self._file.write(json.dumps(entry) + "\n")

@@ -47,6 +47,7 @@ class PromptSource:
         from mm_rl.data.dataset import PromptDataset, PromptProcessor
         from mm_rl.data.sampler import PromptSampler
         from mm_rl.data.tool_prompts import ToolPromptProcessor
+        from mm_rl.data.video import VideoSettings
 
         b = job.backend_config
         pre = b.data.dataset_param.preprocess_parameters
@@ -54,7 +55,9 @@ class PromptSource:
         if turns.enable:  # the prompts describe the tools
             processor = ToolPromptProcessor.for_job(pre.model_name_or_path, pre.min_pixels, pre.max_pixels, turns)
         else:
-            processor = PromptProcessor(pre.model_name_or_path, pre.min_pixels, pre.max_pixels)
+            processor = PromptProcessor(
+                pre.model_name_or_path, pre.min_pixels, pre.max_pixels, VideoSettings.from_config(pre)
+            )
         train_set = PromptDataset.from_config(b.data, "train", processor)
         val_set = PromptDataset.from_config(b.data, "val", processor) if b.rl_config.validates else None
         sampler = PromptSampler(
@@ -88,6 +91,10 @@ class PromptSource:
 
     def prompt_text(self, index: int, split: str = "train") -> str:
         return self._dataset(split).prompt_text(index)
+
+    def video_frames(self, index: int, split: str = "train") -> list[int]:
+        """The frames sampled from each of the row's videos (none without videos)."""
+        return self._dataset(split).video_frames(index)
 
     def row_id(self, index: int, split: str = "train") -> int:
         """The row's position in its split's files (a data-set index counts usable rows only)."""

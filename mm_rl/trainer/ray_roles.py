@@ -208,6 +208,7 @@ class RayRoles:
         import ray
 
         from mm_rl.config.topology import topology
+        from mm_rl.data.video import VideoSettings
         from mm_rl.rollout.engine_worker import rollout_worker_actor
         from mm_rl.rollout.replicas import replica_seed
         from mm_rl.trainer.schedule import RolloutSchedule
@@ -229,6 +230,7 @@ class RayRoles:
                     visible_devices=devices,
                     synced_first=True,  # before_rollout syncs before every generate, validation's too
                     multi_turn=b.rl_config.multi_turn if b.rl_config.multi_turn.enable else None,
+                    video=VideoSettings.from_config(pre),
                 )
             )
         for replica, engine in enumerate(self.engines.actors):
