@@ -50,8 +50,9 @@ IMAGE, VIDEO, VSTART, VEND, PAD = 1006, 1007, 1003, 1004, 1000
 PATCH_DIM = 3 * 2 * 14 * 14
 GRIDS = [(1, 4, 4), (1, 4, 12), (1, 6, 4)]  # sample 0: image 0; sample 1: images 1 and 2 (2 windows in image 1)
 # videos (t frame pairs of h x w patches) and their mRoPE time steps (fractions: vLLM truncates t x step; 0.75 repeats
-# a time id): sample 0 an image then a video, sample 1 two videos (the second 2 windows wide)
-VIDEOS = [((2, 4, 6), 2.25), ((2, 6, 4), 1.5), ((4, 4, 8), 0.75)]
+# a time id): sample 0 an image then a video, sample 1 two videos (the second 2 windows wide). Rows stay under ~60
+# tokens: Qwen3.5's fp32 error grows with the row (85 tokens: logits 1.04e-4 of ~15, 7e-6 relative)
+VIDEOS = [((2, 4, 6), 2.25), ((2, 6, 4), 1.5), ((2, 4, 8), 0.75)]
 LOGIT_TOL, GRAD_TOL = 1e-4, 1e-5
 # bf16 (8-bit mantissa, ~4e-3 relative per rounding) against fp32, on log-probs of about -7: measured 1.2e-3 / 3.6e-3
 BF16_MEAN_TOL, BF16_MAX_TOL = 5e-3, 2e-2
@@ -166,7 +167,7 @@ def _padded(rows: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tens
     return ids, mask
 
 
-def make_micro_batches(patch_dim: int = PATCH_DIM) -> list[dict[str, torch.Tensor]]:
+def make_micro_batches(patch_dim: int = PATCH_DIM, frames_apart: bool = False) -> list[dict[str, torch.Tensor]]:
     """Right-padded [one image + text, two images + text] and [text, shorter text], then a left-padded
     [image + text, text + image + text] (explicit padding mask), then right-padded videos (:func:`video_batch`);
     labels are the next tokens."""
@@ -190,40 +191,50 @@ def make_micro_batches(patch_dim: int = PATCH_DIM) -> list[dict[str, torch.Tenso
             batch["pixel_values"] = torch.randn(patches, patch_dim, generator=g)
             batch["image_grid_thw"] = torch.tensor(grids)
         batches.append(batch)
-    return [*batches, video_batch(g, patch_dim)]
+    return [*batches, video_batch(g, patch_dim, frames_apart)]
 
 
-def video_batch(g: torch.Generator, patch_dim: int) -> dict[str, torch.Tensor]:
+def video_batch(g: torch.Generator, patch_dim: int, frames_apart: bool = False) -> dict[str, torch.Tensor]:
     """[text, image, text, video, text] and [text, video, text, video, text]: the model's entries (images and
-    videos in the order they appear, ``mrope_time_steps``), and transformers' own inputs apart (``hf_*``: images
-    and videos separately, the positions of mm_rl's rule, which is vLLM's: see ``rope_index``)."""
+    videos in the order they appear), and transformers' own inputs apart (``hf_*``: images and videos separately).
+
+    Qwen2-VL / Qwen2.5-VL (one entry per video with its ``mrope_time_steps``): transformers gets the positions of
+    mm_rl's rule, which is vLLM's (see ``rope_index``). ``frames_apart`` (Qwen3-VL / Qwen3.5): each frame pair within
+    its own vision markers after a timestamp's text, one entry per pair; transformers computes its own positions."""
     from mm_rl.models.qwen_vl.rope_index import get_rope_index
+
+    def video(grid: tuple[int, int, int]) -> list[int]:
+        if not frames_apart:
+            return _image(grid, VIDEO)
+        t, h, w = grid
+        return [VSTART] + [tok for _ in range(t) for tok in _text(g, 2) + _image((1, h, w), VIDEO)] + [VEND]
 
     (v0, s0), (v1, s1), (v2, s2) = VIDEOS
     rows = [
-        _text(g, 4) + _image(GRIDS[0]) + _text(g, 3) + _image(v0, VIDEO) + _text(g, 5),
-        _text(g, 2) + _image(v1, VIDEO) + _text(g, 3) + _image(v2, VIDEO) + _text(g, 2),
+        _text(g, 4) + _image(GRIDS[0]) + _text(g, 3) + video(v0) + _text(g, 5),
+        _text(g, 2) + video(v1) + _text(g, 3) + video(v2) + _text(g, 2),
     ]
     ids, mask = _padded(rows, left=False)
     pixels = {grid: torch.randn(grid[0] * grid[1] * grid[2], patch_dim, generator=g) for grid in (GRIDS[0], v0, v1, v2)}
-    entries, steps = [GRIDS[0], v0, v1, v2], torch.tensor([1.0, s0, s1, s2], dtype=torch.float64)
-    grid = torch.tensor(entries)
-    positions, _ = get_rope_index(
-        ids, grid, mask, image_token_id=IMAGE, video_token_id=VIDEO, time_steps=steps, spatial_merge_size=2
-    )
-    return {
+    batch = {
         "input_ids": ids,
         "attention_mask": mask,
         "labels": torch.roll(ids, -1, dims=1),
-        "pixel_values": torch.cat([pixels[e] for e in entries]),
-        "image_grid_thw": grid,
-        "mrope_time_steps": steps,
+        "pixel_values": torch.cat([pixels[e] for e in (GRIDS[0], v0, v1, v2)]),
         "hf_pixel_values": pixels[GRIDS[0]],
         "hf_image_grid_thw": torch.tensor([GRIDS[0]]),
         "hf_pixel_values_videos": torch.cat([pixels[v] for v in (v0, v1, v2)]),
         "hf_video_grid_thw": torch.tensor([v0, v1, v2]),
-        "hf_position_ids": positions,
     }
+    if frames_apart:
+        pairs = [(1, h, w) for t, h, w in (v0, v1, v2) for _ in range(t)]
+        return batch | {"image_grid_thw": torch.tensor([GRIDS[0], *pairs])}
+    steps = torch.tensor([1.0, s0, s1, s2], dtype=torch.float64)
+    grid = torch.tensor([GRIDS[0], v0, v1, v2])
+    positions, _ = get_rope_index(
+        ids, grid, mask, image_token_id=IMAGE, video_token_id=VIDEO, time_steps=steps, spatial_merge_size=2
+    )
+    return batch | {"image_grid_thw": grid, "mrope_time_steps": steps, "hf_position_ids": positions}
 
 
 # megatron name -> transformers' in-memory parameter name, for tensors laid out alike (gradient spot checks)
@@ -258,7 +269,7 @@ def hf_reference(
     model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
     outputs = []
     for batch in batches:
-        if "hf_position_ids" in batch:  # videos: transformers' inputs kept apart
+        if "hf_pixel_values_videos" in batch:  # videos: transformers' inputs kept apart
             extra = {key[3:]: value for key, value in batch.items() if key.startswith("hf_")}
         else:
             extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
