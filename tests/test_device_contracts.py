@@ -436,7 +436,7 @@ def test_to_device_moves_a_trajectorys_tool_images_with_its_prompts_and_names_no
     from mm_rl.trainer.batch import micro_batches as build
 
     grid = torch.tensor([[1, 4, 4]])
-    items = {0: SimpleNamespace(pixel_values=torch.randn(16, 8), image_grid_thw=grid)}
+    items = {0: SimpleNamespace(pixel_values=torch.randn(16, 8), image_grid_thw=grid, mrope_time_steps=None)}
     plain = Sample(0, 0, [1, 2] + [IMAGE] * 4 + [3], [4, 5], "stop")
     tooled = Sample(0, 0, [1, 2] + [IMAGE] * 4 + [3], [4, 6, *[IMAGE] * 4, 7, 8], "stop", image_key=-2)
     tooled.turns = Turns([1, 0, 0, 0, 0, 0, 0, 1])

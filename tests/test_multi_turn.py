@@ -151,7 +151,7 @@ def test_micro_batches_and_the_step_images_of_trajectories():
     from mm_rl.platform.transfer import image_inputs
 
     prompt_grid, tool_grid = torch.tensor([[1, 2, 4]]), torch.tensor([[1, 4, 4]])
-    items = {7: SimpleNamespace(pixel_values=torch.randn(8, 6), image_grid_thw=prompt_grid)}
+    items = {7: SimpleNamespace(pixel_values=torch.randn(8, 6), image_grid_thw=prompt_grid, mrope_time_steps=None)}
     plain = Sample(7, 0, [1, 2, 3], [4, 5], "stop")
     tooled = Sample(7, 0, [1, 2, 3], [4, 9, 9, 6, 7], "stop", image_key=-2)
     tooled.turns = Turns([1, 0, 0, 1, 1])

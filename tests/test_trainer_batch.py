@@ -28,7 +28,9 @@ PAD = 0
 
 def _item(image_tokens: int) -> SimpleNamespace:
     grid = torch.tensor([[1, 2, image_tokens * 2]]) if image_tokens else torch.zeros(0, 3, dtype=torch.long)
-    return SimpleNamespace(pixel_values=torch.randn(int(grid.prod(-1).sum()), 8), image_grid_thw=grid)
+    return SimpleNamespace(
+        pixel_values=torch.randn(int(grid.prod(-1).sum()), 8), image_grid_thw=grid, mrope_time_steps=None
+    )
 
 
 def _samples() -> tuple[list[Sample], dict[int, SimpleNamespace]]:
