@@ -542,3 +542,37 @@ def test_multi_turn_settings_are_accepted_and_ignored_while_off(check, tmp_path)
     assert check(f"{TURNS}.tools=[python]") == []  # off: nothing to load
     template.write_text("{{ messages }}")
     rejected(check(*ok, f"{TURNS}.chat_template={template}"), f"{TURNS}.chat_template")
+
+
+PRE = f"{B}.data.dataset_param.preprocess_parameters"
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ([f"{PRE}.fps=0"], f"{PRE}.fps"),
+        ([f"{PRE}.min_frames=0"], f"{PRE}.min_frames"),
+        ([f"{PRE}.min_frames=40", f"{PRE}.max_frames=32"], f"{PRE}.min_frames"),
+        ([f"{PRE}.video_min_pixels=10000", f"{PRE}.video_max_pixels=5000"], f"{PRE}.video_min_pixels"),
+        ([f"{GEN}.max_videos_per_prompt=-1"], f"{GEN}.max_videos_per_prompt"),
+        ([f"{GEN}.max_videos_per_prompt=1", f"{GEN}.backend=hf"], f"{GEN}.backend"),
+        ([f"{GEN}.max_videos_per_prompt=1", f"{RL}.multi_turn.enable=true", f"{RL}.multi_turn.max_tokens=64"],
+         f"{RL}.multi_turn.enable"),
+    ],
+)  # fmt: skip
+def test_video_settings_no_run_can_use_are_rejected(check, overrides, key):
+    rejected(check(*overrides), key)
+
+
+def test_video_data_needs_room_in_the_engine_and_videos_that_decode(check, tmp_path):
+    """Rows with two videos need max_videos_per_prompt 2; videos none of which decodes are named before the run."""
+    data = tmp_path / "geo3k_synthetic"
+    (data / "clip.mp4").write_bytes(b"\x00" * 32)
+    rows = [{"prompt": "<video><video>Find x.", "videos": ["clip.mp4", "clip.mp4"], "answer": "1"}] * 64
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))  # the test split: text
+    problems = check(f"{GEN}.max_videos_per_prompt=1")
+    assert sorted(p.key for p in problems) == [f"{DATA}.dataset_dir", f"{GEN}.max_videos_per_prompt"]
+    room = next(p for p in problems if p.key == f"{GEN}.max_videos_per_prompt")
+    assert "up to 2 video" in room.rule and room.fix == "set it to 2"
+    problem = rejected(check(f"{GEN}.max_videos_per_prompt=2"), f"{DATA}.dataset_dir")
+    assert "videos of its rows decodes" in problem.rule

@@ -116,3 +116,42 @@ def test_a_missing_video_column_is_named(tmp_path):
     keys = {"prompt": "prompt", "answer": "answer", "image": "images", "video": "clips"}
     with pytest.raises(BadRow, match="missing field 'clips'"):
         parse_fields({"prompt": "<video>Find x.", "answer": "1"}, Path(tmp_path), keys, "")
+
+
+def test_video_positions_are_vllms():
+    """mm_rl's mRoPE ids of a row with an image and two videos (time steps 2.25 and 0.75: truncated products, a
+    repeated time id) equal vLLM's own ``get_mrope_input_positions`` (Qwen2.5-VL), called on a stand-in ``self``
+    holding what it reads; the engine generates from these positions, the actor trains on mm_rl's."""
+    import functools
+    from types import SimpleNamespace
+
+    from mm_rl.platform import cpu_wheels
+
+    cpu_wheels.install()  # vLLM's Qwen2.5-VL module imports torchvision
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as Vllm
+
+    from mm_rl.models.qwen_vl.rope_index import get_rope_index
+
+    image, video, start, end = 1006, 1007, 1003, 1004
+    items = [("image", (1, 4, 6), None), ("video", (3, 4, 4), 1.125), ("video", (4, 2, 6), 0.375)]
+    ids, features = list(range(5)), []
+    for modality, grid, seconds in items:
+        ids.append(start)
+        data = {f"{modality}_grid_thw": SimpleNamespace(data=torch.tensor(grid))}
+        if seconds is not None:
+            data["second_per_grid_ts"] = SimpleNamespace(data=torch.tensor(seconds))
+        count = grid[0] * grid[1] * grid[2] // 4
+        features.append(SimpleNamespace(modality=modality, data=data, mm_position=SimpleNamespace(offset=len(ids))))
+        ids += [image if modality == "image" else video] * count + [end] + list(range(7, 10))
+    vision = SimpleNamespace(spatial_merge_size=2, tokens_per_second=2)
+    engine = SimpleNamespace(config=SimpleNamespace(vision_config=vision))
+    engine.iter_mm_grid_thw = functools.partial(Vllm.iter_mm_grid_thw, engine)
+    expected, delta = Vllm.get_mrope_input_positions(engine, ids, features)
+    steps = torch.tensor([1.0, 2 * 1.125, 2 * 0.375], dtype=torch.float64)
+    grids = torch.tensor([grid for _, grid, _ in items])
+    ours, deltas = get_rope_index(
+        torch.tensor([ids]), grids, image_token_id=image, video_token_id=video, time_steps=steps
+    )
+    assert torch.equal(ours[:, 0], expected.long()) and int(deltas) == delta
+    unscaled, _ = get_rope_index(torch.tensor([ids]), grids, image_token_id=image, video_token_id=video)
+    assert not torch.equal(unscaled[:, 0], expected.long())  # the time steps matter

@@ -1330,7 +1330,7 @@ def _split_rows(cfg: JobConfig, which: str, need: int) -> Iterator[Violation]:
         return
     where = f"split '{split}' ({', '.join(p.name for p in files.paths)})"
     room = cfg.backend_config.generate_config.max_videos_per_prompt
-    if stats.most_videos > room:
+    if stats.most_videos > room >= 0:  # (a negative room is video_settings' to report)
         yield Violation(
             f"{GEN}.max_videos_per_prompt", room,
             f"{where}: rows hold up to {stats.most_videos} video(s) (of the first {stats.rows} read); the engine "
