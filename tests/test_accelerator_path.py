@@ -521,3 +521,26 @@ def test_memory_plan_of_lora_keeps_the_base_and_trains_only_adapters():
         assert f.weights < a.weights < 1.01 * f.weights
         assert 0 < a.grads < 0.02 * f.grads and 0 < a.optimizer < 0.02 * f.optimizer
         assert f.reference > 0 and a.reference == 0 and s.reference == f.reference
+
+
+def test_memory_estimate_counts_a_videos_frames_where_the_vit_trains():
+    """With the ViT trained, each sample's video frames (max_frames at video_max_pixels) add ViT activations on its
+    stage, more frames more; a frozen ViT keeps none, and a job without videos counts none."""
+    from mm_rl.config.plan import estimate_memory
+
+    actor, gen, pre = (
+        "backend_config.actor_config",
+        "backend_config.generate_config",
+        "backend_config.data.dataset_param.preprocess_parameters",
+    )
+    trained = {f"{actor}.unfreeze_vision_encoder": True}
+
+    def vit_stage(**overrides):
+        return estimate_memory(_plan_job(**overrides))[0].activations
+
+    images = vit_stage(**trained)
+    few, many = (vit_stage(**trained, **{f"{gen}.max_videos_per_prompt": 1, f"{pre}.max_frames": n}) for n in (8, 32))
+    assert images < few < many
+    assert many - images == pytest.approx(4 * (few - images), rel=0.05)  # the frames' tokens: 4x, their activations
+    frozen = {f"{gen}.max_videos_per_prompt": 1, f"{pre}.max_frames": 32}
+    assert vit_stage(**frozen) == vit_stage()
