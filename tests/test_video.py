@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mm_rl.data.dataset import BadRow, PromptDataset, PromptProcessor, _metadata, open_video
+from mm_rl.data.dataset import BadRow, PromptDataset, PromptProcessor, open_video, video_metadata
 from mm_rl.data.video import VideoSampling, VideoSettings, read_video
 from mm_rl.demo.synthetic_video import write_synthetic_video
 from mm_rl.demo.tiny import build_tiny_checkpoint
@@ -81,7 +81,7 @@ def test_video_rows_are_what_the_models_own_processor_makes(family_set):
         if item.videos:
             kwargs |= {
                 "videos": [list(c.frames) for c in item.videos],
-                "video_metadata": [_metadata(c) for c in item.videos],
+                "video_metadata": [video_metadata(c) for c in item.videos],
                 "do_sample_frames": False,
                 "videos_kwargs": VIDEO.processor_kwargs(),
             }

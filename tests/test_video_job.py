@@ -17,10 +17,11 @@ from mm_rl.trainer.metrics import read_metrics  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
 
-def test_vllm_takes_qwen3_vl_clips_with_the_actors_ids(tmp_path):
-    """Qwen3-VL puts a timestamp before every frame pair: vLLM expands the clip from its frames and metadata to
-    exactly the actor's ids (it raises otherwise), a prompt with an image and a video too; with other video pixel
-    bounds than the actor's the ids differ and the engine says so."""
+@pytest.mark.parametrize("family", ["qwen2vl", "qwen3_vl"])
+def test_vllm_takes_clips_with_the_actors_ids(family, tmp_path):
+    """vLLM expands each clip from its frames and metadata to exactly the actor's ids (it raises otherwise; Qwen3-VL
+    with a timestamp before every frame pair), prompts with one to three images too; with other video pixel bounds
+    than the actor's the ids differ and the engine says so."""
     from mm_rl.config.schema import GenerateConfig
     from mm_rl.data.dataset import PromptDataset, PromptProcessor
     from mm_rl.data.video import VideoSampling, VideoSettings
@@ -29,7 +30,7 @@ def test_vllm_takes_qwen3_vl_clips_with_the_actors_ids(tmp_path):
     from mm_rl.rollout.base import RolloutRequest, SamplingSpec
     from mm_rl.rollout.vllm_engine import VllmEngine
 
-    model = build_tiny_checkpoint(tmp_path / "tiny", seed=0, family="qwen3_vl")
+    model = build_tiny_checkpoint(tmp_path / "tiny", seed=0, family=family)
     video = VideoSettings(VideoSampling(2.0, 4, 8), 56 * 56, 84 * 84)
     processor = PromptProcessor(model, 56 * 56, 224 * 224, video)
     data = write_synthetic_video(tmp_path / "set", seed=2, train_size=6, test_size=0)
@@ -43,6 +44,8 @@ def test_vllm_takes_qwen3_vl_clips_with_the_actors_ids(tmp_path):
     finally:
         engine.close()
     assert all(len(output.samples) == 2 for output in outputs) and not any(o.skipped for o in outputs)
+    if family != "qwen3_vl":
+        return
     smaller = dataclasses.replace(video, max_pixels=60 * 60)
     other = VllmEngine(model, config, min_pixels=56 * 56, max_pixels=224 * 224, seed=0, video=smaller)
     try:

@@ -408,30 +408,32 @@ class PromptProcessor:
     def video_grid(self, clip: VideoClip) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel values [patches, C*T*P*P], grid [t, h, w]) of a clip with the job's settings."""
         out = self.full.video_processor(
-            videos=[list(clip.frames)], video_metadata=[_metadata(clip)], do_sample_frames=False,
+            videos=[list(clip.frames)], video_metadata=[video_metadata(clip)], do_sample_frames=False,
             return_tensors="pt", **self.video.processor_kwargs(),
         )  # fmt: skip
         return out["pixel_values_videos"], out["video_grid_thw"][0].long()
 
     def video_text(self, clip: VideoClip, grid: torch.Tensor) -> str:
         """What the clip's one video pad becomes in the prompt text (the model's processor's own rule)."""
-        return self.full.replace_video_token({"video_grid_thw": grid[None], "video_metadata": [_metadata(clip)]}, 0)
+        inputs = {"video_grid_thw": grid[None], "video_metadata": [video_metadata(clip)]}
+        return self.full.replace_video_token(inputs, 0)
 
     def video_time_step(self, clip: VideoClip) -> float:
         """The clip's mRoPE time step, as vLLM computes it (``vllm/model_executor/models/qwen2_vl.py``
         ``iter_mm_grid_thw``): the config's ``tokens_per_second`` (1 when absent) x ``second_per_grid_t``
         (``temporal_patch_size / sampled fps`` where the processor reports it, Qwen2.5-VL; else 1)."""
-        vision = getattr(self._config(), "vision_config", None)
-        tokens_per_second = float(getattr(vision, "tokens_per_second", 1.0) or 1.0)
         if "second_per_grid_ts" not in self.full.model_input_names:
-            return tokens_per_second
+            return self.tokens_per_second
         sampled_fps = len(clip.frames_indices) / clip.total_num_frames * clip.fps
-        return tokens_per_second * self.full.video_processor.temporal_patch_size / sampled_fps
+        return self.tokens_per_second * self.full.video_processor.temporal_patch_size / sampled_fps
 
-    def _config(self) -> Any:
+    @functools.cached_property
+    def tokens_per_second(self) -> float:
+        """The checkpoint's ``vision_config.tokens_per_second`` (1 when absent, as vLLM reads it)."""
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.model_name_or_path)
+        vision = getattr(AutoConfig.from_pretrained(self.model_name_or_path), "vision_config", None)
+        return float(getattr(vision, "tokens_per_second", 1.0) or 1.0)
 
     def expand_videos(self, text: str, clips: Sequence[VideoClip], grids: Sequence[torch.Tensor]) -> str:
         """``text`` with its i-th video pad replaced by what clip i's pad becomes."""
@@ -529,7 +531,8 @@ class PromptProcessor:
         )
 
 
-def _metadata(clip: VideoClip) -> Any:
+def video_metadata(clip: VideoClip) -> Any:
+    """The clip's metadata as transformers' video processors take it."""
     from transformers.video_utils import VideoMetadata
 
     return VideoMetadata(**{k: v for k, v in clip.metadata().items() if k != "do_sample_frames"})
