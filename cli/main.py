@@ -134,7 +134,6 @@ def _materialise_embedded(job: JobConfig) -> None:
 def _start_over(job: JobConfig) -> None:
     """Remove an embedded model built by another mm_rl version, with the checkpoints and metrics trained from it
     (resuming them onto the rebuilt model would mix two runs)."""
-
     b = job.backend_config
     stale = [
         Path(b.convert_ckpt_hf2mg.cfg.hf_config.hf_dir),
