@@ -14,6 +14,7 @@ COMMON = [
     "mathruler>=0.1.0",
     "pylatexenc>=2.10",  # mathruler.grader imports it without declaring it
     "pillow>=10",
+    "opencv-python-headless>=4.9",  # video decoding (mm_rl.data.video); vLLM needs it too
     "pyarrow>=15",
     "tensorboard>=2.15",
     "matplotlib>=3.8",

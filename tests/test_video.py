@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from mm_rl.data.dataset import BadRow, PromptDataset, PromptProcessor, open_video, video_metadata
 from mm_rl.data.video import VideoSampling, VideoSettings, read_video
@@ -54,6 +55,9 @@ def family_set(request, tmp_path_factory):
     model = build_tiny_checkpoint(root / "tiny", seed=0, family=request.param)
     data = write_synthetic_video(root / "set", seed=1, train_size=6, test_size=0)
     (data / "broken.mp4").write_bytes(b"\x00" * 64)
+    odd = [f"odd_{k}.png" for k in range(7)]  # 7 frames of 75 x 61: resized by the processor, sampled to 6
+    for k, name in enumerate(odd):
+        Image.new("RGB", (75, 61), (30 * k, 90, 200 - 20 * k)).save(data / name)
     extra = [
         {"prompt": "<image>then<video>Find x.", "images": ["images/train_00002_0.png"],
          "videos": ["videos/train_00000.mp4"], "answer": "1"},
@@ -61,6 +65,7 @@ def family_set(request, tmp_path_factory):
          [f"frames/train_00004_{k}.png" for k in range(6)]], "answer": "2"},
         {"prompt": "<video>Find x.", "videos": ["broken.mp4"], "answer": "3"},
         {"prompt": "<video><video>Find x.", "videos": ["videos/train_00000.mp4"], "answer": "4"},
+        {"prompt": "<video>Find x.", "videos": [odd], "answer": "5"},
     ]  # fmt: skip
     with (data / "train.jsonl").open("a", encoding="utf-8") as rows:
         rows.writelines(json.dumps(row) + "\n" for row in extra)
@@ -72,7 +77,7 @@ def test_video_rows_are_what_the_models_own_processor_makes(family_set):
     """Each row's ids and pixels equal transformers' processor's (images and videos apart there, in pad order
     here); the length counted without processing equals the ids'; the entries follow the family's rule."""
     family, processor, dataset = family_set
-    assert len(dataset) == 8 and dataset.stats.bad == {"undecodable video": 1, "video placeholders != videos": 1}
+    assert len(dataset) == 9 and dataset.stats.bad == {"undecodable video": 1, "video placeholders != videos": 1}
     video_pad = processor.video_token_id
     for index in range(len(dataset)):
         item = dataset[index]
