@@ -342,7 +342,9 @@ def engine_kwargs(
             "video": config.max_videos_per_prompt,
         },
         # per modality: a top-level min / max_pixels would reach the video processor too (measured: a video prompt's
-        # ids then differ from the actor's); transformers merges each modality's own kwargs over the defaults
+        # ids then differ from the actor's). vLLM reads the nested scopes for its memory profile as well
+        # (vllm/model_executor/models/qwen2_vl.py: _merge_and_resolve_mm_processor_kwargs and
+        # get_image_size_with_most_features take images_kwargs' size, the video path videos_kwargs')
         "mm_processor_kwargs": {
             "images_kwargs": {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}},
             "videos_kwargs": (video or VideoSettings()).processor_kwargs(),
