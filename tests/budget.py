@@ -39,6 +39,7 @@ SHARE_S: dict[str, float] = {
     "test_model_parity.py": 25,
     "test_lora.py": 45,  # three families, one rank and a parallel layout each: 27 s
     "test_multi_turn_job.py": 130,  # the agent loop on vLLM (13 s), the demo's 20 steps and a 2-step resume
+    "test_video_job.py": 110,  # vLLM on clips for two families (19 s), the video demo's 20 steps (56 s)
     "test_config_command.py": 25,
     "test_config_checks.py": 25,  # every rule's cases, the multi-turn ones with tool imports: 18 s
     "test_console.py": 25,
