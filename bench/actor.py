@@ -111,7 +111,9 @@ def workload(prompts: int, max_response: int) -> tuple[list[Any], dict[int, Any]
     for index in range(prompts):
         t, h, w = GRIDS[index % len(GRIDS)]
         items[index] = SimpleNamespace(
-            pixel_values=torch.randn(t * h * w, PATCH_DIM, generator=g), image_grid_thw=torch.tensor([[t, h, w]])
+            pixel_values=torch.randn(t * h * w, PATCH_DIM, generator=g),
+            image_grid_thw=torch.tensor([[t, h, w]]),
+            mrope_time_steps=None,
         )
         image = [VISION_START_TOKEN_ID] + [IMAGE_TOKEN_ID] * (t * h * w // 4) + [VISION_END_TOKEN_ID]
         prompt = text(int(torch.randint(10, 41, (1,), generator=g))) + image + text(10)

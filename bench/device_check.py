@@ -335,7 +335,9 @@ def _no_image() -> Any:
 
     import torch
 
-    return SimpleNamespace(pixel_values=torch.zeros(0, 1176), image_grid_thw=torch.zeros(0, 3, dtype=torch.long))
+    return SimpleNamespace(
+        pixel_values=torch.zeros(0, 1176), image_grid_thw=torch.zeros(0, 3, dtype=torch.long), mrope_time_steps=None
+    )
 
 
 def _loss(max_response: int) -> Any:
