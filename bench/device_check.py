@@ -312,7 +312,8 @@ def _optimizer(steps: int) -> Any:
 
 
 def _samples(lengths: list[tuple[int, int]], vocab: int, seed: int) -> tuple[list[Any], list[dict[str, Any]]]:
-    """Text-only samples (prompt, response lengths) as one micro-batch with the per-token fields of a step."""
+    """Text-only samples (prompt, response lengths) as one micro-batch with the per-token fields of a step; ``vocab``:
+    the ids drawn (below the special tokens: an image or video pad among them would need its pixels)."""
     import torch
 
     from mm_rl.trainer.batch import Sample, micro_batches
@@ -358,7 +359,7 @@ def _rank(name: str, out: str, dry_run: bool) -> str:
     bf16 = device_kind() != "cpu"
     model = _model(Path(out) / name / "model.json")
     worker = _worker(model, bf16)
-    samples, batches = _samples([(6, 9), (4, 12), (9, 5)], model.text_decoder.vocab_size, seed=1)
+    samples, batches = _samples([(6, 9), (4, 12), (9, 5)], model.vision_start_token_id, seed=1)
     worker.set_images(step_images(samples, {s.index: _no_image() for s in samples}))
     worker.build(str(Path(out) / name / "mm"))
     worker.setup_training(_optimizer(4))
@@ -401,7 +402,7 @@ def _timed(out: str, dry_run: bool) -> str:
     bf16 = device_kind() != "cpu"
     worker = _worker(model, bf16)
     lengths = [(16, 48)] * 2 if dry_run else [(64, 960)] * 4
-    samples, batches = _samples(lengths, model.text_decoder.vocab_size, seed=2)
+    samples, batches = _samples(lengths, model.vision_start_token_id, seed=2)
     worker.set_images(step_images(samples, {s.index: _no_image() for s in samples}))
     worker.build(None)
     worker.setup_training(_optimizer(8))
