@@ -172,9 +172,8 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     family = request.param
     root = tmp_path_factory.mktemp(f"parity_{family}")
     hf_dir = build_checkpoint(root, family)
-    batches = make_micro_batches(3 * 2 * FAMILIES[family][1] ** 2, frames_apart=family.startswith("qwen3"))
-    if family not in VIDEO_FAMILIES:
-        batches = batches[:-1]
+    patch_dim, frames_apart = 3 * 2 * FAMILIES[family][1] ** 2, family.startswith("qwen3")
+    batches = make_micro_batches(patch_dim, frames_apart, videos=family in VIDEO_FAMILIES)
     reference = hf_reference(hf_dir, batches, GRAD_NAMES[family])
     torch.save({"batches": batches, "reference": {family: reference}}, root / "inputs.pt")
     tp1 = {"json": model_json(hf_dir), "hf": family}

@@ -213,7 +213,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
                 patch_scale.setitem(parity_scale, name, scale)
             hf = build_checkpoint(root, family)
         data = family_json(hf)
-    torch.save({"batches": make_micro_batches(3 * 2 * patch**2)}, root / "inputs.pt")
+    # the image micro-batches: the adapters do not depend on the inputs' kind (videos: test_model_parity's)
+    torch.save({"batches": make_micro_batches(3 * 2 * patch**2, videos=False)}, root / "inputs.pt")
     out: dict[str, Any] = {"root": root, "hf": hf, "json": data, "family": family, "layout": parallel}
     for name, (tp, ep) in (("single", (1, 1)), ("parallel", parallel)):
         case = {
@@ -299,7 +300,7 @@ def test_mg2hf_merges_and_writes_a_peft_adapter(runs: dict[str, Any], tmp_path: 
     cfg = Mg2HfCfg(load_dir=str(runs["root"] / "ckpt"), save_hf_dir=str(tmp_path / "hf"), parallel_config=parallel)
     out = mg2hf(cfg, model_cfg, runs["hf"])
     patch = FAMILIES[runs["family"]][0]
-    batches = make_micro_batches(3 * 2 * patch**2)
+    batches = make_micro_batches(3 * 2 * patch**2, videos=False)
 
     def logits(model: Any) -> list[torch.Tensor]:
         with torch.no_grad():

@@ -167,10 +167,12 @@ def _padded(rows: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tens
     return ids, mask
 
 
-def make_micro_batches(patch_dim: int = PATCH_DIM, frames_apart: bool = False) -> list[dict[str, torch.Tensor]]:
+def make_micro_batches(
+    patch_dim: int = PATCH_DIM, frames_apart: bool = False, videos: bool = True
+) -> list[dict[str, torch.Tensor]]:
     """Right-padded [one image + text, two images + text] and [text, shorter text], then a left-padded
-    [image + text, text + image + text] (explicit padding mask), then right-padded videos (:func:`video_batch`);
-    labels are the next tokens."""
+    [image + text, text + image + text] (explicit padding mask), then (``videos``) right-padded videos
+    (:func:`video_batch`); labels are the next tokens."""
     g = torch.Generator().manual_seed(3)
     with_images = [
         _text(g, 5) + _image(GRIDS[0]) + _text(g, 6),
@@ -191,7 +193,7 @@ def make_micro_batches(patch_dim: int = PATCH_DIM, frames_apart: bool = False) -
             batch["pixel_values"] = torch.randn(patches, patch_dim, generator=g)
             batch["image_grid_thw"] = torch.tensor(grids)
         batches.append(batch)
-    return [*batches, video_batch(g, patch_dim, frames_apart)]
+    return [*batches, video_batch(g, patch_dim, frames_apart)] if videos else batches
 
 
 def video_batch(g: torch.Generator, patch_dim: int, frames_apart: bool = False) -> dict[str, torch.Tensor]:
