@@ -26,22 +26,24 @@ from mp_utils import load_rank_results, save_rank_result, spawn
 
 from mm_rl.platform.transfer import to_device, to_host
 
-IMAGE, VSTART, VEND, PAD = 1006, 1003, 1004, 1000  # the tiny model's image pad / vision start / end, <|endoftext|>
+# the tiny model's image pad, video pad, vision start / end, <|endoftext|>
+IMAGE, VIDEO, VSTART, VEND, PAD = 1006, 1007, 1003, 1004, 1000
 PATCH_DIM = 3 * 2 * 14 * 14  # channels x temporal patch x patch^2
 FIELDS = ("old_log_probs", "ref_log_probs", "advantages")
 
 
 # ------------------------------------------------------------------------------------------------ inputs
-def _image_tokens(grid: tuple[int, int, int]) -> list[int]:
+def _image_tokens(grid: tuple[int, int, int], pad: int = IMAGE) -> list[int]:
     t, h, w = grid
-    return [VSTART] + [IMAGE] * (t * h * w // 4) + [VEND]
+    return [VSTART] + [pad] * (t * h * w // 4) + [VEND]
 
 
 def micro_batches() -> tuple[list[dict[str, torch.Tensor]], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """The trainer's micro-batches (``mm_rl.trainer.batch.micro_batches``) of six samples, two per micro-batch:
     one image + text beside text, two answers to one text-only prompt, two answers to a prompt with two images of
-    different sizes (a group's prompt: computed once, ``shared_prompt``); with the per-token fields of a training
-    step. And the step's images they name (``step_images``)."""
+    different sizes (a group's prompt: computed once, ``shared_prompt``), then two answers to a prompt with a video
+    (two frame pairs, an mRoPE time step of 1.5); with the per-token fields of a training step. And the step's images
+    they name (``step_images``)."""
     from mm_rl.trainer.batch import Sample, by_count, step_images
     from mm_rl.trainer.batch import micro_batches as build
 
@@ -50,23 +52,24 @@ def micro_batches() -> tuple[list[dict[str, torch.Tensor]], dict[int, tuple[torc
     def text(n: int) -> list[int]:
         return torch.randint(0, 1000, (n,), generator=g).tolist()
 
-    def item(grids: list[tuple[int, int, int]]) -> SimpleNamespace:
+    def item(grids: list[tuple[int, int, int]], steps: list[float] | None = None) -> SimpleNamespace:
         grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
         return SimpleNamespace(
             pixel_values=torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=g),
             image_grid_thw=grid,
-            mrope_time_steps=None,
+            mrope_time_steps=None if steps is None else torch.tensor(steps, dtype=torch.float64),
         )
 
-    items = {0: item([(1, 4, 4)]), 1: item([]), 2: item([(1, 4, 8), (1, 4, 4)])}
+    items = {0: item([(1, 4, 4)]), 1: item([]), 2: item([(1, 4, 8), (1, 4, 4)]), 3: item([(2, 4, 4)], [1.5])}
     prompts = {
         0: text(3) + _image_tokens((1, 4, 4)) + text(2),
         1: text(5),
         2: text(2) + _image_tokens((1, 4, 8)) + text(1) + _image_tokens((1, 4, 4)) + text(2),
+        3: text(2) + _image_tokens((2, 4, 4), VIDEO) + text(3),
     }
     samples = [
         Sample(index, group, prompts[index], text(length), "stop")
-        for group, (index, length) in enumerate([(0, 4), (1, 3), (1, 2), (1, 5), (2, 5), (2, 4)])
+        for group, (index, length) in enumerate([(0, 4), (1, 3), (1, 2), (1, 5), (2, 5), (2, 4), (3, 3), (3, 2)])
     ]
     for sample in samples:
         sample.old_log_probs = -torch.rand(sample.response_len, generator=g)
@@ -246,16 +249,18 @@ def log_prob_run(mm_dir, tmp_path_factory) -> dict[str, Any]:
 
 
 def test_log_probs_of_a_labelled_rank_come_back_on_the_host_equal_to_the_cpu_rank(log_prob_run):
-    """``compute_log_probs`` on the trainer's CPU micro-batches (images and text only) with every weight, buffer
+    """``compute_log_probs`` on the trainer's CPU micro-batches (images, a video and text) with every weight, buffer
     and activation of the rank on cuda:0: no op mixes devices, and the results are plain CPU tensors equal to
     the CPU rank's (CUDA's kernel choices computed on CPU: 1e-6). The step's images the rank keeps stay on the host
     (each micro-batch takes what it needs to the device); the frozen ViT's per-step cache fills on the device."""
-    assert [b["shared_prompt"].tolist() for b in micro_batches()[0]][1:] == [[0, 4], [0, 20]]  # groups' prompts
+    batches = micro_batches()[0]
+    assert [b["shared_prompt"].tolist() for b in batches][1:] == [[0, 4], [0, 20], [0, 14]]  # groups' prompts
+    assert batches[3]["mrope_time_steps"].tolist() == [1.5, 1.5]  # the video's time step, on the host
     assert log_prob_run["labelled_on_host"] is None
     assert log_prob_run["images_on_host"] is None
     assert log_prob_run["cache"][0] > 0 and log_prob_run["cache"][1] == ["cuda:0"]  # the ViT outputs stay there
     plain, labelled = log_prob_run["plain"], log_prob_run["labelled"]
-    assert len(plain) == len(labelled) == 3
+    assert len(plain) == len(labelled) == 4
     for ours, reference in zip(labelled, plain, strict=True):
         assert type(reference) is torch.Tensor and reference.device.type == "cpu"
         torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
@@ -322,7 +327,7 @@ def test_tp2_ranks_under_sequence_parallelism_keep_their_tensors_on_the_device(m
     spawn(_tp2_log_prob_rank, 2, str(mm_dir), str(tmp_path))
     first, second = load_rank_results(tmp_path, 2)
     assert first["labelled_on_host"] is None and second["labelled"] is second["plain"] is None
-    assert len(first["plain"]) == 3
+    assert len(first["plain"]) == 4
     for ours, reference in zip(first["labelled"], first["plain"], strict=True):
         torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
 

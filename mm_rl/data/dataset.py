@@ -435,21 +435,18 @@ class PromptProcessor:
         vision = getattr(AutoConfig.from_pretrained(self.model_name_or_path), "vision_config", None)
         return float(getattr(vision, "tokens_per_second", 1.0) or 1.0)
 
-    def expand_videos(self, text: str, clips: Sequence[VideoClip], grids: Sequence[torch.Tensor]) -> str:
-        """``text`` with its i-th video pad replaced by what clip i's pad becomes."""
+    def expand_videos(self, text: str, placeholders: Sequence[str]) -> str:
+        """``text`` with its i-th video pad replaced by ``placeholders[i]`` (:meth:`video_text` of video i)."""
         pieces = text.split(self.video_pad)
-        if len(pieces) - 1 != len(clips):
+        if len(pieces) - 1 != len(placeholders):
             raise BadRow("video pads in the text != videos")
-        out = pieces[0]
-        for clip, grid, piece in zip(clips, grids, pieces[1:], strict=True):
-            out += self.video_text(clip, grid) + piece
-        return out
+        pairs = zip(placeholders, pieces[1:], strict=True)
+        return pieces[0] + "".join(placeholder + piece for placeholder, piece in pairs)
 
-    def frames_apart(self, clip: VideoClip, grid: torch.Tensor) -> bool:
-        """Whether the processor puts text between the clip's frame pairs (Qwen3-VL's timestamps): the model then
+    def frames_apart(self, placeholder: str) -> bool:
+        """Whether a video's placeholder puts text between its frame pairs (Qwen3-VL's timestamps): the model then
         takes each frame pair as an entry of its own."""
-        text = self.video_text(clip, grid)
-        return len(re.findall(f"(?:{re.escape(self.video_pad)})+", text)) > 1
+        return len(re.findall(f"(?:{re.escape(self.video_pad)})+", placeholder)) > 1
 
     def count_video_grid(self, clip: VideoClip) -> torch.Tensor:
         """A grid with the clip's token counts (t, then h x w in one axis) without processing its pixels."""
@@ -465,7 +462,7 @@ class PromptProcessor:
     def num_tokens(self, text: str, sizes: Sequence[tuple[int, int]], clips: Sequence[VideoClip]) -> int:
         """A prompt's length, image and video tokens included, without processing any pixel."""
         if clips:
-            text = self.expand_videos(text, clips, [self.count_video_grid(clip) for clip in clips])
+            text = self.expand_videos(text, [self.video_text(clip, self.count_video_grid(clip)) for clip in clips])
         return len(self.expand(self.text_ids(text), [self.image_tokens(w, h) for w, h in sizes]))
 
     def encode(self, text: str, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -486,13 +483,14 @@ class PromptProcessor:
         else:
             image_pixels, image_grid = torch.zeros(0, patch_dim), torch.zeros(0, 3, dtype=torch.long)
         videos = [self.video_grid(clip) for clip in clips]
+        placeholders = [self.video_text(clip, grid) for clip, (_, grid) in zip(clips, videos, strict=True)]
         if videos:
-            text = self.expand_videos(text, clips, [grid for _, grid in videos])
+            text = self.expand_videos(text, placeholders)
         counts = (image_grid.prod(dim=-1) // self.merge_size**2).tolist()
         ids = torch.tensor(self.expand(self.text_ids(text), counts), dtype=torch.long)
         if not videos:
             return ids, Visuals(image_pixels, image_grid, torch.ones(len(image_grid), dtype=torch.float64))
-        return ids, self._in_order(ids, image_pixels, image_grid, clips, videos)
+        return ids, self._in_order(ids, image_pixels, image_grid, clips, videos, placeholders)
 
     def _in_order(
         self,
@@ -501,6 +499,7 @@ class PromptProcessor:
         image_grid: torch.Tensor,
         clips: Sequence[VideoClip],
         videos: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        placeholders: Sequence[str],
     ) -> Visuals:
         """The images' and videos' entries in the order their first pads appear in ``ids``."""
         import torch
@@ -511,8 +510,8 @@ class PromptProcessor:
             (image_pixels[offsets[i] : offsets[i + 1]], image_grid[i : i + 1], ones) for i in range(len(image_grid))
         ]
         video_entries = []
-        for clip, (pixels, grid) in zip(clips, videos, strict=True):
-            if self.frames_apart(clip, grid):  # one entry per frame pair; pixels are frame-major already
+        for clip, (pixels, grid), placeholder in zip(clips, videos, placeholders, strict=True):
+            if self.frames_apart(placeholder):  # one entry per frame pair; pixels are frame-major already
                 grids, step = grid.new_tensor([1, int(grid[1]), int(grid[2])]).repeat(int(grid[0]), 1), 1.0
             else:
                 grids, step = grid[None], self.video_time_step(clip)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from mm_rl.config.schema import MultiTurnConfig
+    from mm_rl.data.video import VideoSettings
     from mm_rl.rollout.multi_turn import AgentLoop, ToolExecutor
     from mm_rl.sync.transport import DeviceBucket
 
@@ -94,10 +95,12 @@ class RolloutWorker:
         num_threads: int | None = None,
         visible_devices: dict[str, str] | None = None,
         multi_turn: MultiTurnConfig | None = None,
+        video: VideoSettings | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """``multi_turn``: the job's multi-turn settings when enabled (the tools run in this process until
-        :meth:`connect_tools` hands over the job's tool workers)."""
+        :meth:`connect_tools` hands over the job's tool workers); ``video``: the job's video settings (vLLM's video
+        processor; the transformers engine takes no video)."""
         # first: the device runtime reads its visible devices once, when this process first touches it (a colocated
         # engine with TP > 1 sees its actor ranks' devices, not only the one of the bundle Ray placed it in)
         os.environ.update(visible_devices or {})
@@ -105,6 +108,8 @@ class RolloutWorker:
         backend = backend or config.backend
         if multi_turn is not None and backend == "vllm":  # room for the tools' images besides the prompt's
             engine_kwargs["extra_images"] = multi_turn.max_tool_images
+        if video is not None and backend == "vllm":
+            engine_kwargs["video"] = video
         self.engine = build_engine(
             backend,
             model_path,

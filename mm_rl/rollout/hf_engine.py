@@ -37,8 +37,6 @@ from mm_rl.rollout.bounds import image_runs, policy_from_config
 if TYPE_CHECKING:
     import torch
 
-    from mm_rl.data.video import VideoSettings
-
 # Published Qwen2.5-VL checkpoint prefixes -> the module paths of transformers 5's model.
 _CHECKPOINT_PREFIXES = (
     ("model.language_model.", "model.language_model."),
@@ -95,9 +93,7 @@ class HfEngine(RolloutEngine):
         max_pixels: int,
         seed: int | None = None,
         dtype: str | None = None,
-        video: VideoSettings | None = None,
     ) -> None:
-        """``video``: accepted for a common signature; a request with videos is refused (vLLM's engine takes them)."""
         import torch
         from transformers import AutoModelForImageTextToText, GenerationConfig
 

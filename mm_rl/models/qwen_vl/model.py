@@ -118,20 +118,20 @@ def image_token_rows(encoded_grid_thw: Tensor, image_slots: Tensor, merge: int) 
 
 
 def vision_positions(input_ids: Tensor, vision_token_ids: tuple[int, ...]) -> Tensor:
-    """[B, S] bool: the image and video tokens (the positions the vision encoder's embeddings fill)."""
-    return torch.isin(input_ids, torch.tensor(vision_token_ids, device=input_ids.device))
+    """[B, S] bool: the image and video tokens (the positions the vision encoder's embeddings fill); compared id by
+    id, so no id tensor is made on the device for it."""
+    return functools.reduce(torch.logical_or, (input_ids == token for token in vision_token_ids))
 
 
-def splice_image_embeddings(
-    embeddings: Tensor, input_ids: Tensor, image_embeds: Tensor, vision_token_ids: tuple[int, ...]
-) -> Tensor:
-    """Word embeddings [S, B, H] with the image- and video-token positions replaced by ``image_embeds`` [N, H].
+def splice_image_embeddings(embeddings: Tensor, where: tuple[Tensor, Tensor], image_embeds: Tensor) -> Tensor:
+    """Word embeddings [S, B, H] with the image- and video-token positions ``where`` (``(batch, seq)`` indices of
+    :func:`vision_positions`, found once for the main and the DeepStack splices) replaced by ``image_embeds`` [N, H].
 
     They are filled sample by sample, left to right (transformers' masked_scatter over [B, S]), which is the order
     the ViT emits images and videos in (``image_grid_thw`` lists them as their tokens appear). Out of place, so
     gradients reach both inputs.
     """
-    batch_index, seq_index = vision_positions(input_ids, vision_token_ids).nonzero(as_tuple=True)
+    batch_index, seq_index = where
     if batch_index.numel() != image_embeds.shape[0]:
         raise ValueError(f"{batch_index.numel()} image tokens but {image_embeds.shape[0]} image embeddings")
     return embeddings.index_put((seq_index, batch_index), image_embeds.to(embeddings.dtype))
@@ -376,13 +376,12 @@ class QwenVLModel(torch.nn.Module):
                 images = images.index_select(0, image_token_rows(encoded_grid_thw, image_slots, merge))
             if image_rows is not None:
                 images = images.index_select(0, image_rows.to(images.device))
-            vision = self.vision_token_ids
+            where = vision_positions(input_ids, self.vision_token_ids).nonzero(as_tuple=True)
             images, *deepstack = images.split(embeddings.size(-1), dim=-1)
             self.deepstack = [
-                splice_image_embeddings(torch.zeros_like(embeddings), input_ids, features, vision)
-                for features in deepstack
+                splice_image_embeddings(torch.zeros_like(embeddings), where, features) for features in deepstack
             ]
-            embeddings = splice_image_embeddings(embeddings, input_ids, images, vision)
+            embeddings = splice_image_embeddings(embeddings, where, images)
         return keep_in_graph(embeddings, self.received) if self.layout.received != "none" else embeddings
 
     def _images(
