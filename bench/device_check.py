@@ -192,7 +192,8 @@ def _bucket(device: Any) -> list[tuple[str, Any]]:
 
 def check_ipc_bucket(ctx: Context) -> str:
     from mm_rl.platform.device import current_device, export_ipc, ipc_supported, setup_process
-    from mm_rl.sync.transport import DeviceBucket, pack_bucket
+    from mm_rl.platform.transfer import pack_bucket
+    from mm_rl.sync.transport import DeviceBucket
 
     setup_process()
     device = current_device()
@@ -223,7 +224,8 @@ def _receiver(port: int, fields: tuple[Any, ...], queue: Any) -> None:
 
 def check_sync_group(ctx: Context) -> str:
     from mm_rl.platform.device import current_device, device_count, device_kind, setup_process
-    from mm_rl.sync.transport import _sync_group, bucket_layout, join_group, pack_bucket
+    from mm_rl.platform.transfer import bucket_layout, pack_bucket
+    from mm_rl.sync.transport import _sync_group, join_group
 
     setup_process()
     if device_kind() != "cpu" and device_count() < 2:

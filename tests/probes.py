@@ -41,8 +41,9 @@ class ProbeWorker(TrainingWorker):
         self._saved = None
 
     # ------------------------------------------------------------------------------------------ weights
-    def perturb_weights(self, scale: float, seed: int = 0) -> None:
-        """Add noise (``scale`` x the tensor's mean |value|) to every parameter, keeping the originals.
+    def perturb_weights(self, scale: float, seed: int = 0, trained_only: bool = False) -> None:
+        """Add noise (``scale`` x the tensor's mean |value|) to every parameter (``trained_only``: those that
+        train), keeping the originals.
 
         The noise of a tensor depends only on its name, this rank's TP shard (replicated tensors get the same
         noise on every TP rank) and ``seed``, so the ranks stay consistent; the tied output-layer copy on the last
@@ -57,6 +58,8 @@ class ProbeWorker(TrainingWorker):
             self._saved = {name: p.detach().clone() for name, p in model.named_parameters()}
         with torch.no_grad():
             for name, param in model.named_parameters():
+                if trained_only and not param.requires_grad:
+                    continue
                 key = WORD_EMBEDDINGS if tied_copy and name == TIED_COPY else name
                 shard = coords.tp_rank if entry_for(self.spec.model, name).split is not None else -1
                 generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}|{key}|{shard}".encode()))
@@ -103,9 +106,9 @@ class ProbeWorker(TrainingWorker):
         sink_factory: Callable[[int], Any],
         bucket_bytes: int,
         stage: int | None = None,
-        adapted_only: bool = False,
+        trained_only: bool = False,
     ) -> Any:
-        stats = super().push_weights(sink_factory, bucket_bytes, stage, adapted_only)
+        stats = super().push_weights(sink_factory, bucket_bytes, stage, trained_only)
         self._events.append(("push_weights", stats.tensors if stats else 0))
         return stats
 

@@ -1,13 +1,15 @@
 """Driver-side pieces of the trainer that need no Ray: micro-batch layout, per-sample round trips, the step's
-images and how a rank puts a micro-batch's images together, the sampling seeds and the submit path handling."""
+images and how a rank puts a micro-batch's images together, how they cross into a rank's process (packed), the
+sampling seeds and the submit path handling."""
 
+import pickle
 from types import SimpleNamespace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mm_rl.platform.transfer import image_inputs
+from mm_rl.platform.transfer import Packed, image_inputs
 from mm_rl.trainer.batch import (
     Sample,
     balanced_shards,
@@ -146,6 +148,43 @@ def test_balanced_shards_even_out_tokens_and_keep_groups_whole():
     assert all(few) and sorted(id(s) for shard in few for s in shard) == sorted(map(id, samples[:4]))
     with pytest.raises(ValueError, match="3 samples cannot fill 4"):
         balanced_shards(samples[:3], 4)
+
+
+def test_micro_batches_and_images_cross_processes_as_one_packed_buffer():
+    """What the driver puts into Ray's object store for the ranks (pickle protocol 5, buffers out of band, mapped
+    read-only by the reader) arrives as the same structure with equal tensors (any dtype, views, scalars, empty),
+    from one buffer the receiver owns and may write; a tensor on a device is refused (results leave through
+    ``to_host`` first)."""
+    samples, items = _samples()
+    batches = micro_batches(by_count(samples, 2), items, PAD, ("old_log_probs", "advantages"))
+    value = {
+        "shards": [batches],
+        "images": step_images(samples, items),
+        "odd": (torch.randn(4, 6).to(torch.bfloat16)[:, ::2], torch.tensor(3.0), torch.zeros(0, 4), "text", 7),
+    }
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(Packed(value), protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 1
+    out = pickle.loads(data, buffers=[memoryview(b).toreadonly() for b in buffers])
+
+    def same(got, want):
+        assert type(got) is type(want)
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        elif isinstance(want, dict):
+            assert list(got) == list(want) and all(same(got[k], want[k]) for k in want)
+        elif isinstance(want, list | tuple):
+            assert len(got) == len(want) and all(same(g, w) for g, w in zip(got, want, strict=True))
+        else:
+            assert got == want
+        return True
+
+    same(out, value)
+    first = out["shards"][0][0]["input_ids"]
+    first.add_(1)  # writable, and the sender's tensor is its own
+    assert torch.equal(first, batches[0]["input_ids"] + 1)
+    with pytest.raises(ValueError, match="meta tensor cannot travel packed"):
+        pickle.dumps(Packed([torch.zeros(2, device="meta")]), protocol=5)
 
 
 def test_sampling_seeds_differ_per_step_and_batch_and_repeat():

@@ -10,6 +10,7 @@ own actor) starts from the same HF directory. Checked on prompts with an image:
 - after the sync, the engine's log-probs of its own responses equal the actor's for the same tokens (<= 1e-2),
   with the original weights and after the actor's weights were perturbed (then greedy generation changes);
 - syncing the original weights back restores the engine's greedy generation exactly;
+- a later sync sends only what trains (the frozen ViT stays in the engine as the first sync left it);
 - colocated mode calls wake_up(weights) -> sync -> offload -> wake_up(kv_cache) -> rollout -> sleep -> onload in
   that order (call logs), and the actor's offload really empties its parameter storages after a sync.
 
@@ -31,10 +32,11 @@ import torch  # noqa: E402
 from probes import ProbeRollout, ProbeWorker, record_schedule  # noqa: E402
 
 from mm_rl.config.schema import ActorConfig, GenerateConfig, SamplingConfig, ValSamplingConfig  # noqa: E402
+from mm_rl.platform.transfer import pack_bucket, unpack_bucket  # noqa: E402
 from mm_rl.rollout.base import RolloutRequest  # noqa: E402
 from mm_rl.sync.buckets import weight_group  # noqa: E402
 from mm_rl.sync.sender import strip_vocab_padding  # noqa: E402
-from mm_rl.sync.transport import SharedBucket, pack_bucket, unpack_bucket  # noqa: E402
+from mm_rl.sync.transport import SharedBucket  # noqa: E402
 
 pytestmark = pytest.mark.stack  # Ray, vLLM engines or Megatron ranks: in `make test`, not `make test-quick`
 
@@ -272,6 +274,33 @@ def test_engine_log_probs_equal_the_actors_and_restoring_restores_generation(lay
     GAPS[f"{layout.name} {transport}"] = dict(gaps)
     assert gaps.pop("original actor vs perturbed engine") > 20 * LOGPROB_TOL
     assert max(gaps.values()) <= LOGPROB_TOL, gaps
+
+
+def test_a_later_sync_sends_only_what_trains_and_the_engine_keeps_the_rest(layout, prompts):
+    """Once an engine holds a sync's weights, a ``trained_only`` sync sends the modules with a trained parameter
+    (the LLM and the merger) and leaves the frozen ViT in the engine as it is (vLLM's layerwise reload puts back
+    the layers that receive nothing). With the trained tensors perturbed, the engine's log-probs of its own
+    responses to prompts with an image (the ViT's output reaches every token) equal the actor's; with the actor's
+    ViT perturbed too, the engine keeps its own ViT, and the same comparison sees that."""
+    from mm_rl.sync.driver import sync_weights
+
+    full = sync(layout)
+    frozen = {name for name in full.names if "visual." in name and "merger" not in name}
+    assert frozen and any("merger" in name for name in full.names)
+    layout.group.run(ProbeWorker.perturb_weights, NOISE, 2, True)
+    try:
+        report = sync_weights(layout.group, [layout.engine], BUCKET_BYTES, trained_only=True)
+        assert sorted(report.names) == sorted(set(full.names) - frozen)
+        assert report.applied == report.tensors
+        gaps = {"trained perturbed": actor_gap(layout, prompts, sampled(layout, prompts))}
+        layout.group.run(ProbeWorker.perturb_weights, NOISE, 3)  # the ViT too, in the actor only
+        sync_weights(layout.group, [layout.engine], BUCKET_BYTES, trained_only=True)
+        gaps["actor's ViT perturbed, engine's not"] = actor_gap(layout, prompts, sampled(layout, prompts))
+    finally:
+        layout.group.run(ProbeWorker.restore_weights)
+        sync(layout)
+    GAPS[f"{layout.name} trained only"] = gaps
+    assert gaps["trained perturbed"] <= LOGPROB_TOL < 20 * LOGPROB_TOL < gaps["actor's ViT perturbed, engine's not"]
 
 
 def test_colocated_schedule_calls_switches_in_order(layout, prompts, monkeypatch):

@@ -10,7 +10,12 @@ Three things cross a process or device boundary, and each crosses here only:
   the one place a rank materialises them (:func:`image_inputs`).
 * rank -> driver: whatever a rank returns is on the CPU, :func:`to_host`: a CPU-only head cannot unpickle a device
   tensor, and on a GPU head it would land on cuda:0 beside the driver's CPU tensors.
-* rank -> engine: weight buckets are packed on a device the caller names (:func:`mm_rl.sync.transport.pack_bucket`).
+* rank -> engine: weight buckets are packed on a device the caller names (:func:`pack_bucket`).
+
+Between processes (Ray's object store) the driver's micro-batches and step images travel as :class:`Packed`: all of
+a value's tensors in one flat byte buffer, which pickle protocol 5 hands to the store out of band, unpickled as the
+same value whose tensors view one host buffer of the receiver's own. torch pickles every tensor's storage apart
+(measured through the object store, 8 micro-batches of 10 tensors: 12.2 ms put + get, packed 3-4 ms).
 
 On a CPU machine the target is the CPU and both moves return the tensors themselves; tests pass another device
 (``meta``, or a tensor labelled cuda over CPU values) to see that nothing is left behind.
@@ -19,7 +24,8 @@ On a CPU machine the target is the CPU and both moves return the tensors themsel
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -29,6 +35,8 @@ T = TypeVar("T")
 # a multi-turn trajectory's tool images under a key of its own, below NO_TOOL_IMAGES
 StepImages = Mapping[int, tuple[torch.Tensor, torch.Tensor]]
 NO_TOOL_IMAGES = -1  # a micro-batch row's tool_image_index when its tools returned no image
+TensorLayout = tuple[str, str, tuple[int, ...], int]  # name, dtype, shape, byte offset in the flat buffer
+_ALIGN = 64  # byte alignment of each tensor in a flat buffer (any dtype view of it stays aligned)
 
 
 def _pinned(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -99,19 +107,102 @@ def image_inputs(batch: Mapping[str, Any], images: StepImages) -> dict[str, torc
 def to_host(value: T) -> T:
     """``value`` with every tensor it holds (in lists, tuples, dicts, dataclasses) on the CPU, detached; the
     rank -> driver boundary."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()  # type: ignore[return-value]
+    return map_tensors(value, lambda tensor: tensor.detach().cpu())
+
+
+def map_tensors(value: T, fn: Callable[[Any], Any], kind: type = torch.Tensor) -> T:
+    """``value`` with ``fn`` applied to every ``kind`` it holds, in lists, tuples, dicts and dataclasses (rebuilt as
+    their own types; named tuples and other objects pass as they are)."""
+    if isinstance(value, kind):
+        return fn(value)  # type: ignore[no-any-return]
     if isinstance(value, Mapping):
-        return type(value)((key, to_host(item)) for key, item in value.items())  # type: ignore[call-arg]
+        return type(value)((key, map_tensors(item, fn, kind)) for key, item in value.items())  # type: ignore[call-arg]
     if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-        return type(value)(to_host(item) for item in value)  # type: ignore[call-arg]
+        return type(value)(map_tensors(item, fn, kind) for item in value)  # type: ignore[call-arg]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.replace(
             value,
             **{
-                f.name: to_host(getattr(value, f.name))  # type: ignore[arg-type]
+                f.name: map_tensors(getattr(value, f.name), fn, kind)  # type: ignore[arg-type]
                 for f in dataclasses.fields(value)
                 if f.init
             },
         )
     return value
+
+
+# ------------------------------------------------------------------------------------- packed byte buffers
+def dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _view(flat: torch.Tensor, dtype: str, shape: tuple[int, ...], start: int) -> torch.Tensor:
+    """The tensor of ``dtype`` / ``shape`` stored at byte ``start`` of ``flat``."""
+    kind = getattr(torch, dtype)
+    return flat[start : start + kind.itemsize * math.prod(shape)].view(kind).view(shape)
+
+
+def bucket_layout(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[TensorLayout], int]:
+    """Where each tensor of ``bucket`` goes in one flat byte buffer (aligned offsets), and the buffer's size."""
+    layout, offset = [], 0
+    for name, tensor in bucket:
+        layout.append((name, dtype_name(tensor), tuple(tensor.shape), offset))
+        offset += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+    return layout, offset
+
+
+def pack_bucket(
+    bucket: Sequence[tuple[str, torch.Tensor]],
+    device: torch.device,
+    buffer: Callable[[int], torch.Tensor] | None = None,
+) -> tuple[list[TensorLayout], torch.Tensor]:
+    """The bucket's tensors in one flat byte buffer on ``device`` (``buffer(nbytes)`` when given: a buffer reused
+    between buckets, at least that large), and where each one is."""
+    layout, nbytes = bucket_layout(bucket)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device) if buffer is None else buffer(nbytes)[:nbytes]
+    for (_, tensor), (_, dtype, shape, start) in zip(bucket, layout, strict=True):
+        _view(flat, dtype, shape, start).copy_(tensor, non_blocking=True)
+    return layout, flat
+
+
+def unpack_bucket(layout: Sequence[TensorLayout], flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of :func:`pack_bucket`'s buffer, as views of it."""
+    return [(name, _view(flat, dtype, tuple(shape), start)) for name, dtype, shape, start in layout]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    index: int  # where a tensor of a Packed value sits in its buffer's layout
+
+
+class Packed:
+    """A value holding host tensors (lists, tuples, dicts, dataclasses of them) that pickles as one flat byte buffer
+    and unpickles as the same value, its tensors views of one buffer the receiver owns (see the module docstring).
+    Only host tensors: a rank's results leave through :func:`to_host` first."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        import numpy
+
+        tensors: list[tuple[str, torch.Tensor]] = []
+
+        def slot(tensor: torch.Tensor) -> _Slot:
+            if tensor.device.type != "cpu":
+                raise ValueError(f"a {tensor.device} tensor cannot travel packed: move it to the host first")
+            tensors.append(("", tensor.detach()))
+            return _Slot(len(tensors) - 1)
+
+        skeleton = map_tensors(self.value, slot)
+        layout, flat = pack_bucket(tensors, torch.device("cpu"))
+        return _unpacked, (skeleton, layout, numpy.from_dlpack(flat))
+
+
+def _unpacked(skeleton: Any, layout: list[TensorLayout], array: Any) -> Any:
+    """Receiver side of :class:`Packed`. The buffer is copied once: an array Ray maps from its object store is
+    read-only shared memory, and a rank may write into its micro-batches' tensors."""
+    tensors = [tensor for _, tensor in unpack_bucket(layout, torch.from_numpy(array.copy()))]
+    return map_tensors(skeleton, lambda slot: tensors[slot.index], _Slot)

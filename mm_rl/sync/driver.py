@@ -39,7 +39,7 @@ class RankSender(Protocol):
         sink_factory: Callable[[int], BucketSink],
         bucket_bytes: int,
         stage: int | None = None,
-        adapted_only: bool = False,
+        trained_only: bool = False,
     ) -> SyncStats | None: ...
 
 
@@ -168,15 +168,16 @@ def sync_weights(
     bucket_bytes: int,
     max_in_flight: int = 1,
     route: SyncRoute | None = None,
-    adapted_only: bool = False,
+    trained_only: bool = False,
 ) -> SyncReport:
     """Push the actor group's current weights into every rollout worker actor of ``rollouts`` (all stages at
     once), through the object store, or device to device along ``route`` (:func:`join_device_sync`).
 
     Raises when an engine applied fewer tensors than were sent (a layer it held back: a mapping / checkpoint
     mismatch that would otherwise leave stale weights in the engine). The engines' per-sync set-up happens once,
-    around all the stages' buckets (``begin_weight_update`` / ``end_weight_update``). ``adapted_only``: every engine
-    holds the actor's frozen base already; a LoRA actor sends only its adapted linears (the rest stays put)."""
+    around all the stages' buckets (``begin_weight_update`` / ``end_weight_update``). ``trained_only``: every engine
+    holds the actor's frozen tensors already (an earlier sync): only what training changes is sent (the rest of each
+    engine stays put: a frozen ViT, a LoRA actor's base)."""
     import ray
 
     start = time.perf_counter()
@@ -188,7 +189,7 @@ def sync_weights(
     ray.get([rollout.begin_weight_update.remote() for rollout in rollouts])  # before any bucket arrives
     stats = [
         s for stage in push_order(group, rollouts, route)
-        for s in group.run(RankSender.push_weights, factory, bucket_bytes, stage, adapted_only) if s is not None
+        for s in group.run(RankSender.push_weights, factory, bucket_bytes, stage, trained_only) if s is not None
     ]  # fmt: skip
     ray.get([rollout.end_weight_update.remote() for rollout in rollouts])  # after every bucket was loaded
     report = SyncReport(sorted(stats, key=lambda s: s.pp_rank), time.perf_counter() - start)

@@ -27,17 +27,16 @@ import collections
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mm_rl.platform.transfer import TensorLayout, dtype_name, pack_bucket, unpack_bucket
 from mm_rl.sync.buckets import Bucket
 
 if TYPE_CHECKING:
     import torch
-
-TensorLayout = tuple[str, str, tuple[int, ...], int]  # name, dtype, shape, byte offset in the flat buffer
 
 
 @dataclass(frozen=True)
@@ -51,9 +50,6 @@ class DeviceBucket:
     layout: list[TensorLayout]
     nbytes: int
     handle: bytes | None = None
-
-
-_ALIGN = 64  # byte alignment of each tensor in a flat buffer (any dtype view of it stays aligned)
 
 
 @dataclass
@@ -139,7 +135,7 @@ class SharedBucket:
             flat = tensor.detach().cpu().contiguous()
             names.append(name)
             arrays.append(numpy.from_dlpack(flat.reshape(-1).view(torch.uint8)))
-            meta.append((_dtype_name(flat), tuple(flat.shape)))
+            meta.append((dtype_name(flat), tuple(flat.shape)))
         return _unpack_bucket, (names, arrays, meta)
 
 
@@ -241,48 +237,6 @@ def _sync_group(key: str, stage: int) -> SyncGroup:
             f"no weight-sync group {group_name(key, stage)!r} in this process: "
             "join_device_sync() must run before a device sync"
         ) from None
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
-
-
-def _view(flat: torch.Tensor, dtype: str, shape: tuple[int, ...], start: int) -> torch.Tensor:
-    """The tensor of ``dtype`` / ``shape`` stored at byte ``start`` of ``flat``."""
-    import math
-
-    import torch
-
-    kind = getattr(torch, dtype)
-    return flat[start : start + kind.itemsize * math.prod(shape)].view(kind).view(shape)
-
-
-def bucket_layout(bucket: Bucket) -> tuple[list[TensorLayout], int]:
-    """Where each tensor of ``bucket`` goes in one flat byte buffer (aligned offsets), and the buffer's size."""
-    layout, offset = [], 0
-    for name, tensor in bucket:
-        layout.append((name, _dtype_name(tensor), tuple(tensor.shape), offset))
-        offset += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
-    return layout, offset
-
-
-def pack_bucket(
-    bucket: Bucket, device: torch.device, buffer: Callable[[int], torch.Tensor] | None = None
-) -> tuple[list[TensorLayout], torch.Tensor]:
-    """The bucket's tensors in one flat byte buffer on ``device`` (``buffer(nbytes)`` when given: a buffer reused
-    between buckets, at least that large), and where each one is."""
-    import torch
-
-    layout, nbytes = bucket_layout(bucket)
-    flat = torch.empty(nbytes, dtype=torch.uint8, device=device) if buffer is None else buffer(nbytes)[:nbytes]
-    for (_, tensor), (_, dtype, shape, start) in zip(bucket, layout, strict=True):
-        _view(flat, dtype, shape, start).copy_(tensor, non_blocking=True)
-    return layout, flat
-
-
-def unpack_bucket(layout: list[TensorLayout], flat: torch.Tensor) -> Bucket:
-    """The tensors of :func:`pack_bucket`'s buffer, as views of it."""
-    return [(name, _view(flat, dtype, tuple(shape), start)) for name, dtype, shape, start in layout]
 
 
 def receive_bucket(bucket: DeviceBucket) -> Bucket:

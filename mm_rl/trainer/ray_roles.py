@@ -335,9 +335,10 @@ class RayRoles:
     def send_images(self, images: StepImages) -> None:
         import ray
 
+        from mm_rl.platform.transfer import Packed
         from mm_rl.workers.megatron_worker import MegatronWorker
 
-        shared = ray.put(dict(images))  # one object-store copy; every rank of both groups reads it
+        shared = ray.put(Packed(dict(images)))  # one object-store copy; every rank of both groups reads it
         groups = [group for group in (self.actor, self.ref) if group is not None]
         calls = [group.submit(MegatronWorker.set_images, shared) for group in groups]  # both groups at once
         for group, futures in zip(groups, calls, strict=True):

@@ -51,7 +51,7 @@ class RolloutSchedule:
         self.sleep_level, self.route = sleep_level, route  # route: device to device (else the object store)
         self.offloaded_bytes = 0  # what the actor (and reference) ranks freed on their devices for the last rollout
         self.engines_current = False  # every replica holds the actor's weights as they are now
-        self.engines_synced = False  # every replica holds weights of a sync (a LoRA base's frozen part is current)
+        self.engines_synced = False  # every replica holds weights of a sync (their frozen part is current)
 
     def weights_changed(self) -> None:
         """The actor's weights moved (an optimizer step, a checkpoint load): the next rollout syncs them."""
@@ -95,7 +95,7 @@ class RolloutSchedule:
             self.rollouts,
             bucket_bytes_of(self.generate),
             route=self.route,
-            adapted_only=self.engines_synced,
+            trained_only=self.engines_synced,
         )
         self.engines_current = self.engines_synced = True
         if self.generate.colocate:

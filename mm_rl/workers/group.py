@@ -17,6 +17,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from mm_rl.config.topology import threads_for
+from mm_rl.platform.transfer import Packed
 from mm_rl.workers.megatron_worker import MegatronWorker, RankCoords, WorkerSpec
 from mm_rl.workers.training import TrainingWorker
 
@@ -107,12 +108,10 @@ class WorkerGroup:
     def submit(self, method: RankMethod[P, R], *args: P.args, **kwargs: P.kwargs) -> list[Any]:
         """``method(*args, **kwargs)`` started on every rank; returns the object refs in rank order.
 
-        Large arguments are put into the object store once and shared by all ranks."""
-        import ray
-
+        Large arguments are put into the object store once (packed) and shared by all ranks."""
         name = self._name(method)
         self.started()
-        shared = tuple(ray.put(a) if _large(a) else a for a in args)
+        shared = tuple(_shared(a) for a in args)
         return [getattr(worker, name).remote(*shared, **kwargs) for worker in self.workers]
 
     def wait(self, futures: Sequence[Any], method: RankMethod[P, R]) -> list[R]:
@@ -133,8 +132,8 @@ class WorkerGroup:
         self.started()
         if len(shards) != self.spec.dp:
             raise ValueError(f"{len(shards)} shards for {self.spec.dp} data-parallel replicas")
-        refs = [ray.put(shard) for shard in shards]
-        shared = tuple(ray.put(a) if _large(a) else a for a in args)
+        refs = [ray.put(Packed(shard)) for shard in shards]
+        shared = tuple(_shared(a) for a in args)
         futures = [
             getattr(worker, name).remote(refs[coords.dp_rank], *shared, **kwargs)
             for worker, coords in zip(self.workers, self.coords, strict=True)
@@ -318,6 +317,9 @@ def error_line(error: BaseException) -> str:
     return lines[-1].strip() if lines else type(error).__name__
 
 
-def _large(value: Any) -> bool:
-    """Arguments worth one shared object-store copy (micro-batches, tensors) rather than one per call."""
-    return isinstance(value, list | tuple | dict) and len(value) > 0
+def _shared(value: Any) -> Any:
+    """An argument worth one shared object-store copy (micro-batches, tensors), packed, rather than one per call;
+    others as they are."""
+    import ray
+
+    return ray.put(Packed(value)) if isinstance(value, list | tuple | dict) and len(value) > 0 else value

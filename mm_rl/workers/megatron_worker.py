@@ -296,7 +296,7 @@ class MegatronWorker:
         sink_factory: Callable[[int], BucketSink],
         bucket_bytes: int,
         stage: int | None = None,
-        adapted_only: bool = False,
+        trained_only: bool = False,
     ) -> SyncStats | None:
         """Stream this stage's weights, TP-merged and HF-named, in buckets of about ``bucket_bytes``.
 
@@ -304,10 +304,10 @@ class MegatronWorker:
         TP-rank 0 of DP replica 0 builds the buckets and hands them to ``sink_factory(stage)`` (the transport
         seam, see mm_rl.sync.transport). Returns that rank's statistics, None elsewhere (other DP replicas hold
         the same weights: they do nothing). With ``stage``, only that pipeline stage's ranks push (the driver
-        takes the stages one after another); the gathers stay inside a stage's TP and EP groups. ``adapted_only``:
-        the engines hold the frozen base already, so a LoRA stage sends only its adapted linears (merged).
+        takes the stages one after another); the gathers stay inside a stage's TP and EP groups. ``trained_only``:
+        the engines hold every frozen tensor already, so only what training changes is sent (a frozen ViT stays
+        out; LoRA: only the adapted linears, merged).
         """
-        from mm_rl.models.lora import has_adapters
         from mm_rl.sync.sender import push_stage
 
         coords, model = self._require_coords(), self._require_model()
@@ -322,7 +322,7 @@ class MegatronWorker:
                 self.spec.ep,
                 sink_factory if coords.is_sender() else None,
                 bucket_bytes,
-                adapted_only=adapted_only and has_adapters(model),
+                trained_only=trained_only,
             )
         return stats
 
