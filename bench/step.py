@@ -16,8 +16,10 @@ The job runs with its outputs in a temporary ``af_output_dir`` (hf2mg there too;
 
 - per phase (the trainer's ``timing/*``) the median seconds and share of the step, and the medians of
   ``throughput/*``;
-- rollout: the rollout phase's generated tokens per second against vLLM alone on the last step's prompts
-  (:func:`raw_generate`; 1.00x = the trainer adds nothing around the engine);
+- rollout: the rollout phase's generated tokens per second against vLLM alone (:func:`raw_generate`; 1.00x = the
+  trainer adds nothing around the engine) on each step's prompts right after the step (after its update and the
+  driver's baselines, as the next rollout finds the machine; median of the per-step ratios), and on the last
+  step's prompts at the end of the run (a warm engine, back to back);
 - the tensor bytes the driver hands the roles per step beside a copy of the prompt's pixel values in every row;
 - actor passes: the job's old-log-prob, reference and update phases against the same micro-batches through mm_rl's
   actor rank alone in this process (``RankPasses``, measured right after each step: the machine's speed drifts),
@@ -200,12 +202,14 @@ def three_sizes(out_dir: Path) -> Path:
     return out_dir
 
 
-def raw_generate(roles: Any, requests: list[Any], sampling: Any, seed: int, repeat: int) -> tuple[float, float]:
-    """Generated tokens per second and mean response length of vLLM alone on ``requests`` (the last step's prompts)
-    in the state the job's rollout finds its engine: right after a weight sync (the actor's current weights), the
-    prefix, image-encoder and processor caches empty. Inside the first engine replica's process (its threads, its
-    neighbours): ``LLM.generate`` on prompts built beforehand, the sampler reseeded as the step's was. ``repeat``
-    sync + generate rounds after a warm-up one, median."""
+def raw_generate(
+    roles: Any, requests: list[Any], sampling: Any, seed: int, repeat: int, warm: bool = True
+) -> tuple[float, float]:
+    """Generated tokens per second and mean response length of vLLM alone on ``requests`` in the state the job's
+    rollout finds its engine: right after a weight sync (the actor's current weights), the prefix, image-encoder
+    and processor caches empty. Inside the first engine replica's process (its threads, its neighbours):
+    ``LLM.generate`` on prompts built beforehand, the sampler reseeded as the step's was. ``repeat`` sync + generate
+    rounds (after a warm-up one with ``warm``), median."""
     import ray
     import ray.cloudpickle
 
@@ -213,11 +217,11 @@ def raw_generate(roles: Any, requests: list[Any], sampling: Any, seed: int, repe
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     engine = roles.engines.actors[0]
     rounds = []
-    for _ in range(repeat + 1):
+    for _ in range(repeat + warm):
         roles.schedule.weights_changed()
         roles.before_rollout()
         rounds.append(ray.get(engine.__ray_call__.remote(_raw_in_engine, requests, sampling, seed)))
-    rates, lengths = zip(*rounds[1:], strict=True)
+    rates, lengths = zip(*rounds[int(warm) :], strict=True)
     return statistics.median(rates), statistics.median(lengths)
 
 
@@ -458,6 +462,13 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
                 requests = [RolloutRequest.from_item(item, pixels=True) for item in trainer.prompts.cached.values()]
                 seconds, generated = generate(requests)
                 metrics |= {"baseline/hf_generate": seconds, "baseline/hf_generated_tokens": float(generated)}
+                # vLLM alone on this step's prompts with its seed, now: after an update and the driver's baselines,
+                # as the next step's rollout finds the machine (the end-of-run figure below is a warm engine's)
+                own = trainer.prompts.requests(list(trainer.prompts.cached))
+                sampling = sampling_for(job.backend_config.generate_config)
+                seed = sampling_seed(trainer.seed, step, 0)
+                metrics["baseline/raw_tok_per_s"] = raw_generate(meter.roles, own, sampling, seed, 1, warm=False)[0]
+                meter.roles.schedule.weights_changed()  # the next step syncs as it would have
             print(step_line(step, steps, metrics) + f" | {metrics['timing/step']:.2f} s")
             rows.append(metrics)
         if trainer.pending is not None:
@@ -512,11 +523,14 @@ def report(rows: list[dict[str, float]], extra: dict[str, Any]) -> dict[str, flo
         return results
     rollout = throughput.get("throughput/rollout_tok_per_s", 0.0)
     raw, raw_length = extra["raw"]
+    per_step = statistics.median(row["throughput/rollout_tok_per_s"] / row["baseline/raw_tok_per_s"] for row in rows)
     print(
         f"\nrollout: the rollout phase {rollout:.1f} generated tok/s (responses {median('response_length/mean'):.1f} "
-        f"tokens) vs vLLM alone on the last step's prompts {raw:.1f} tok/s (responses {raw_length:.1f}) -> "
-        f"{rollout / raw:.2f}x; the phase {median('timing/rollout'):.3f} s, of which the engine's generate call in "
-        f"its process {median('rollout/wall_s'):.3f} s"
+        f"tokens) vs vLLM alone on each step's prompts right after it {median('baseline/raw_tok_per_s'):.1f} tok/s "
+        f"-> {per_step:.2f}x (median of per-step ratios); vs vLLM alone on the last step's prompts at the end, warm, "
+        f"{raw:.1f} tok/s (responses {raw_length:.1f}) -> {rollout / raw:.2f}x; the phase "
+        f"{median('timing/rollout'):.3f} s, of which the engine's generate call in its process "
+        f"{median('rollout/wall_s'):.3f} s"
     )
     ours = [sum(row.get(f"timing/{phase}", 0.0) for phase in ACTOR_PHASES) for row in rows]
     alone = [row["baseline/rank"] for row in rows]
@@ -537,7 +551,8 @@ def report(rows: list[dict[str, float]], extra: dict[str, Any]) -> dict[str, flo
         f"mm_rl {speedup:.2f}x faster (median of per-step ratios)"
     )
     return results | {
-        "rollout_vs_raw": rollout / raw,
+        "rollout_vs_raw": per_step,
+        "rollout_vs_raw_warm": rollout / raw,
         "raw_tok_per_s": raw,
         "passes_vs_rank": job_vs_rank,
         "passes_gflop_per_s": achieved / 1e9,
