@@ -17,9 +17,10 @@ The job runs with its outputs in a temporary ``af_output_dir`` (hf2mg there too;
 - per phase (the trainer's ``timing/*``) the median seconds and share of the step, and the medians of
   ``throughput/*``;
 - rollout: the rollout phase's generated tokens per second against vLLM alone (:func:`raw_generate`; 1.00x = the
-  trainer adds nothing around the engine) on each step's prompts right after the step (after its update and the
-  driver's baselines, as the next rollout finds the machine; median of the per-step ratios), and on the last
-  step's prompts at the end of the run (a warm engine, back to back);
+  trainer adds nothing around the engine) on each step's batch (:func:`raw_ahead`: its prompts, seed and
+  weights, so the same samples, right after the previous step's update as a real job's rollout comes, while the
+  bench's step itself comes after the driver's baselines: both on a cold engine; median of the per-step ratios),
+  and on the last step's prompts at the end of the run (a warm engine, back to back);
 - the tensor bytes the driver hands the roles per step beside a copy of the prompt's pixel values in every row;
 - actor passes: the job's old-log-prob, reference and update phases against the same micro-batches through mm_rl's
   actor rank alone in this process (``RankPasses``, measured right after each step: the machine's speed drifts),
@@ -240,6 +241,33 @@ def _raw_in_engine(worker: Any, requests: list[Any], sampling: Any, seed: int) -
     return sum(counts) / seconds, sum(counts) / len(counts)
 
 
+def raw_ahead(trainer: Any, roles: Any, job: Any, step: int) -> dict[str, float]:
+    """vLLM alone on the batch ``step`` will generate, as its rollout will find the engine, called right after the
+    previous step: the prompts the step will draw (the sampler put back after the peek), its seed, the weights it
+    will sync, the caches emptied;
+    the engine samples deterministically for a seed, so it generates the step's very samples (the mean response
+    lengths are printed side by side). Afterwards the engine is marked stale, so that the step syncs as it would
+    have, and its processor cache is emptied (the step must process its images itself)."""
+    import ray
+
+    from mm_rl.rollout.base import RolloutRequest, sampling_for
+    from mm_rl.trainer.grpo import sampling_seed
+
+    state = trainer.prompts.state_dict()
+    indices = trainer.prompts.next_indices()
+    trainer.prompts.load_state_dict(state)
+    requests = [RolloutRequest.from_item(trainer.prompts.train_set[index]) for index in indices]
+    sampling = sampling_for(job.backend_config.generate_config)
+    rate, length = raw_generate(roles, requests, sampling, sampling_seed(trainer.seed, step, 0), 1, warm=False)
+    roles.schedule.weights_changed()
+    ray.get([engine.__ray_call__.remote(_empty_processor_cache) for engine in roles.engines.actors])
+    return {"baseline/raw_tok_per_s": rate, "baseline/raw_response_length": length}
+
+
+def _empty_processor_cache(worker: Any) -> None:
+    worker.engine.llm.reset_mm_cache()
+
+
 class MeteredRoles:
     """The trainer's roles, counting the tensor bytes the driver hands them (``take`` returns and resets the count):
     measured, and what the same passes would have weighed with each row carrying its prompt's pixel values."""
@@ -445,8 +473,9 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
             )
             baselines = {"rank": RankPasses(spec, meter.roles.optimizer_spec(spec.bf16), str(mm_dir)), "hf": hf}
         rows, flops, positions = [], [], []
+        ahead = raw_ahead(trainer, meter.roles, job, 1) if repeat else {}
         for step in range(1, steps + 1):
-            metrics = trainer.train_step(step)
+            metrics = trainer.train_step(step) | ahead
             passes, images = meter.passes, meter.images
             shipped, per_sample = meter.take()
             metrics |= {"driver/bytes": float(shipped), "driver/bytes_per_sample_images": float(per_sample)}
@@ -454,6 +483,9 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
             flops.append(work)
             positions.append(mean_positions)
             trainer.step = step
+            # right after the update, as a real job's next rollout comes: the step's own rollout then comes after
+            # the baselines below, cold as well
+            ahead = raw_ahead(trainer, meter.roles, job, step + 1) if repeat and step < steps else {}
             for name, baseline in baselines.items():  # the first call of each is its warm-up, as step 1 is the job's
                 metrics[f"baseline/{name}"] = statistics.median(
                     baseline(passes, images, meter.loss) for _ in range(repeat)
@@ -462,13 +494,6 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
                 requests = [RolloutRequest.from_item(item, pixels=True) for item in trainer.prompts.cached.values()]
                 seconds, generated = generate(requests)
                 metrics |= {"baseline/hf_generate": seconds, "baseline/hf_generated_tokens": float(generated)}
-                # vLLM alone on this step's prompts with its seed, now: after an update and the driver's baselines,
-                # as the next step's rollout finds the machine (the end-of-run figure below is a warm engine's)
-                own = trainer.prompts.requests(list(trainer.prompts.cached))
-                sampling = sampling_for(job.backend_config.generate_config)
-                seed = sampling_seed(trainer.seed, step, 0)
-                metrics["baseline/raw_tok_per_s"] = raw_generate(meter.roles, own, sampling, seed, 1, warm=False)[0]
-                meter.roles.schedule.weights_changed()  # the next step syncs as it would have
             print(step_line(step, steps, metrics) + f" | {metrics['timing/step']:.2f} s")
             rows.append(metrics)
         if trainer.pending is not None:
@@ -526,8 +551,9 @@ def report(rows: list[dict[str, float]], extra: dict[str, Any]) -> dict[str, flo
     per_step = statistics.median(row["throughput/rollout_tok_per_s"] / row["baseline/raw_tok_per_s"] for row in rows)
     print(
         f"\nrollout: the rollout phase {rollout:.1f} generated tok/s (responses {median('response_length/mean'):.1f} "
-        f"tokens) vs vLLM alone on each step's prompts right after it {median('baseline/raw_tok_per_s'):.1f} tok/s "
-        f"-> {per_step:.2f}x (median of per-step ratios); vs vLLM alone on the last step's prompts at the end, warm, "
+        f"tokens) vs vLLM alone on each step's batch {median('baseline/raw_tok_per_s'):.1f} "
+        f"tok/s (the same samples: responses {median('baseline/raw_response_length'):.1f}) -> {per_step:.2f}x "
+        f"(median of per-step ratios); vs vLLM alone on the last step's prompts at the end, warm, "
         f"{raw:.1f} tok/s (responses {raw_length:.1f}) -> {rollout / raw:.2f}x; the phase "
         f"{median('timing/rollout'):.3f} s, of which the engine's generate call in its process "
         f"{median('rollout/wall_s'):.3f} s"

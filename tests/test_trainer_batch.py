@@ -183,6 +183,10 @@ def test_micro_batches_and_images_cross_processes_as_one_packed_buffer():
     first = out["shards"][0][0]["input_ids"]
     first.add_(1)  # writable, and the sender's tensor is its own
     assert torch.equal(first, batches[0]["input_ids"] + 1)
+    nothing = {0: (torch.zeros(0, 8), torch.zeros(0, 3, dtype=torch.long))}  # a text-only step: only empty tensors
+    buffers = []
+    data = pickle.dumps(Packed(nothing), protocol=5, buffer_callback=buffers.append)
+    same(pickle.loads(data, buffers=[memoryview(b).toreadonly() for b in buffers]), nothing)
     with pytest.raises(ValueError, match="meta tensor cannot travel packed"):
         pickle.dumps(Packed([torch.zeros(2, device="meta")]), protocol=5)
 

@@ -137,8 +137,11 @@ def dtype_name(tensor: torch.Tensor) -> str:
 
 
 def _view(flat: torch.Tensor, dtype: str, shape: tuple[int, ...], start: int) -> torch.Tensor:
-    """The tensor of ``dtype`` / ``shape`` stored at byte ``start`` of ``flat``."""
+    """The tensor of ``dtype`` / ``shape`` stored at byte ``start`` of ``flat`` (an empty one: its own, since an
+    empty buffer's slice may have a stride a dtype view refuses)."""
     kind = getattr(torch, dtype)
+    if not math.prod(shape):
+        return torch.empty(shape, dtype=kind, device=flat.device)
     return flat[start : start + kind.itemsize * math.prod(shape)].view(kind).view(shape)
 
 
