@@ -15,7 +15,7 @@ Three things cross a process or device boundary, and each crosses here only:
 Between processes (Ray's object store) the driver's micro-batches and step images travel as :class:`Packed`: all of
 a value's tensors in one flat byte buffer, which pickle protocol 5 hands to the store out of band, unpickled as the
 same value whose tensors view one host buffer of the receiver's own. torch pickles every tensor's storage apart
-(measured through the object store, 8 micro-batches of 10 tensors: 12.2 ms put + get, packed 3-4 ms).
+(measured through the object store, 8 micro-batches of 10 tensors: 10-12 ms put + get, packed 3 ms).
 
 On a CPU machine the target is the CPU and both moves return the tensors themselves; tests pass another device
 (``meta``, or a tensor labelled cuda over CPU values) to see that nothing is left behind.
