@@ -39,11 +39,11 @@ def _image_tokens(grid: tuple[int, int, int], pad: int = IMAGE) -> list[int]:
 
 
 def micro_batches() -> tuple[list[dict[str, torch.Tensor]], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """The trainer's micro-batches (``mm_rl.trainer.batch.micro_batches``) of six samples, two per micro-batch:
-    one image + text beside text, two answers to one text-only prompt, two answers to a prompt with two images of
-    different sizes (a group's prompt: computed once, ``shared_prompt``), then two answers to a prompt with a video
-    (two frame pairs, an mRoPE time step of 1.5); with the per-token fields of a training step. And the step's images
-    they name (``step_images``)."""
+    """The trainer's micro-batches (``mm_rl.trainer.batch.micro_batches``), as a rank receives them, of eight
+    samples, two per micro-batch: one image + text beside text, two answers to one text-only prompt, two answers to
+    a prompt with two images of different sizes (a group's prompt: computed once, ``shared_prompt``), then two
+    answers to a prompt with a video (two frame pairs, an mRoPE time step of 1.5); with the per-token fields of a
+    training step. And the step's images they name (``step_images``)."""
     from mm_rl.trainer.batch import Sample, by_count, step_images
     from mm_rl.trainer.batch import micro_batches as build
 
@@ -75,7 +75,19 @@ def micro_batches() -> tuple[list[dict[str, torch.Tensor]], dict[int, tuple[torc
         sample.old_log_probs = -torch.rand(sample.response_len, generator=g)
         sample.ref_log_probs = sample.old_log_probs - 0.05
         sample.advantages = torch.randn(sample.response_len, generator=g)
-    return build(by_count(samples, 2), items, PAD, FIELDS), step_images(samples, items)
+    return _received((build(by_count(samples, 2), items, PAD, FIELDS), step_images(samples, items)))
+
+
+def _received(value: Any) -> Any:
+    """``value`` as a rank's process receives it: packed by the driver (``Packed``), its one buffer mapped read-only
+    from Ray's object store, unpacked into views of the rank's own host buffer."""
+    import pickle
+
+    from mm_rl.platform.transfer import Packed
+
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(Packed(value), protocol=5, buffer_callback=buffers.append)
+    return pickle.loads(data, buffers=[memoryview(b).toreadonly() for b in buffers])
 
 
 @pytest.fixture(scope="module")
