@@ -207,6 +207,45 @@ def test_memory_estimate_follows_the_micro_batch_token_budget():
     assert shorter[-1].activations < estimate_memory(counted)[-1].activations
 
 
+def test_log_prob_micro_batches_grow_only_as_far_as_a_training_micro_batch_holds():
+    """A no-grad log-prob pass keeps one layer's activations at a time and the logits (their fp32 copy and
+    exponentials too), a training micro-batch every layer's and the logits with their gradient: 7B at TP 2 (28
+    layers on one stage) takes several update micro-batches per log-prob one; at PP 4 with responses filling the
+    sequences' rest (7 layers beside 152k-column logits on the last stage) only one; never more than a DP replica's
+    share of the step. A set log-prob budget wins; a training budget scales like micro_batch_size."""
+    from mm_rl.config.plan import log_prob_scale, micro_batch_limits
+
+    actor, rl, model = "backend_config.actor_config", "backend_config.rl_config", "backend_config.model"
+    job = _plan_job()
+    scale, mbs = log_prob_scale(job), job.backend_config.actor_config.micro_batch_size
+    assert scale >= 2
+    assert micro_batch_limits(job, grad=False) == (None, scale * mbs) and micro_batch_limits(job, True) == (None, mbs)
+    b = job.backend_config
+    responses = b.training.seq_length - b.data.dataset_param.preprocess_parameters.max_prompt_length
+    filled = {
+        "backend_config.generate_config.sampling_config.max_tokens": responses,
+        f"{actor}.pipeline_model_parallel_size": 4,
+        f"{model}.text_decoder.pipeline_num_layers": "[7,7,7,7]",
+        f"{model}.image_encoder.vision_encoder.pipeline_num_layers": "[32,0,0,0]",
+    }
+    assert log_prob_scale(_plan_job(**filled)) == 1
+    gbs = "backend_config.megatron_training.global_batch_size"
+    share = _plan_job(**{f"{rl}.rollout_batch_size": 1, f"{rl}.n_samples_per_prompt": 8, gbs: 8})
+    assert mbs == 1 and _dp(share) == 4 and log_prob_scale(share) == 2 < scale  # 8 samples, 2 per replica
+    budget = _plan_job(**{f"{actor}.max_tokens_per_micro_batch": 4096})
+    assert micro_batch_limits(budget, False) == (4096 * log_prob_scale(budget), mbs * log_prob_scale(budget))
+    own = _plan_job(
+        **{f"{actor}.max_tokens_per_micro_batch": 4096, f"{actor}.log_prob_max_tokens_per_micro_batch": 8192}
+    )
+    assert micro_batch_limits(own, False) == (8192, mbs) and micro_batch_limits(own, True) == (4096, mbs)
+
+
+def _dp(job):
+    from mm_rl.config.topology import topology
+
+    return topology(job).dp
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_llm_core_attention_keeps_no_scores_for_backward(packed):
     """What the planner assumes: the LLM layer's core attention (packed rows per sequence, padded rows with a left

@@ -439,6 +439,19 @@ def test_a_token_budget_cuts_the_micro_batches_of_every_pass(tmp_path):
     assert metrics["actor/micro_batches"] == 4.0 and metrics["actor/padding_share"] == 0.0
 
 
+def test_without_budgets_a_log_prob_pass_takes_the_plans_larger_micro_batches(tmp_path):
+    """No token budget: the update runs micro_batch_size (2) samples at a time, the reference pass the memory
+    plan's ``log_prob_scale`` times as many (no backward keeps its activations): all four samples at once."""
+    from mm_rl.config.plan import log_prob_scale
+
+    roles = RecordingRoles(2, lambda s, uid, k: float(k))
+    job = _job(tmp_path)
+    assert log_prob_scale(job) >= 2
+    metrics = _trainer(job, roles).train_step(1)
+    assert roles.passes == [[4]] and [len(batch["input_ids"]) for batch in roles.trained] == [2, 2]
+    assert metrics["actor/micro_batches"] == 2.0
+
+
 def test_bypass_mode_takes_the_engine_log_probs_as_the_old_ones_without_the_actor_pass(tmp_path):
     roles = RecordingRoles(2, lambda s, uid, k: float(k))
     job = _job(tmp_path, "--backend_config.rl_config.rollout_correction.bypass_mode=true")
@@ -572,8 +585,10 @@ def test_the_driver_ships_each_image_once_per_step(tmp_path):
     trainer = GRPOTrainer(job, roles, ImagePrompts(2), report=lambda line: None)
     trainer.train_step(1)
     assert [c[1] for c in roles.calls if c[0] == "send_images"] == [[0, 1]]
-    assert len(roles.batches) == 2 * 2  # reference, update (on-policy: no old pass): one micro-batch per group
-    assert all(len(set(b["image_index"].tolist())) == 1 for b in roles.batches)  # a group per micro-batch
+    # the reference pass: both groups in one micro-batch (the plan's log-prob scale); the update (on-policy: no old
+    # pass): one micro-batch per group
+    assert [len(b["input_ids"]) for b in roles.batches] == [16, 8, 8]
+    assert [len(set(b["image_index"].tolist())) for b in roles.batches] == [2, 1, 1]
     pixels = {index: pixel_values.nbytes for index, (pixel_values, _) in roles.images.items()}
     before = sum(
         sum(t.nbytes for key, t in b.items() if key != "image_index")

@@ -234,6 +234,47 @@ def logit_tokens(cfg: JobConfig) -> int:
     return min(chunk, b.actor_config.micro_batch_size * b.response_tokens)
 
 
+def micro_batch_limits(cfg: JobConfig, grad: bool) -> tuple[int | None, int]:
+    """(token budget, samples) of a micro-batch of the update (``grad``) or of a no-grad log-prob pass (old,
+    reference): a set budget (``max_tokens_per_micro_batch``, ``log_prob_max_tokens_per_micro_batch``) or None and
+    at most ``samples`` rows. Unless its own budget is set, a log-prob pass takes :func:`log_prob_scale` of the
+    update's micro-batches at once."""
+    actor = cfg.backend_config.actor_config
+    if grad:
+        return actor.max_tokens_per_micro_batch, actor.micro_batch_size
+    if actor.log_prob_max_tokens_per_micro_batch:
+        return actor.log_prob_max_tokens_per_micro_batch, actor.micro_batch_size
+    scale = log_prob_scale(cfg)
+    budget = actor.max_tokens_per_micro_batch
+    return (budget * scale if budget else None), actor.micro_batch_size * scale
+
+
+def log_prob_scale(cfg: JobConfig) -> int:
+    """How many of the update's micro-batches a log-prob pass takes at once: the most whose pass holds no more on
+    any pipeline stage than one training micro-batch does, and no more than a DP replica's share of the step.
+    Without a backward each layer's activations are freed as the next one runs, so only one layer's and the
+    logits grow with the micro-batch, while a training micro-batch keeps every layer's until its backward;
+    larger no-grad micro-batches run larger matmuls in fewer calls (verl's separate log-prob micro-batch size)."""
+    b = cfg.backend_config
+    t, model = b.training, b.model
+    tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
+    vit_layers = model.image_encoder.vision_encoder.pipeline_num_layers
+    llm_layers = model.text_decoder.pipeline_num_layers
+    one = [[min(n, 1) for n in layers] for layers in (vit_layers, llm_layers)]  # a frozen ViT's count 0 either way
+    logits = 4 * logit_tokens(cfg) * model.text_decoder.vocab_size / tp  # one fp32 copy of the response logits
+    scales = []
+    for s in range(pp):
+        last = s == pp - 1
+        kept = _stage_activations(cfg, s, vit_layers, llm_layers, tp, cp) + (2 * logits if last else 0.0)
+        # the pass's peak: one layer's activations, and on the last stage the logits, their fp32 copy and the
+        # exponentials of the log-softmax (mm_rl.models.qwen_vl.logprobs)
+        passing = _stage_activations(cfg, s, *one, tp, cp) + (3 * logits if last else 0.0)
+        if passing > 0:
+            scales.append(int(kept // passing))
+    share = -(-b.rl_config.rollout_batch_size * b.rl_config.n_samples_per_prompt // topology(cfg).dp)
+    return max(1, min([*scales, -(-share // b.actor_config.micro_batch_size)]))
+
+
 def image_tokens(cfg: JobConfig) -> int:
     """LLM tokens of a typical image: one at min_pixels (small geometry figures are scaled up to it)."""
     vit = cfg.backend_config.model.image_encoder.vision_encoder

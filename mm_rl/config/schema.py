@@ -299,7 +299,8 @@ class ActorConfig:
     log_prob_max_tokens_per_micro_batch: int | None = opt(
         None,
         "the same for the no-grad log-prob passes (no activations kept for a backward: it can be larger); "
-        "null: max_tokens_per_micro_batch",
+        "null: the update's micro-batch (budget or micro_batch_size) times the most that fit where one training "
+        "micro-batch does (the memory plan's log-prob scale)",
     )
     lr: float = opt(1e-6, "peak learning rate")
     min_lr: float = opt(0.0, "learning rate floor of the decay")
@@ -315,12 +316,6 @@ class ActorConfig:
     def trains_vision(self) -> bool:
         """The ViT's output changes during training (unfrozen, or adapted): no frozen-ViT caches then."""
         return self.unfreeze_vision_encoder or (self.lora.enabled and self.lora.vision)
-
-    def token_budget(self, grad: bool) -> int | None:
-        """Tokens per micro-batch of the update (``grad``) or of a log-prob pass; None: micro_batch_size rows."""
-        if grad or self.log_prob_max_tokens_per_micro_batch is None:
-            return self.max_tokens_per_micro_batch
-        return self.log_prob_max_tokens_per_micro_batch
 
 
 # ------------------------------------------------------------------------------------------ data

@@ -415,14 +415,15 @@ class GRPOTrainer:
         _store(runs, self.roles.log_probs(role, batches, temperature), name)
 
     def _cut(self, samples: Sequence[Sample], replicas: int, grad: bool) -> list[list[list[Sample]]]:
-        """Per DP replica, the runs of samples that become its micro-batches: ``micro_batch_size`` samples of an
-        equal, contiguous shard each, or with a token budget (``max_tokens_per_micro_batch`` for the update,
-        ``log_prob_max_tokens_per_micro_batch`` for a log-prob pass) runs up to the budget of token-balanced
-        shards."""
+        """Per DP replica, the runs of samples that become its micro-batches (the plan's
+        :func:`~mm_rl.config.plan.micro_batch_limits`): as few runs of at most its samples as hold an equal,
+        contiguous shard, evenly sized, or with a token budget runs up to the budget of token-balanced shards."""
+        from mm_rl.config.plan import micro_batch_limits
+
         actor = self.job.backend_config.actor_config
-        budget = actor.token_budget(grad)
+        budget, rows = micro_batch_limits(self.job, grad)
         if budget is None:
-            runs = [by_count(shard, actor.micro_batch_size) for shard in _split(samples, replicas)]
+            runs = [by_count(shard, _even(len(shard), rows)) for shard in _split(samples, replicas)]
         else:
             runs = [by_tokens(shard, budget, actor.remove_padding) for shard in balanced_shards(samples, replicas)]
         return same_run_count(runs) if actor.expert_model_parallel_size > 1 else runs
@@ -638,6 +639,12 @@ def _split(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
     micro-batch rather than once per sample."""
     size = math.ceil(len(samples) / parts)
     return [list(samples[i * size : (i + 1) * size]) for i in range(parts)]
+
+
+def _even(count: int, most: int) -> int:
+    """The size of as few equal runs of ``count`` samples as keep each within ``most``: 32 within 24 -> 16 + 16, not
+    24 + 8 (a micro-batch costs about its size, and the shorter run's fixed costs are paid either way)."""
+    return -(-count // max(1, -(-count // most)))
 
 
 def _store(
