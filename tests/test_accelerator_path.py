@@ -212,7 +212,8 @@ def test_log_prob_micro_batches_grow_only_as_far_as_a_training_micro_batch_holds
     exponentials too), a training micro-batch every layer's and the logits with their gradient: 7B at TP 2 (28
     layers on one stage) takes several update micro-batches per log-prob one; at PP 4 with responses filling the
     sequences' rest (7 layers beside 152k-column logits on the last stage) only one; never more than a DP replica's
-    share of the step. A set log-prob budget wins; a training budget scales like micro_batch_size."""
+    share of the step, and under PP no fewer micro-batches than stages. A set log-prob budget wins; a training
+    budget scales like micro_batch_size."""
     from mm_rl.config.plan import log_prob_scale, micro_batch_limits
 
     actor, rl, model = "backend_config.actor_config", "backend_config.rl_config", "backend_config.model"
@@ -232,6 +233,15 @@ def test_log_prob_micro_batches_grow_only_as_far_as_a_training_micro_batch_holds
     gbs = "backend_config.megatron_training.global_batch_size"
     share = _plan_job(**{f"{rl}.rollout_batch_size": 1, f"{rl}.n_samples_per_prompt": 8, gbs: 8})
     assert mbs == 1 and _dp(share) == 4 and log_prob_scale(share) == 2 < scale  # 8 samples, 2 per replica
+    stages = {
+        f"{actor}.pipeline_model_parallel_size": 2,
+        f"{model}.text_decoder.pipeline_num_layers": "[14,14]",
+        f"{model}.image_encoder.vision_encoder.pipeline_num_layers": "[32,0]",
+        "backend_config.generate_config.sampling_config.max_tokens": 128,  # few logits: memory allows 7
+    }
+    assert log_prob_scale(_plan_job(**stages)) == 7
+    small = _plan_job(**stages, **{f"{rl}.rollout_batch_size": 1, f"{rl}.n_samples_per_prompt": 8, gbs: 8})
+    assert _dp(small) == 2 and log_prob_scale(small) == 2  # 4 samples per replica, a micro-batch per stage
     budget = _plan_job(**{f"{actor}.max_tokens_per_micro_batch": 4096})
     assert micro_batch_limits(budget, False) == (4096 * log_prob_scale(budget), mbs * log_prob_scale(budget))
     own = _plan_job(

@@ -251,7 +251,8 @@ def micro_batch_limits(cfg: JobConfig, grad: bool) -> tuple[int | None, int]:
 
 def log_prob_scale(cfg: JobConfig) -> int:
     """How many of the update's micro-batches a log-prob pass takes at once: the most whose pass holds no more on
-    any pipeline stage than one training micro-batch does, and no more than a DP replica's share of the step.
+    any pipeline stage than one training micro-batch does, and no more than a DP replica's share of the step (a
+    PP-th of it under pipeline parallelism, which needs a micro-batch per stage to keep every stage busy).
     Without a backward each layer's activations are freed as the next one runs, so only one layer's and the
     logits grow with the micro-batch, while a training micro-batch keeps every layer's until its backward;
     larger no-grad micro-batches run larger matmuls in fewer calls (verl's separate log-prob micro-batch size)."""
@@ -271,8 +272,9 @@ def log_prob_scale(cfg: JobConfig) -> int:
         passing = _stage_activations(cfg, s, *one, tp, cp) + (3 * logits if last else 0.0)
         if passing > 0:
             scales.append(int(kept // passing))
+    # a replica's share of the step, in at least PP micro-batches: fewer would leave pipeline stages idle
     share = -(-b.rl_config.rollout_batch_size * b.rl_config.n_samples_per_prompt // topology(cfg).dp)
-    return max(1, min([*scales, -(-share // b.actor_config.micro_batch_size)]))
+    return max(1, min([*scales, -(-share // pp // b.actor_config.micro_batch_size)]))
 
 
 def image_tokens(cfg: JobConfig) -> int:
