@@ -226,6 +226,29 @@ def test_the_engines_thread_binding_warning_is_dropped():
     assert drop.filter(record("libtcmalloc is not found in LD_PRELOAD."))
 
 
+def test_a_partial_weight_reload_mutes_only_vllms_per_layer_warnings_and_keeps_the_loggers_caches(caplog):
+    """During a reload the reload loggers' warnings (a layer the push did not carry) are dropped, their errors and
+    every other logger's warnings kept, and afterwards all is as before; no logger's level cache is cleared (a
+    level change would clear every logger's, ~1 ms each time with vLLM's, torch's and Ray's loggers loaded)."""
+    from mm_rl.rollout.vllm_engine import _RELOAD_LOGGERS, _quiet_reload
+
+    reload, other = logging.getLogger(_RELOAD_LOGGERS[0]), logging.getLogger("mm_rl.test.other")
+    with caplog.at_level(logging.INFO):
+        assert other.isEnabledFor(logging.WARNING) and other._cache  # logging caches the answer per logger
+        cache = dict(other._cache)
+        with _quiet_reload():
+            reload.warning("layer 3 got no tensor")
+            reload.error("a real failure")
+            other.warning("another module's warning")
+        assert other._cache == cache
+        reload.warning("after the reload")
+    assert [r.getMessage() for r in caplog.records] == [
+        "a real failure",
+        "another module's warning",
+        "after the reload",
+    ]
+
+
 # --------------------------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_an_interrupt_in_start_up_stops_the_local_ray(tiny_base, tmp_path, monkeypatch, capfd):
