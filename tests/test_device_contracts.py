@@ -81,13 +81,11 @@ def micro_batches() -> tuple[list[dict[str, torch.Tensor]], dict[int, tuple[torc
 def _received(value: Any) -> Any:
     """``value`` as a rank's process receives it: packed by the driver (``Packed``), its one buffer mapped read-only
     from Ray's object store, unpacked into views of the rank's own host buffer."""
-    import pickle
+    from ray_utils import through_object_store
 
     from mm_rl.platform.transfer import Packed
 
-    buffers: list[pickle.PickleBuffer] = []
-    data = pickle.dumps(Packed(value), protocol=5, buffer_callback=buffers.append)
-    return pickle.loads(data, buffers=[memoryview(b).toreadonly() for b in buffers])
+    return through_object_store(Packed(value))[0]
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from omegaconf import OmegaConf
+from ray_utils import through_object_store
 
 from mm_rl.platform.transfer import Packed, image_inputs
 from mm_rl.trainer.batch import (
@@ -162,10 +163,8 @@ def test_micro_batches_and_images_cross_processes_as_one_packed_buffer():
         "images": step_images(samples, items),
         "odd": (torch.randn(4, 6).to(torch.bfloat16)[:, ::2], torch.tensor(3.0), torch.zeros(0, 4), "text", 7),
     }
-    buffers: list[pickle.PickleBuffer] = []
-    data = pickle.dumps(Packed(value), protocol=5, buffer_callback=buffers.append)
-    assert len(buffers) == 1
-    out = pickle.loads(data, buffers=[memoryview(b).toreadonly() for b in buffers])
+    out, buffers = through_object_store(Packed(value))
+    assert buffers == 1
 
     def same(got, want):
         assert type(got) is type(want)
@@ -184,9 +183,7 @@ def test_micro_batches_and_images_cross_processes_as_one_packed_buffer():
     first.add_(1)  # writable, and the sender's tensor is its own
     assert torch.equal(first, batches[0]["input_ids"] + 1)
     nothing = {0: (torch.zeros(0, 8), torch.zeros(0, 3, dtype=torch.long))}  # a text-only step: only empty tensors
-    buffers = []
-    data = pickle.dumps(Packed(nothing), protocol=5, buffer_callback=buffers.append)
-    same(pickle.loads(data, buffers=[memoryview(b).toreadonly() for b in buffers]), nothing)
+    same(through_object_store(Packed(nothing))[0], nothing)
     with pytest.raises(ValueError, match="meta tensor cannot travel packed"):
         pickle.dumps(Packed([torch.zeros(2, device="meta")]), protocol=5)
 
