@@ -182,6 +182,24 @@ def _start(worker_cls: Any, mm_root: str, port: int) -> Any:
     return worker
 
 
+def _process_groups() -> dict[str, Any]:
+    """Megatron's groups on this rank (name -> size), which of them are one process group object, and the gloo
+    event-loop threads of the process (one per gloo process group; each wakes every 10 ms while idle)."""
+    from megatron.core import parallel_state
+
+    names = ("tensor_model_parallel", "pipeline_model_parallel", "data_parallel", "context_parallel")
+    groups = {name: getattr(parallel_state, f"get_{name}_group")() for name in names}
+    groups |= {"expert_model_parallel": parallel_state.get_expert_model_parallel_group()}
+    threads = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+    return {
+        "sizes": {name: group.size() for name, group in groups.items()},
+        "same": sorted(
+            sorted(n for n in groups if groups[n] is group) for group in {id(g): g for g in groups.values()}.values()
+        ),
+        "gloo_loops": threads.count("gloo_tcp_loop"),
+    }
+
+
 def _error(run: Any) -> str | None:
     """None when ``run()`` mixes no devices, else the DeviceMismatch's message (op and caller)."""
     try:
@@ -215,7 +233,7 @@ def _log_prob_rank(rank: int, world: int, port: int, mm_root: str, out_dir: str)
     (batches, images), mm = micro_batches(), str(Path(mm_root) / "mm")
     worker.set_images(images)
     worker.build(mm)
-    result: dict[str, Any] = {"plain": worker.compute_log_probs(batches)}
+    result: dict[str, Any] = {"plain": worker.compute_log_probs(batches), "groups": _process_groups()}
     with labelled_device("cuda:0"):
         worker.build(mm)  # as on a GPU: megatron allocates its layers on the device, build() moves the rest
         result["left_on_host"] = plain_tensors(worker.model)
@@ -297,6 +315,16 @@ def test_without_to_host_the_results_would_reach_the_driver_on_the_device(log_pr
     assert "result[0] is on cuda:0" in log_prob_run["without_to_host"]
 
 
+def test_a_one_rank_world_runs_megatrons_groups_on_one_process_group(log_prob_run):
+    """Megatron makes some twenty groups; in a world of one each is a one-rank group and over gloo each would keep
+    an event loop waking every 10 ms beside the rank's compute threads: they share one process group (and
+    megatron's gloo copies of its data-parallel groups, which the checkpoint never uses, are not made)."""
+    groups = log_prob_run["groups"]
+    assert set(groups["sizes"].values()) == {1}
+    assert len(groups["same"]) == 1, groups["same"]
+    assert groups["gloo_loops"] <= 2, groups  # the world's group and the one-rank groups' (21 before)
+
+
 def test_a_rank_builds_its_whole_model_on_its_device(log_prob_run):
     """On a GPU, megatron allocates its layers' weights on the current device, but torch.nn modules (the RMSNorm
     weights, the ViT's patch-embedding Conv3d) are created on the host, and megatron-core leaves moving the model
@@ -319,7 +347,7 @@ def _tp2_log_prob_rank(rank: int, world: int, port: int, mm_root: str, out_dir: 
     (batches, images), mm = micro_batches(), str(Path(mm_root) / "mm_tp2")
     worker.set_images(images)
     worker.build(mm)
-    result: dict[str, Any] = {"plain": worker.compute_log_probs(batches)}
+    result: dict[str, Any] = {"plain": worker.compute_log_probs(batches), "groups": _process_groups()}
     with labelled_device("cuda:0"):
         worker.build(mm)
         worker.set_images(images)
@@ -336,6 +364,9 @@ def test_tp2_ranks_under_sequence_parallelism_keep_their_tensors_on_the_device(m
     back on the host equal to the plain TP2 run's."""
     spawn(_tp2_log_prob_rank, 2, str(mm_dir), str(tmp_path))
     first, second = load_rank_results(tmp_path, 2)
+    for groups in (first["groups"], second["groups"]):  # the TP group its own; the one-rank groups one between them
+        assert groups["sizes"]["tensor_model_parallel"] == 2, groups
+        assert ["tensor_model_parallel"] in groups["same"] and len(groups["same"]) == 2, groups
     assert first["labelled_on_host"] is None and second["labelled"] is second["plain"] is None
     assert len(first["plain"]) == 4
     for ours, reference in zip(first["labelled"], first["plain"], strict=True):

@@ -31,6 +31,12 @@ How:
 MoE: the router, the local experts and the all-to-all token dispatcher (which copies its split sizes to the host
 on a side stream: on CPU the stream, its events and ``torch.cuda.stream`` are no-ops, the copies synchronous; under
 TP x EP its uneven gathers over the TP group, which gloo refuses, are padded: :func:`_install_uneven_gloo_collectives`).
+Process groups: megatron creates some twenty groups per rank, most of them of one rank when the layout is small
+(a single-rank actor: all of them). Over gloo each group is a device whose event loop wakes every 10 ms while idle
+(gloo/transport/tcp/loop.cc: ``epoll_wait(..., 10)``) plus two worker threads: ~1.2 ms of CPU a second per group,
+and each wake-up preempts a compute thread of a rank whose two OpenMP threads then wait for each other. On CPU the
+groups of one rank share one process group per rank (:func:`_install_shared_singleton_groups`); a group of one rank
+has no peer, so its collectives are local whichever group object carries them.
 Not bridged (not used on CPU): Transformer Engine, apex fusions, FSDP, other MoE token dispatchers, CUDA graphs
 (their static inputs are the only CUDA calls in transformer.module / transformer_layer), activation
 offloading, context parallelism, inference contexts, dist_checkpointing and ``enable_autocast`` (the
@@ -406,6 +412,25 @@ def _install_uneven_gloo_collectives() -> None:
     _rebind_everywhere(scatter, reduced_share)
 
 
+def _install_shared_singleton_groups() -> None:
+    """``parallel_state.create_group`` of a one-rank list returns the group made for that rank the first time (see
+    the module docstring: each gloo group's idle loop costs CPU). Every rank makes the same calls in the same order
+    (megatron builds every group on every rank), so every rank skips the same ``new_group`` calls."""
+    module = importlib.import_module("megatron.core.parallel_state")
+    create, made = module.create_group, {}
+
+    @functools.wraps(create)
+    def shared_singleton(ranks: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if ranks is None or len(ranks) != 1:
+            return create(ranks, *args, **kwargs)
+        key = (int(ranks[0]), kwargs.get("backend"))
+        if key not in made:
+            made[key] = create(ranks, *args, **kwargs)
+        return made[key]
+
+    _rebind_everywhere(create, shared_singleton)
+
+
 def define_missing_te_gemm() -> None:
     """megatron-core 0.16.1's ``moe_utils`` imports ``te_general_gemm`` inside a try block and later tests
     ``te_general_gemm is not None`` in the router's gating linear: without Transformer Engine the name is
@@ -432,4 +457,5 @@ def install() -> None:
     _install_tensor_method_bridges()
     _install_moe_host_copy()
     _install_uneven_gloo_collectives()
+    _install_shared_singleton_groups()
     _installed = True

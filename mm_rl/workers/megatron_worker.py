@@ -148,6 +148,9 @@ class MegatronWorker:
             context_parallel_size=spec.cp,
             expert_model_parallel_size=spec.ep,
             get_embedding_ranks=family_of(spec.model).embedding_ranks(spec.model),
+            # megatron's gloo copies of its data-parallel groups serve only its dp-zero optimizer-state gather,
+            # which the checkpoint does not use (each rank writes its own shard): no idle gloo loops for them
+            create_gloo_process_groups=False,
         )
         model_parallel_cuda_manual_seed(spec.seed)
         self.coords = RankCoords(

@@ -117,7 +117,9 @@ class TrainingWorker(MegatronWorker):
             params_dtype=model.config.params_dtype,
             use_distributed_optimizer=spec.use_distributed_optimizer,
         )
-        self.optimizer = get_megatron_optimizer(config, [self.ddp], config_overrides=_overrides(config, spec))
+        self.optimizer = get_megatron_optimizer(
+            config, [self.ddp], config_overrides=_overrides(config, spec), use_gloo_process_groups=False
+        )
         from mm_rl.platform.device import device_kind
 
         if device_kind() in ("cuda", "cpu"):
