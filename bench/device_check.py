@@ -24,7 +24,10 @@ Checks, each one line (ok / skip with the reason / FAIL with the error), exit st
    Qwen3.5, runs its Gated DeltaNet layers on packed sequences and names the kernel: fla's on CUDA when installed,
    megatron-core's torch reference otherwise);
 6. timed_update: actor updates at real widths (4 LLM layers of Qwen2.5-VL-7B, ~4k packed tokens of 4 sequences):
-   seconds per update, achieved TFLOP/s and MFU against the device's bf16 dense peak.
+   seconds per update, achieved TFLOP/s and MFU against the device's bf16 dense peak;
+7. log_prob_memory: the memory plan's log-prob micro-batches (``log_prob_scale`` update micro-batches at once, no
+   grad) peak no higher on the device's allocator than one update micro-batch (forward, backward, optimizer step),
+   both above what the weights, gradients and Adam state hold, at the plan's longest samples.
 """
 
 from __future__ import annotations
@@ -435,6 +438,87 @@ def _timed(out: str, dry_run: bool) -> str:
             f"{kind}: {seconds:.3f} s per update, {tflops:.1f} TFLOP/s on {name}, {mfu}")  # fmt: skip
 
 
+def _memory_job(dry_run: bool) -> Any:
+    """The Qwen2.5-VL-7B job on one device with an 8-layer LLM of hidden 1024 and a 32k vocabulary (4 layers of
+    hidden 128 and 1k in the dry run) and a one-block ViT: wide enough that activations and logits dwarf the
+    allocator's own, and a plan whose log-prob micro-batches hold several update micro-batches."""
+    from mm_rl.job.create import ClusterSpec, create_job
+    from mm_rl.platform.device import device_kind
+
+    layers, hidden, vocab = (4, 128, 1000) if dry_run else (8, 1024, 32000)
+    head, text, vision = hidden // 8, "backend_config.model.text_decoder", "backend_config.model.image_encoder"
+    overrides = {
+        f"{text}.num_layers": layers,
+        f"{text}.pipeline_num_layers": f"[{layers}]",
+        f"{text}.hidden_size": hidden,
+        f"{text}.ffn_hidden_size": hidden * 11 // 4,
+        f"{text}.num_attention_heads": 8,
+        f"{text}.num_query_groups": 2,
+        f"{text}.kv_channels": head,
+        f"{text}.mrope_section": f"[{head // 8},{3 * head // 16},{3 * head // 16}]",
+        f"{text}.vocab_size": vocab,
+        f"{vision}.vision_encoder.num_layers": 1,
+        f"{vision}.vision_encoder.pipeline_num_layers": "[1]",
+        f"{vision}.vision_encoder.fullatt_block_indexes": "[0]",
+        f"{vision}.vision_projector.hidden_size": hidden,
+        "backend_config.actor_config.tensor_model_parallel_size": 1,
+        "backend_config.actor_config.micro_batch_size": 2,
+        "backend_config.generate_config.sampling_config.max_tokens": 32 if dry_run else 256,
+        "backend_config.data.dataset_param.preprocess_parameters.max_prompt_length": 64 if dry_run else 1024,
+    }
+    cluster = ClusterSpec(nnodes=1, nproc_per_node=1, device=device_kind())
+    return create_job("qwen2_5_vl_7b", "geo3k", cluster, overrides=[f"{k}={v}" for k, v in overrides.items()])[1]
+
+
+def _log_prob_memory(dry_run: bool) -> str:
+    """Peak bytes above the trained state of one update micro-batch and of one log-prob micro-batch of the plan."""
+    import torch
+
+    from mm_rl.config.plan import log_prob_scale
+    from mm_rl.platform.device import device_kind, setup_process
+    from mm_rl.trainer.batch import step_images
+
+    setup_process()
+    job = _memory_job(dry_run)
+    b, kind = job.backend_config, device_kind()
+    scale, mbs = log_prob_scale(job), b.actor_config.micro_batch_size
+    prompt, response = b.data.dataset_param.preprocess_parameters.max_prompt_length, b.response_tokens
+    model = b.model
+    worker = _worker(model, bf16=kind != "cpu")
+    samples, passing = _samples([(prompt, response)] * (scale * mbs), model.text_decoder.vocab_size, seed=3)
+    _, training = _samples([(prompt, response)] * mbs, model.text_decoder.vocab_size, seed=3)
+    worker.set_images(step_images(samples, {s.index: _no_image() for s in samples}))
+    worker.build(None)
+    worker.setup_training(_optimizer(4))
+    loss = _loss(response)
+    worker.train_mini_batch(training, loss, float(mbs))  # Adam's state allocated: part of what the run holds
+    if kind == "cpu":
+        worker.compute_log_probs(passing)
+        torch.distributed.destroy_process_group()
+        return f"scale {scale}: an update of {mbs} samples and a log-prob pass of {scale * mbs} ran; no allocator here"
+    accelerator = getattr(torch, kind)
+
+    def peak(run: Callable[[], Any]) -> int:
+        accelerator.synchronize()
+        accelerator.reset_peak_memory_stats()
+        held = accelerator.memory_allocated()
+        run()
+        accelerator.synchronize()
+        return int(accelerator.max_memory_allocated() - held)
+
+    update = peak(lambda: worker.train_mini_batch(training, loss, float(mbs)))
+    log_probs = peak(lambda: worker.compute_log_probs(passing))
+    torch.distributed.destroy_process_group()
+    sizes = f"samples of {prompt} + {response} tokens, vocab {model.text_decoder.vocab_size}"
+    assert scale >= 2, f"the plan takes {scale} micro-batch per log-prob pass here: nothing to check"
+    assert log_probs <= update, (
+        f"a log-prob pass of {scale} x {mbs} samples peaked {log_probs / 2**20:.0f} MiB above the trained state, "
+        f"an update micro-batch of {mbs} {update / 2**20:.0f} MiB ({sizes})"
+    )
+    return (f"scale {scale}: log-prob pass of {scale * mbs} samples {log_probs / 2**20:.0f} MiB <= update "
+            f"micro-batch of {mbs} {update / 2**20:.0f} MiB above the trained state ({sizes})")  # fmt: skip
+
+
 def _in_child(fn: Callable[..., str], *args: Any) -> str:
     """``fn`` in a fresh process (its process group and megatron state die with it)."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
@@ -457,6 +541,10 @@ def check_timed_update(ctx: Context) -> str:
     return _in_child(_timed, str(ctx.out), ctx.dry_run)
 
 
+def check_log_prob_memory(ctx: Context) -> str:
+    return _in_child(_log_prob_memory, ctx.dry_run)
+
+
 CHECKS: dict[str, Callable[[Context], str]] = {
     "transfers": check_transfers,
     "ipc_bucket": check_ipc_bucket,
@@ -466,6 +554,7 @@ CHECKS: dict[str, Callable[[Context], str]] = {
     "rank_moe": check_rank_moe,
     "rank_hybrid": check_rank_hybrid,
     "timed_update": check_timed_update,
+    "log_prob_memory": check_log_prob_memory,
 }
 
 

@@ -46,6 +46,11 @@ def test_the_device_check_rehearses_on_cpu_without_ray_or_vllm(tmp_path):
         "rank_moe": "ok",
         "rank_hybrid": "ok",
         "timed_update": "ok",
+        "log_prob_memory": "ok",
     }
     assert "expert load max" in next(line for line in lines if "rank_moe" in line)
     assert "Gated DeltaNet kernel: megatron-core" in next(line for line in lines if "rank_hybrid" in line)
+    # the plan's log-prob micro-batches hold several update micro-batches there: the device compares their peaks
+    assert "scale 3: an update of 2 samples and a log-prob pass of 6 ran" in next(
+        line for line in lines if "log_prob_memory" in line
+    )
