@@ -413,16 +413,20 @@ def _install_uneven_gloo_collectives() -> None:
 
 
 def _install_shared_singleton_groups() -> None:
-    """``parallel_state.create_group`` of a one-rank list returns the group made for that rank the first time (see
-    the module docstring: each gloo group's idle loop costs CPU). Every rank makes the same calls in the same order
-    (megatron builds every group on every rank), so every rank skips the same ``new_group`` calls."""
+    """``parallel_state.create_group`` of a one-rank list returns the group made for that rank the first time in this
+    world (see the module docstring: each gloo group's idle loop costs CPU). Every rank makes the same calls in the
+    same order (megatron builds every group on every rank), so every rank skips the same ``new_group`` calls; a world
+    destroyed and joined again starts over."""
     module = importlib.import_module("megatron.core.parallel_state")
-    create, made = module.create_group, {}
+    create, made = module.create_group, dict[Any, Any]()
 
     @functools.wraps(create)
     def shared_singleton(ranks: Any = None, *args: Any, **kwargs: Any) -> Any:
         if ranks is None or len(ranks) != 1:
             return create(ranks, *args, **kwargs)
+        if made.get("world") is not torch.distributed.group.WORLD:  # another world: its groups, not the old ones
+            made.clear()
+            made["world"] = torch.distributed.group.WORLD
         key = (int(ranks[0]), kwargs.get("backend"))
         if key not in made:
             made[key] = create(ranks, *args, **kwargs)
