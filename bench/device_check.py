@@ -482,6 +482,7 @@ def _log_prob_memory(dry_run: bool) -> str:
     job = _memory_job(dry_run)
     b, kind = job.backend_config, device_kind()
     scale, mbs = log_prob_scale(job), b.actor_config.micro_batch_size
+    assert scale >= 2, f"the plan takes {scale} micro-batch per log-prob pass here: nothing to check"
     prompt, response = b.data.dataset_param.preprocess_parameters.max_prompt_length, b.response_tokens
     model = b.model
     worker = _worker(model, bf16=kind != "cpu")
@@ -510,7 +511,6 @@ def _log_prob_memory(dry_run: bool) -> str:
     log_probs = peak(lambda: worker.compute_log_probs(passing))
     torch.distributed.destroy_process_group()
     sizes = f"samples of {prompt} + {response} tokens, vocab {model.text_decoder.vocab_size}"
-    assert scale >= 2, f"the plan takes {scale} micro-batch per log-prob pass here: nothing to check"
     assert log_probs <= update, (
         f"a log-prob pass of {scale} x {mbs} samples peaked {log_probs / 2**20:.0f} MiB above the trained state, "
         f"an update micro-batch of {mbs} {update / 2**20:.0f} MiB ({sizes})"

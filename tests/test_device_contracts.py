@@ -190,12 +190,13 @@ def _process_groups() -> dict[str, Any]:
     names = ("tensor_model_parallel", "pipeline_model_parallel", "data_parallel", "context_parallel")
     groups = {name: getattr(parallel_state, f"get_{name}_group")() for name in names}
     groups |= {"expert_model_parallel": parallel_state.get_expert_model_parallel_group()}
+    sharing: dict[int, list[str]] = {}
+    for name, group in groups.items():
+        sharing.setdefault(id(group), []).append(name)
     threads = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
     return {
         "sizes": {name: group.size() for name, group in groups.items()},
-        "same": sorted(
-            sorted(n for n in groups if groups[n] is group) for group in {id(g): g for g in groups.values()}.values()
-        ),
+        "same": sorted(sharing.values()),
         "gloo_loops": threads.count("gloo_tcp_loop"),
     }
 

@@ -418,15 +418,17 @@ def _install_shared_singleton_groups() -> None:
     same order (megatron builds every group on every rank), so every rank skips the same ``new_group`` calls; a world
     destroyed and joined again starts over."""
     module = importlib.import_module("megatron.core.parallel_state")
-    create, made = module.create_group, dict[Any, Any]()
+    create = module.create_group
+    made: dict[tuple[int, Any], Any] = {}  # (rank, backend) -> its group, in the world ``made_in``
+    made_in: list[Any] = [None]
 
     @functools.wraps(create)
     def shared_singleton(ranks: Any = None, *args: Any, **kwargs: Any) -> Any:
         if ranks is None or len(ranks) != 1:
             return create(ranks, *args, **kwargs)
-        if made.get("world") is not torch.distributed.group.WORLD:  # another world: its groups, not the old ones
+        if made_in[0] is not torch.distributed.group.WORLD:  # another world: its groups, not the old ones
             made.clear()
-            made["world"] = torch.distributed.group.WORLD
+            made_in[0] = torch.distributed.group.WORLD
         key = (int(ranks[0]), kwargs.get("backend"))
         if key not in made:
             made[key] = create(ranks, *args, **kwargs)
