@@ -233,6 +233,26 @@ def test_model_parallel_actor_trains(assets, tmp_path, layout, rank_dirs):
     assert (result.hf_dir / "lora_adapter" / "adapter_model.safetensors").is_file() == (LORA[0] in layout)
 
 
+def test_a_data_problem_stops_the_job_before_any_role_starts(assets, tmp_path):
+    """The prompts load while Ray starts (``build_trainer``); a data set no row of which fits still ends the job
+    with check's error before any role's process starts, and the local Ray it started is stopped."""
+    import ray
+
+    from mm_rl.config.loader import ConfigError
+    from mm_rl.job.run import run_job
+
+    job_yaml, root = assets
+    key = "backend_config.data.dataset_param.preprocess_parameters.max_prompt_length"
+    lines: list[str] = []
+    with pytest.raises(ConfigError) as err:
+        run_job(job_for(job_yaml, root, tmp_path / "run", f"{key}=10"), report=lines.append)
+    (problem,) = err.value.violations
+    assert problem.key == key and "longer than max_prompt_length=10" in problem.rule
+    assert any(line.startswith("ray: ") for line in lines)  # Ray started beside the prompts
+    assert not any(line.startswith(("actor: ", "reference: ", "rollout: ")) for line in lines), lines
+    assert not ray.is_initialized()
+
+
 LEARNING = (
     "backend_config.rl_config.rollout_batch_size=8",
     "backend_config.megatron_training.global_batch_size=32",

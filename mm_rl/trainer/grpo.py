@@ -110,12 +110,19 @@ def sampling_seed(seed: int, step: int, batch: int) -> int:
 
 
 def build_trainer(job: JobConfig, mm_dir: str | Path, report: Callable[[str], None] = print) -> GRPOTrainer:
-    """The trainer of a validated job on Ray: its prompts (processor, data sets, sampler) first, so that a data
-    problem shows before any process starts, then every role."""
+    """The trainer of a validated job on Ray: its prompts (processor, data sets, sampler) and every role.
+
+    The prompts load in a thread while Ray starts (both take seconds, the prompts mostly transformers' imports on
+    one core, Ray's start mostly its daemons starting on the others), and the roles wait for them: a data problem
+    still stops the start before any role's process starts."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from mm_rl.trainer.ray_roles import RayRoles
 
-    prompts = PromptSource.from_job(job)
-    return GRPOTrainer(job, RayRoles(job, Path(mm_dir), report), prompts, report=report)
+    with ThreadPoolExecutor(1, thread_name_prefix="prompts") as pool:
+        prompts = pool.submit(PromptSource.from_job, job)
+        roles = RayRoles(job, Path(mm_dir), report, before_roles=prompts.result)
+    return GRPOTrainer(job, roles, prompts.result(), report=report)
 
 
 class GRPOTrainer:

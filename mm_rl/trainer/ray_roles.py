@@ -41,9 +41,16 @@ logger = logging.getLogger(__name__)
 
 
 class RayRoles:
-    """Starts every role of the job; ``close`` ends them. ``report`` receives the start-up lines for the user."""
+    """Starts every role of the job; ``close`` ends them. ``report`` receives the start-up lines for the user;
+    ``before_roles`` runs once Ray is up, before any role starts (the job's own preparation, which may fail)."""
 
-    def __init__(self, job: JobConfig, mm_dir: Path, report: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        job: JobConfig,
+        mm_dir: Path,
+        report: Callable[[str], None],
+        before_roles: Callable[[], object] = lambda: None,
+    ) -> None:
         self.job, self.report = job, report
         self.actor: Any = None
         self.ref: Any = None
@@ -55,7 +62,7 @@ class RayRoles:
         self.vision_from: Role | None = None  # the role whose ranks encoded this step's images first
         self.vision_given: set[Role] = set()
         try:
-            self._start(mm_dir)
+            self._start(mm_dir, before_roles)
         except BaseException:
             self.close(graceful=False)
             raise
@@ -71,11 +78,12 @@ class RayRoles:
         lora, rl = b.actor_config.lora, b.rl_config
         return lora.enabled and not lora.separate_reference and (rl.use_kl_loss or rl.use_kl_in_reward)
 
-    def _start(self, mm_dir: Path) -> None:
+    def _start(self, mm_dir: Path, before_roles: Callable[[], object]) -> None:
         self.resources = plan_resources(self.job)
         self._notices()
         self.connection = connect(self.job, self.resources)
         self.report(f"ray: {self.connection.where}")
+        before_roles()
         self.placement = make_placement(self.resources, with_rollout=True, report=self.report)
         self.plan = self._plan()
         # Every role's processes start side by side (a start is mostly imports), and the models are built last:
