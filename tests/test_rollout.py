@@ -194,6 +194,19 @@ def test_vllm_prompt_ids_equal_the_actors_and_a_mismatch_raises(vllm_engine, ite
         vllm_engine.generate([dataclasses.replace(request, prompt_ids=one_pad_more)], SamplingConfig(max_tokens=2, n=1))
 
 
+def test_vllm_on_cpu_compiles_nothing(vllm_engine, config, requests_):
+    """On CPU the engine runs eagerly, vLLM's ``torch.compile``-decorated helpers too (the sampler's rank of the
+    sampled token, the Gated DeltaNet's input split): a generate compiles no graph, even with torch's compile caches
+    emptied (the sampler's first compile cost each engine's first generate ~2 s; ``compiled_helpers_run_eagerly``)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    assert vllm_engine.generate(requests_[:2], config.sampling_config)[0].samples[0].logprobs.numel() > 0
+    assert counters["stats"]["unique_graphs"] == before
+
+
 def test_greedy_vllm_equals_hf(vllm_engine, hf_engine, config, requests_):
     spec = sampling_for(config, validation=True)
     assert spec.greedy and spec.n == 1 and spec.max_tokens == MAX_TOKENS

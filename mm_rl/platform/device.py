@@ -225,6 +225,22 @@ def keep_freed_host_memory() -> bool:
     )
 
 
+def compiled_helpers_run_eagerly() -> None:
+    """CPU: the libraries' ``torch.compile``-decorated helpers run as the plain code they decorate, in this process
+    (``torch.compiler.set_stance("force_eager")``) and in the processes it starts (``TORCH_COMPILE_DISABLE``, which
+    torch reads when it is imported there: vLLM's engine core and TP workers).
+
+    Eager is what runs on CPU anyway (vLLM's ``enforce_eager``, megatron-core without fused kernels), but helpers
+    keep their own ``torch.compile``: megatron-core's ``jit_fuser`` (MoE routing and dispatch, the Gated DeltaNet,
+    the attention output gate; megatron/core/jit.py) and vLLM's sampler rank count (``batched_count_greater_than``,
+    vllm/v1/sample/ops/logprobs.py) and Gated DeltaNet input split (qwen_gdn_linear_attn.py). Each compiled on its
+    first call with inductor, which hashes torch's source tree and generates and builds C++ first: measured here,
+    the tiny job's first step 3.0 -> 1.2 s (the engine's first generate 2.3 -> 0.2 s), the tiny Qwen3.5's 6.9 ->
+    2.9 s, later steps the same."""
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    torch.compiler.set_stance("force_eager")
+
+
 def setup_process(num_threads: int | None = None) -> None:
     """Prepare this process for megatron-core on its device kind; call once, before building models.
 
@@ -244,6 +260,7 @@ def setup_process(num_threads: int | None = None) -> None:
     elif kind == "cpu":
         megatron_cpu.install()
         keep_freed_host_memory()
+        compiled_helpers_run_eagerly()
     # every device kind: without Transformer Engine, megatron-core 0.16.1's MoE router reads a name its import
     # never defined (moe/moe_utils.py, te_general_gemm); CUDA and NPU without MindSpeed crashed at the first forward
     megatron_cpu.define_missing_te_gemm()

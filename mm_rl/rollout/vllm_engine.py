@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from mm_rl.config.schema import GenerateConfig
 from mm_rl.data.video import VideoSettings
-from mm_rl.platform.device import device_kind
+from mm_rl.platform.device import compiled_helpers_run_eagerly, device_kind
 from mm_rl.rollout.base import RolloutEngine, RolloutRequest, RolloutSample, SamplingSpec, engine_dtype
 from mm_rl.rollout.bounds import collapse_image_pads, policy_from_config
 from mm_rl.sync.buckets import GroupAssembler, bucket_by_group
@@ -538,6 +538,8 @@ class VllmEngine(RolloutEngine):
             )
         self.bucket_bytes = config.sync_bucket_mb << 20
         os.environ.update(device_environment(config))  # before vLLM starts; inherited by its worker processes
+        if eager(config) and device_kind() == "cpu":  # its helpers too: no first-call compile (see the function)
+            compiled_helpers_run_eagerly()
         seed = seed if seed is not None else config.sampling_config.seed
         self.kwargs = engine_kwargs(
             model_path,
