@@ -144,11 +144,17 @@ def test_weight_decay_spares_biases_and_norms_and_lr_follows_the_schedule(ray_se
         group.shutdown()
 
 
-def test_a_dead_rank_fails_the_call_naming_role_and_rank(ray_session, mm_dir):
+def test_a_failed_call_names_role_rank_and_method_waited_for_or_not(ray_session, mm_dir):
+    """A call started without a wait (``WorkerGroup.start``: the LR schedule, the step's images) fails the group's
+    next call, named as its own, and the group goes on; a dead rank fails the call made to it."""
     from mm_rl.workers.group import WorkerError
 
     group = _group(ray_session, mm_dir, SPEC)
     try:
+        group.start(ProbeWorker.schedule_lr_at, "not a step count")
+        with pytest.raises(WorkerError, match=r"actor rank 0 \(tp 0, pp 0, dp 0\) failed in schedule_lr_at"):
+            group.run(ProbeWorker.ready)
+        assert group.run(ProbeWorker.ready) == [True]
         ray_session.kill(group.workers[0])
         for _ in range(100):  # the kill is asynchronous: a call sent at once may still be served
             try:

@@ -347,10 +347,9 @@ class RayRoles:
         from mm_rl.workers.megatron_worker import MegatronWorker
 
         shared = ray.put(Packed(dict(images)))  # one object-store copy; every rank of both groups reads it
-        groups = [group for group in (self.actor, self.ref) if group is not None]
-        calls = [group.submit(MegatronWorker.set_images, shared) for group in groups]  # both groups at once
-        for group, futures in zip(groups, calls, strict=True):
-            group.wait(futures, MegatronWorker.set_images)
+        for group in (self.actor, self.ref):
+            if group is not None:  # not waited for: the ranks take them before the step's first pass
+                group.start(MegatronWorker.set_images, shared)
         self.vision_from, self.vision_given = None, set()
 
     def log_probs(self, role: Role, shards: Sequence[MicroBatches], temperature: float) -> list[list[torch.Tensor]]:

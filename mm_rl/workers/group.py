@@ -63,7 +63,7 @@ class WorkerGroup:
         self.spec = dataclasses.replace(spec, num_threads=num_threads or threads_for(cpus_per_worker))
         self.role = role
         self.worker_cls = worker_cls
-        self.unwaited: tuple[list[Any], str] | None = None  # a call not waited for (see schedule_lr_at)
+        self.unwaited: list[tuple[list[Any], str]] = []  # calls not waited for (see start)
         extra = dict(resources_per_worker or {})
         self.owns_placement = placement is None
         if placement is None:
@@ -114,6 +114,12 @@ class WorkerGroup:
         shared = tuple(_shared(a) for a in args)
         return [getattr(worker, name).remote(*shared, **kwargs) for worker in self.workers]
 
+    def start(self, method: RankMethod[P, R], *args: P.args, **kwargs: P.kwargs) -> None:
+        """``method`` started on every rank and not waited for: a rank runs its calls in the order they were made,
+        so the next one finds it done, and the group's next wait raises its failure, named as its own (a round trip
+        less)."""
+        self.unwaited.append((self.submit(method, *args, **kwargs), method.__name__))
+
     def wait(self, futures: Sequence[Any], method: RankMethod[P, R]) -> list[R]:
         """The results of ``submit(method, ...)``'s futures (errors named as by :meth:`run`)."""
         return self._get(futures, method.__name__)
@@ -145,9 +151,8 @@ class WorkerGroup:
         ``ranks``: whose futures they are (default: every rank in order)."""
         import ray
 
-        if self.unwaited is not None:  # an earlier call's failure surfaces first, named as its own
-            earlier, self.unwaited = self.unwaited, None
-            self._get(*earlier)
+        while self.unwaited:  # an earlier call's failure surfaces first, named as its own
+            self._get(*self.unwaited.pop(0))
         try:
             return list(ray.get(list(futures)))
         except (ray.exceptions.RayError, KeyboardInterrupt):
@@ -236,9 +241,8 @@ class WorkerGroup:
 
     def schedule_lr_at(self, updates: int) -> None:
         """Every rank's LR schedule at ``updates`` optimizer steps (``TrainingWorker.schedule_lr_at``), not waited
-        for: a rank runs its calls in the order they were made, so the next one finds it done, and the group's next
-        wait raises its failure (a round trip less per step)."""
-        self.unwaited = (self.submit(TrainingWorker.schedule_lr_at, updates), "schedule_lr_at")
+        for (:meth:`start`)."""
+        self.start(TrainingWorker.schedule_lr_at, updates)
 
     def save_checkpoint(self, staging: str) -> None:
         self.run(TrainingWorker.save_checkpoint, staging)
