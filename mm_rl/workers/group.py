@@ -151,8 +151,9 @@ class WorkerGroup:
         ``ranks``: whose futures they are (default: every rank in order)."""
         import ray
 
-        while self.unwaited:  # an earlier call's failure surfaces first, named as its own
-            self._get(*self.unwaited.pop(0))
+        earlier, self.unwaited = self.unwaited, []
+        for calls in earlier:  # an earlier call's failure surfaces first (the earliest first), named as its own
+            self._get(*calls)
         try:
             return list(ray.get(list(futures)))
         except (ray.exceptions.RayError, KeyboardInterrupt):
