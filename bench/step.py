@@ -25,7 +25,8 @@ The job runs with its outputs in a temporary ``af_output_dir`` (hf2mg there too;
 - the tensor bytes the driver hands the roles per step beside a copy of the prompt's pixel values in every row;
 - actor passes: the job's old-log-prob, reference and update phases against the same micro-batches through mm_rl's
   actor rank alone in this process (``RankPasses``, measured right after each step: the machine's speed drifts),
-  and their matmul FLOP/s (bench/flops.py) against ``torch.mm`` at the same shapes measured in this run;
+  and their matmul FLOP/s (bench/flops.py) against ``torch.mm`` at the same shapes measured right after each step
+  (the machine's rate drifts: measured once, at the end, it moved 149-184 GFLOP/s between runs);
 - a single-process trainer on the same step: transformers' ``generate`` of the step's prompts (n samples, the same
   sampling) and the same passes through transformers' Qwen2.5-VL (``TransformersPasses``), in this process with the
   actor's threads: its time over mm_rl's step;
@@ -455,8 +456,8 @@ class TransformersGenerate:
 def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]], dict[str, Any]]:
     """``steps`` GRPO steps of ``job`` (the trainer's step counter advanced as ``fit`` does) and, with ``repeat``,
     right after each step (the machine's speed drifts over minutes, so each step is compared with baselines of the
-    same moment) its passes through the rank alone and the single-process trainer; then vLLM alone on the last
-    step's prompts and, the roles closed, the matmul rate at the passes' shapes. Returns the rows and the rest."""
+    same moment) its passes through the rank alone, the single-process trainer and the matmul rate at the passes'
+    shapes; then vLLM alone on the last step's prompts. Returns the rows and the rest."""
     import ray
     from flops import matmul_peak, passes_flops
 
@@ -480,7 +481,7 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
                 hf, sampling_for(job.backend_config.generate_config), trainer.prompts.pad_id, eos_token(job)
             )
             baselines = {"rank": RankPasses(spec, meter.roles.optimizer_spec(spec.bf16), str(mm_dir)), "hf": hf}
-        rows, flops, positions = [], [], []
+        rows = []
         ahead = raw_ahead(trainer, meter.roles, job, 1) if repeat else {}
         for step in range(1, steps + 1):
             metrics = trainer.train_step(step) | ahead
@@ -488,8 +489,7 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
             shipped, per_sample = meter.take()
             metrics |= {"driver/bytes": float(shipped), "driver/bytes_per_sample_images": float(per_sample)}
             work, mean_positions = passes_flops(job.backend_config.model, passes)
-            flops.append(work)
-            positions.append(mean_positions)
+            metrics["passes/flops"] = work
             trainer.step = step
             # right after the update, as a real job's next rollout comes: the step's own rollout then comes after
             # the baselines below, cold as well
@@ -502,6 +502,7 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
                 requests = [RolloutRequest.from_item(item, pixels=True) for item in trainer.prompts.cached.values()]
                 seconds, generated = generate(requests)
                 metrics |= {"baseline/hf_generate": seconds, "baseline/hf_generated_tokens": float(generated)}
+                metrics["baseline/matmul_peak"] = matmul_peak(job.backend_config.model, mean_positions, threads)
             print(step_line(step, steps, metrics) + f" | {metrics['timing/step']:.2f} s")
             rows.append(metrics)
         if trainer.pending is not None:
@@ -517,8 +518,6 @@ def run_steps(job: Any, steps: int, repeat: int) -> tuple[list[dict[str, float]]
         trainer.close()
         ray.shutdown()
     if repeat:
-        extra["flops"] = statistics.median(flops[1:])
-        extra["peak"] = matmul_peak(job.backend_config.model, statistics.median(positions[1:]), threads)
         extra["threads"] = threads
     return rows, extra
 
@@ -570,13 +569,15 @@ def report(rows: list[dict[str, float]], extra: dict[str, Any]) -> dict[str, flo
     ours = [sum(row.get(f"timing/{phase}", 0.0) for phase in ACTOR_PHASES) for row in rows]
     alone = [row["baseline/rank"] for row in rows]
     job_vs_rank = statistics.median(a / b for a, b in zip(ours, alone, strict=True))
-    achieved = extra["flops"] / statistics.median(ours)
+    rates = [row["passes/flops"] / seconds for row, seconds in zip(rows, ours, strict=True)]
+    achieved, peak = statistics.median(rates), median("baseline/matmul_peak")
+    share = statistics.median(r / row["baseline/matmul_peak"] for r, row in zip(rates, rows, strict=True))
     print(
         f"actor passes ({' + '.join(ACTOR_PHASES)}): {statistics.median(ours):.3f} s in the job vs "
         f"{statistics.median(alone):.3f} s through the actor rank alone -> {job_vs_rank:.2f}x (median of per-step "
-        f"ratios); matmul work {extra['flops'] / 1e9:.1f} GFLOP -> {achieved / 1e9:.1f} GFLOP/s in the job vs "
-        f"torch.mm at the same shapes {extra['peak'] / 1e9:.1f} GFLOP/s ({extra['threads']} threads) -> "
-        f"{100 * achieved / extra['peak']:.0f}% of the measured peak"
+        f"ratios); matmul work {median('passes/flops') / 1e9:.1f} GFLOP -> {achieved / 1e9:.1f} GFLOP/s in the job "
+        f"vs torch.mm at the same shapes right after each step {peak / 1e9:.1f} GFLOP/s ({extra['threads']} "
+        f"threads) -> {100 * share:.0f}% of the measured peak (median of per-step ratios)"
     )
     single = [row["baseline/hf_generate"] + row["baseline/hf"] for row in rows]
     speedup = statistics.median(a / b for a, b in zip(single, (row["timing/step"] for row in rows), strict=True))
@@ -591,8 +592,8 @@ def report(rows: list[dict[str, float]], extra: dict[str, Any]) -> dict[str, flo
         "raw_tok_per_s": raw,
         "passes_vs_rank": job_vs_rank,
         "passes_gflop_per_s": achieved / 1e9,
-        "matmul_peak_gflop_per_s": extra["peak"] / 1e9,
-        "passes_share_of_peak": achieved / extra["peak"],
+        "matmul_peak_gflop_per_s": peak / 1e9,
+        "passes_share_of_peak": share,
         "single_process_step": statistics.median(single),
         "speedup_vs_single_process": speedup,
         "driver/bytes_per_sample_images": before,
