@@ -4,6 +4,7 @@ import base64
 import io
 import json
 import logging
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -246,6 +247,66 @@ def test_sampler_resumes_with_the_next_unseen_prompt():
     resumed = PromptSampler(10, 3, seed=7)
     resumed.load_state_dict(state)
     assert [next(resumed) for _ in range(5)] == [next(original) for _ in range(5)]  # crosses two epochs
+
+
+def test_sampler_peek_is_the_next_draw_and_moves_nothing():
+    sampler = PromptSampler(10, 4, seed=3)  # 2 batches per epoch: the third peek crosses into epoch 1
+    for _ in range(5):
+        state = sampler.state_dict()
+        peeked = sampler.peek()
+        assert sampler.state_dict() == state and sampler.peek() == peeked
+        assert next(sampler) == peeked
+    assert sampler.epoch == 2
+
+
+def test_prefetched_rows_are_the_next_draws_and_move_no_state(verl_dir, processor, monkeypatch):
+    """The rows processed ahead (in the background thread) are those the next draw asks for, equal to rows
+    processed on the spot; the sampler does not move; a draw of other rows drops them; a row that fails to process
+    fails the draw it belongs to; a decode waits for the prefetch (the processor has one user at a time)."""
+    from mm_rl.trainer.prompts import PromptSource
+
+    train = PromptDataset(verl_dir, "train", processor)
+    ahead, plain = (PromptSource(processor, train, None, PromptSampler(len(train), 4, seed=5)) for _ in range(2))
+    for _ in range(4):  # 3 batches per epoch: the fourth prefetch reads the next epoch's order
+        state = ahead.state_dict()
+        ahead.prefetch()
+        assert ahead.state_dict() == state
+        indices = ahead.next_indices()
+        assert indices == plain.next_indices()
+        got, expected = ahead.requests(indices), plain.requests(indices)
+        assert [r.prompt_ids for r in got] == [r.prompt_ids for r in expected]
+        for index in indices:
+            assert torch.equal(ahead.cached[index].pixel_values, plain.cached[index].pixel_values)
+
+    ahead.prefetch()
+    other = [0, 1]
+    assert [r.prompt_ids for r in ahead.requests(other)] == [r.prompt_ids for r in plain.requests(other)]
+    assert ahead._ahead is None
+
+    calls, broken = [], set()
+    load = PromptDataset.__getitem__
+
+    def slow(self, index):
+        time.sleep(0.05)
+        calls.append(index)
+        if index in broken:
+            raise ValueError(f"row {index} is broken")
+        return load(self, index)
+
+    monkeypatch.setattr(PromptDataset, "__getitem__", slow)
+    upcoming = ahead.sampler.peek()
+    ahead.prefetch()
+    ahead.decode([[1, 2, 3]])  # waits for the prefetch: the tokenizer has one user at a time
+    assert calls == upcoming
+    ahead.requests(ahead.next_indices())
+    assert calls == upcoming  # the draw took the rows processed ahead
+
+    broken.add(ahead.sampler.peek()[0])
+    ahead.prefetch()
+    with pytest.raises(ValueError, match=f"row {min(broken)} is broken"):
+        ahead.requests(ahead.next_indices())
+    ahead.close()
+    assert ahead._thread is None
 
 
 def test_sampler_epochs_are_seeded_shuffles():

@@ -61,6 +61,12 @@ class FakePrompts:
     def retain(self, indices):
         self.cached = {i: item for i, item in self.cached.items() if i in set(indices)}
 
+    def prefetch(self):
+        """Rows are made on the spot: nothing to process ahead."""
+
+    def close(self):
+        pass
+
     def ground_truth(self, index, split="train"):
         return "1"
 

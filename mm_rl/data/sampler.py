@@ -57,6 +57,14 @@ class PromptSampler(Iterator[list[int]]):
         self.position += len(batch)
         return batch
 
+    def peek(self) -> list[int]:
+        """The batch ``next`` would draw, left undrawn: the state (and a checkpoint taken now) does not move."""
+        epoch, position = self.epoch, self.position
+        if position >= self._epoch_end():
+            epoch, position = epoch + 1, 0
+        order = self._order if epoch == self.epoch and self._order is not None else self.epoch_order(epoch)
+        return order[position : position + self.batch_size]
+
     def __iter__(self) -> PromptSampler:
         return self
 

@@ -225,6 +225,7 @@ class GRPOTrainer:
         with timer("advantages"):
             metrics.update(self.compute_advantages(samples))
         self._log_generations(step, "train", samples)
+        self.prompts.prefetch()  # the next draw's rows, processed while the actor trains
         with timer("update"):
             metrics.update(self.update(samples))
             roles.schedule_lr_at(step * self.rl.updates_per_step)  # on plan, whatever this step dropped
@@ -380,7 +381,7 @@ class GRPOTrainer:
         turns = dataclasses.replace(turns, loss_mask=turns.loss_mask[: sample.response_len], images=turns.images[:kept])
         sample.turns, sample.loss_mask = turns, torch.tensor(turns.loss_mask, dtype=torch.float32)
         if turns.images:
-            counts, pixels, grids = self.prompts.processor.images(turns.images)
+            counts, pixels, grids = self.prompts.images(turns.images)
             pads = sum(stop - start for start, stop in image_runs(sample.response_ids, self.prompts.image_token_id))
             if pads != sum(counts):
                 raise RuntimeError(
@@ -636,6 +637,7 @@ class GRPOTrainer:
         return step
 
     def close(self, graceful: bool = True) -> None:
+        self.prompts.close()
         self.roles.close(graceful)
 
 

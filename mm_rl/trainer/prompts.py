@@ -3,13 +3,17 @@ prompt cache.
 
 The cache keeps the processed rows (ids, pixel values, grid) of the step's train prompts between the rollout and
 the actor passes, so each row is decoded and processed once per step; the trainer empties it at the start of a
-step. Nothing here talks to Ray: it runs in the trainer's process.
+step. While the actor trains, the rows of the sampler's next batch are processed ahead in one background thread
+(:meth:`PromptSource.prefetch`), off the next rollout's critical path. Nothing here talks to Ray: it runs in the
+trainer's process.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from mm_rl.models.family import QWEN_VISION_TOKENS
@@ -17,6 +21,9 @@ from mm_rl.models.registry import family_of
 from mm_rl.rollout.bounds import vision_token_ids
 
 if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+
     from mm_rl.config.schema import JobConfig
     from mm_rl.data.dataset import PromptItem
     from mm_rl.rollout.base import RolloutRequest
@@ -40,6 +47,8 @@ class PromptSource:
         self.vision_token_ids = vision_token_ids(processor.tokenizer, vision_tokens)
         self.image_token_id: int = processor.image_token_id
         self.cached: dict[int, PromptItem] = {}  # data-set index -> processed train row, for this step
+        self._ahead: tuple[list[int], Future[list[PromptItem]]] | None = None  # a prefetch: its indices and rows
+        self._thread: ThreadPoolExecutor | None = None
 
     @classmethod
     def from_job(cls, job: JobConfig) -> PromptSource:
@@ -76,10 +85,46 @@ class PromptSource:
         """Rollout requests of data-set rows; train rows stay cached for the step's micro-batches."""
         from mm_rl.rollout.base import RolloutRequest
 
-        items = self._load(self._dataset(split), indices)
+        items = self._take_ahead(indices) if split == "train" else None
+        if items is None:
+            self.settle()
+            items = self._load(self._dataset(split), indices)
         if split == "train":
             self.cached.update(zip(indices, items, strict=True))
         return [RolloutRequest.from_item(item) for item in items]
+
+    def prefetch(self) -> None:
+        """Process the rows of the batch the sampler draws next in a background thread, leaving it undrawn (the
+        sampler's state, and so a checkpoint, does not move): called while the actor trains, the next draw's
+        :meth:`requests` then finds its rows processed. Until the thread is done every other use of the processor
+        waits for it (:meth:`settle`): a fast tokenizer refuses to be used by two threads at once."""
+        self.settle()
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="mm_rl-prompts")
+        indices = self.sampler.peek()
+        self._ahead = (indices, self._thread.submit(functools.partial(self._load, self.train_set, indices)))
+
+    def settle(self) -> None:
+        """Wait for a prefetch under way (its rows, or its error, stay for the draw they belong to)."""
+        if self._ahead is not None:
+            wait([self._ahead[1]])
+
+    def close(self) -> None:
+        """Stop the prefetch thread (a prefetch under way is waited for)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True, cancel_futures=True)
+            self._thread, self._ahead = None, None
+
+    def _take_ahead(self, indices: Sequence[int]) -> list[PromptItem] | None:
+        """The prefetched rows when they are these rows (a data problem raised here, as the draw's own); else
+        None, the prefetch dropped."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if ahead[0] != list(indices):
+            wait([ahead[1]])
+            return None
+        return ahead[1].result()
 
     def retain(self, indices: Sequence[int]) -> None:
         """Keep only these rows cached (the step's; a batch started ahead adds its own)."""
@@ -101,10 +146,17 @@ class PromptSource:
         return self._dataset(split).row_id(index)
 
     def decode(self, responses: Sequence[Sequence[int]]) -> list[str]:
+        self.settle()
         return self.processor.tokenizer.batch_decode([list(r) for r in responses], skip_special_tokens=True)
+
+    def images(self, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """The processor's ``images`` (a trajectory's tool images: their token counts, pixels and grids)."""
+        self.settle()
+        return self.processor.images(images)
 
     def trajectory_text(self, response: Sequence[int]) -> str:
         """A multi-turn trajectory as the log shows it: every turn with its markers, one pad per image."""
+        self.settle()
         text = self.processor.tokenizer.decode(list(response), skip_special_tokens=False)
         pad = self.processor.image_pad
         return re.sub(f"(?:{re.escape(pad)})+", pad, text)
