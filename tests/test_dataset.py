@@ -259,12 +259,16 @@ def test_sampler_peek_is_the_next_draw_and_moves_nothing():
     assert sampler.epoch == 2
 
 
-def test_prefetched_rows_are_the_next_draws_and_move_no_state(verl_dir, processor, monkeypatch):
+def test_prefetched_rows_are_the_next_draws_and_move_no_state(verl_dir, processor, monkeypatch, request):
     """The rows processed ahead (in the background thread) are those the next draw asks for, equal to rows
     processed on the spot; the sampler does not move; a draw of other rows drops them; a row that fails to process
-    fails the draw it belongs to; a decode waits for the prefetch (the processor has one user at a time)."""
+    fails the draw it belongs to; a decode waits for the prefetch (the processor has one user at a time); the
+    helper threads run torch on one thread (no OpenMP team of their own beside the main thread's)."""
     from mm_rl.trainer.prompts import PromptSource
 
+    suite_threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite runs torch on one thread: helper threads would take two
+    request.addfinalizer(lambda: torch.set_num_threads(suite_threads))
     train = PromptDataset(verl_dir, "train", processor)
     ahead, plain = (PromptSource(processor, train, None, PromptSampler(len(train), 4, seed=5)) for _ in range(2))
     for _ in range(4):  # 3 batches per epoch: the fourth prefetch reads the next epoch's order
@@ -283,12 +287,13 @@ def test_prefetched_rows_are_the_next_draws_and_move_no_state(verl_dir, processo
     assert [r.prompt_ids for r in ahead.requests(other)] == [r.prompt_ids for r in plain.requests(other)]
     assert ahead._ahead is None
 
-    calls, broken = [], set()
+    calls, broken, threads = [], set(), []
     load = PromptDataset.__getitem__
 
     def slow(self, index):
         time.sleep(0.05)
         calls.append(index)
+        threads.append(torch.get_num_threads())
         if index in broken:
             raise ValueError(f"row {index} is broken")
         return load(self, index)
@@ -300,6 +305,10 @@ def test_prefetched_rows_are_the_next_draws_and_move_no_state(verl_dir, processo
     assert calls == upcoming
     ahead.requests(ahead.next_indices())
     assert calls == upcoming  # the draw took the rows processed ahead
+    # the helper thread (and a pool's workers) make no OpenMP team of their own; the main thread keeps its count
+    workers = PromptSource(processor, train, None, PromptSampler(len(train), 4, seed=5), num_workers=2)
+    workers.requests(workers.next_indices())
+    assert threads == [1] * 8 and torch.get_num_threads() == 2
 
     broken.add(ahead.sampler.peek()[0])
     ahead.prefetch()

@@ -102,7 +102,7 @@ class PromptSource:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="mm_rl-prompts")
         indices = self.sampler.peek()
-        self._ahead = (indices, self._thread.submit(functools.partial(self._load, self.train_set, indices)))
+        self._ahead = (indices, self._thread.submit(functools.partial(self._load, self.train_set, indices, True)))
 
     def settle(self) -> None:
         """Wait for a prefetch under way (its rows, or its error, stay for the draw they belong to)."""
@@ -174,11 +174,16 @@ class PromptSource:
             raise RuntimeError("the job has no validation set (rl_config.val_freq is 0 and val_before_train off)")
         return self.val_set
 
-    def _load(self, dataset: Any, indices: Sequence[int]) -> list[PromptItem]:
-        """Decode and process the rows (images, pixels), with ``num-workers`` threads when asked."""
-        if self.num_workers <= 0:
+    def _load(self, dataset: Any, indices: Sequence[int], ahead: bool = False) -> list[PromptItem]:
+        """Decode and process the rows (images, pixels), with ``num-workers`` threads when asked; in a helper
+        thread (``ahead``: the prefetch's) or its workers, torch runs each op on one thread (see
+        :func:`mm_rl.platform.device.helper_threads_without_intra_op`)."""
+        if self.num_workers <= 0 and not ahead:
             return [dataset[i] for i in indices]
-        from concurrent.futures import ThreadPoolExecutor
+        from mm_rl.platform.device import helper_threads_without_intra_op
 
-        with ThreadPoolExecutor(self.num_workers) as pool:
-            return list(pool.map(dataset.__getitem__, indices))
+        with helper_threads_without_intra_op():
+            if self.num_workers <= 0:
+                return [dataset[i] for i in indices]
+            with ThreadPoolExecutor(self.num_workers) as pool:
+                return list(pool.map(dataset.__getitem__, indices))
