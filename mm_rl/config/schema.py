@@ -231,7 +231,11 @@ class TrainingFlags:
     )
     no_load_optim: bool = opt(False, "on resume, do not load optimizer state", key="no-load-optim")
     no_load_rng: bool = opt(False, "on resume, do not load RNG state", key="no-load-rng")
-    num_workers: int = opt(0, "data-loading worker processes", key="num-workers")
+    num_workers: int = opt(
+        0,
+        "threads that decode and process a batch's prompt rows on the driver (0: the calling thread)",
+        key="num-workers",
+    )
 
 
 @dataclass
