@@ -262,6 +262,7 @@ def raw_ahead(trainer: Any, roles: Any, job: Any, step: int) -> dict[str, float]
     from mm_rl.rollout.base import RolloutRequest, sampling_for
     from mm_rl.trainer.grpo import sampling_seed
 
+    trainer.prompts.settle()  # the step's prefetch is done with the processor
     state = trainer.prompts.state_dict()
     indices = trainer.prompts.next_indices()
     trainer.prompts.load_state_dict(state)
