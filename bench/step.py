@@ -253,7 +253,7 @@ def generated_rate(row: dict[str, float]) -> float:
 
 def raw_ahead(trainer: Any, roles: Any, job: Any, step: int) -> dict[str, float]:
     """vLLM alone on the batch ``step`` will generate, as its rollout will find the engine, called right after the
-    previous step: the prompts the step will draw (the sampler put back after the peek), its seed, the weights it
+    previous step: the prompts the step will draw (the sampler peeked, not drawn), its seed, the weights it
     will sync, the caches emptied: it draws the step's own samples, token for token (checked on both workloads; the
     mean generated lengths are printed side by side). Afterwards the engine is marked stale, so that the step syncs
     as it would have, and its processor cache is emptied (the step must process its images itself)."""
@@ -263,9 +263,7 @@ def raw_ahead(trainer: Any, roles: Any, job: Any, step: int) -> dict[str, float]
     from mm_rl.trainer.grpo import sampling_seed
 
     trainer.prompts.settle()  # the step's prefetch is done with the processor
-    state = trainer.prompts.state_dict()
-    indices = trainer.prompts.next_indices()
-    trainer.prompts.load_state_dict(state)
+    indices = trainer.prompts.sampler.peek()
     requests = [RolloutRequest.from_item(trainer.prompts.train_set[index]) for index in indices]
     sampling = sampling_for(job.backend_config.generate_config)
     rate, length = raw_generate(roles, requests, sampling, sampling_seed(trainer.seed, step, 0), 1, warm=False)

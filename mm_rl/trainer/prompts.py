@@ -10,6 +10,7 @@ trainer's process.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Sequence
@@ -178,11 +179,10 @@ class PromptSource:
         """Decode and process the rows (images, pixels), with ``num-workers`` threads when asked; in a helper
         thread (``ahead``: the prefetch's) or its workers, torch runs each op on one thread (see
         :func:`mm_rl.platform.device.helper_threads_without_intra_op`)."""
-        if self.num_workers <= 0 and not ahead:
-            return [dataset[i] for i in indices]
         from mm_rl.platform.device import helper_threads_without_intra_op
 
-        with helper_threads_without_intra_op():
+        helpers = ahead or self.num_workers > 0
+        with helper_threads_without_intra_op() if helpers else contextlib.nullcontext():
             if self.num_workers <= 0:
                 return [dataset[i] for i in indices]
             with ThreadPoolExecutor(self.num_workers) as pool:
